@@ -1,0 +1,56 @@
+# Two commands on a fresh machine:
+#   make tune MODEL=resnet50     the whole pipeline (creates .venv and installs the pins first)
+#   make test                    the test suite
+# Options: TARGET=auto|llvm|cuda|cuda:sm_90  PRECISION=fp32|fp16  BUCKETS=1,8,32
+#          TRIALS=N  BUDGET=10m  MAX_TASKS=N  WORKDIR=dir  EXTRA="--any --cli flags"
+# PYTHON=python3 uses that interpreter as it is (no venv), e.g. on the GPU machine.
+
+MODEL     ?= resnet50
+TARGET    ?=
+PRECISION ?=
+BUCKETS   ?=
+TRIALS    ?=
+BUDGET    ?=
+MAX_TASKS ?=
+WORKDIR   ?=
+EXTRA     ?=
+PYTEST_ARGS ?=
+
+VENV := .venv
+ifeq ($(origin PYTHON), undefined)
+PY := $(VENV)/bin/python
+DEPS := $(VENV)/.installed
+else
+PY := $(PYTHON)
+DEPS :=
+endif
+
+ARGS := --model $(MODEL) \
+	$(if $(TARGET),--target $(TARGET)) \
+	$(if $(PRECISION),--precision $(PRECISION)) \
+	$(if $(BUCKETS),--buckets $(BUCKETS)) \
+	$(if $(TRIALS),--trials $(TRIALS)) \
+	$(if $(BUDGET),--budget $(BUDGET)) \
+	$(if $(MAX_TASKS),--max-tasks $(MAX_TASKS)) \
+	$(if $(WORKDIR),--workdir $(WORKDIR)) \
+	$(EXTRA)
+
+.PHONY: tune test install clean
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -r requirements.txt
+	$(VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+install: $(DEPS)
+
+tune: $(DEPS)
+	$(PY) -m deploy run $(ARGS)
+
+test: $(DEPS)
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf artifacts

@@ -1,0 +1,234 @@
+"""Command line: `python -m deploy <command>` (also installed as `tvm-deploy`).
+
+  run        the whole pipeline (what `make tune` calls)
+  export     frontend  optimize  tune  build  validate   one stage each
+  info       print a package's manifest summary
+
+A user error prints one line ("error: what | got ... | expected ...") and
+exits 2; a finished run prints `PASSED | <seconds>s | <command>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from . import config as config_mod
+from .errors import ConfigError, DeployError
+
+log = logging.getLogger("deploy")
+STAGES = ("export", "frontend", "optimize", "tune", "build", "validate")
+
+
+def _input_spec(text: str) -> config_mod.InputSpec:
+    """NAME:3x224x224[:dtype] (the per-sample shape, batch excluded)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[0]:
+        raise ConfigError("invalid --input", repr(text), "NAME:3x224x224[:float32]")
+    try:
+        shape = tuple(int(d) for d in parts[1].lower().split("x"))
+    except ValueError:
+        raise ConfigError("invalid --input shape", repr(parts[1]), "dims like 3x224x224") from None
+    table = {"name": parts[0], "shape": list(shape)}
+    if len(parts) == 3:
+        table["dtype"] = parts[2]
+    return config_mod._build(config_mod.InputSpec, table, "--input")
+
+
+def resolve_config(args) -> config_mod.Config:
+    """--model is a registry name, a config name under configs/, a .toml file
+    or an .onnx file; --config points at a .toml explicitly."""
+    from .pipeline import REPO_ROOT
+
+    model = args.model
+    if args.config:
+        cfg = config_mod.load(args.config)
+    elif model.endswith(".toml"):
+        cfg = config_mod.load(model)
+    elif model.endswith(".onnx"):
+        if not Path(model).is_file():
+            raise ConfigError("ONNX file not found", model)
+        cfg = config_mod.from_dict({"model": {"source": model}})
+    else:
+        path = REPO_ROOT / "configs" / f"{model}.toml"
+        if path.is_file():
+            cfg = config_mod.load(path)
+        else:
+            import models
+
+            if model not in models.names():
+                raise ConfigError(
+                    f"unknown model '{model}'{config_mod._suggest(model, models.names())}",
+                    None,
+                    "a registry name (" + ", ".join(models.names()) + "), a .toml config or an .onnx file",
+                )
+            cfg = config_mod.from_dict({"model": {"source": model}})
+    changes = {}
+    if args.input:
+        changes["inputs"] = tuple(_input_spec(t) for t in args.input)
+    if args.checkpoint:
+        changes["checkpoint"] = args.checkpoint
+    if args.seed is not None:
+        changes["seed"] = args.seed
+    if changes:
+        import dataclasses
+
+        table = dataclasses.asdict(cfg.model)
+        table.update({k: v if k != "inputs" else [dataclasses.asdict(i) for i in v] for k, v in changes.items()})
+        cfg = dataclasses.replace(cfg, model=config_mod._build(config_mod.ModelConfig, table, "model"))
+    return cfg
+
+
+def _nonempty(text: str | None) -> str | None:
+    return text if text not in (None, "") else None
+
+
+def prepare(args):
+    from . import targets
+    from .pipeline import DEFAULT_DB_ROOT, default_workdir
+
+    cfg = resolve_config(args)
+    target = targets.resolve(_nonempty(args.target) or "auto")
+    buckets = config_mod.parse_int_list(args.buckets, "--buckets") if _nonempty(args.buckets) else None
+    tune_buckets = config_mod.parse_int_list(args.tune_buckets, "--tune-buckets") if _nonempty(args.tune_buckets) else None
+    cfg = config_mod.apply_overrides(
+        cfg,
+        target.kind,
+        precision=_nonempty(args.precision),
+        layout=_nonempty(args.layout),
+        buckets=list(buckets) if buckets else None,
+        tune_buckets=list(tune_buckets) if tune_buckets else None,
+        trials=args.trials,
+        trials_per_task=args.trials_per_task,
+        max_tasks=args.max_tasks,
+        budget=args.budget,
+    )
+    workdir = Path(args.workdir) if args.workdir else default_workdir(cfg, target)
+    db_root = Path(args.db_root) if args.db_root else DEFAULT_DB_ROOT
+    return cfg, target, workdir, db_root
+
+
+def cmd_run(args) -> int:
+    from . import pipeline
+
+    cfg, target, workdir, db_root = prepare(args)
+    profile = cfg.profile(target.kind)
+    print(pipeline.describe(cfg, target, workdir, db_root, profile.budget), flush=True)
+    summary = pipeline.run(cfg, target, workdir, db_root, dump_ir=args.dump_ir)
+    print(pipeline.format_summary(summary), flush=True)
+    return 0
+
+
+def cmd_stage(args) -> int:
+    from . import build, export, frontend, optimize, tune, validate
+    from .pipeline import Workspace, db_keys
+
+    cfg, target, workdir, db_root = prepare(args)
+    profile = cfg.profile(target.kind)
+    ws = Workspace(workdir)
+    stage = args.command
+    if stage == "export":
+        a = export.run(cfg, ws.export)
+        print(f"export: {a.onnx_path}")
+    elif stage == "frontend":
+        a = frontend.run(profile, export.load(ws.export), ws.frontend)
+        print(f"frontend: {len(a.modules)} bucket module(s) in {a.folder}")
+    elif stage == "optimize":
+        a = optimize.run(profile, target, frontend.load(ws.frontend, export.load(ws.export)), ws.optimize, dump_ir=args.dump_ir)
+        for b, rep in a.manifest["report"].items():
+            print(f"optimize b{b}: {optimize.summarize(rep)}")
+    elif stage == "tune":
+        ex = export.load(ws.export)
+        a = tune.run(profile, target, optimize.load(ws.optimize), cfg.model.name, ex.inputs, db_root, ws.tune,
+                     config_mod.parse_duration(profile.budget), cfg.model.seed)
+        print(f"tune: databases {', '.join(map(str, a.databases.values()))}")
+        for reason, n in tune.failure_reasons(a.folder):
+            print(f"  {n:5d} x {reason}")
+    elif stage == "build":
+        ex = export.load(ws.export)
+        keys, dirs = db_keys(cfg, profile, target, ex.inputs, db_root)
+        existing = {b: d for b, d in dirs.items() if (d / tune.RECORDS).is_file()}
+        a = build.run(profile, target, ex, optimize.load(ws.optimize), existing, keys, ws.package, cfg.model.name)
+        print(f"build: package {a.folder}")
+    elif stage == "validate":
+        rep = validate.run(cfg, getattr(cfg.tolerance, profile.precision), ws.package, export.load(ws.export), cfg.model.seed)
+        print(f"validate: passed, worst rel_l2 {rep['worst_rel_l2']:.1e}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    import json
+
+    from . import runtime
+
+    m = runtime.check_package(args.package)
+    print(json.dumps({k: m[k] for k in ("model", "inputs", "outputs", "precision", "target", "gpu", "buckets", "validation", "versions")}, indent=2))
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="registry name, configs/<name>.toml, a .toml or an .onnx file")
+    p.add_argument("--config", help="config file (overrides the one found from --model)")
+    p.add_argument("--target", default="", help="auto (default), llvm, cuda, or cuda:sm_XY to cross-compile")
+    p.add_argument("--precision", default="", help="fp32 or fp16")
+    p.add_argument("--layout", default="", help="NCHW or NHWC")
+    p.add_argument("--buckets", default="", help="batch buckets, e.g. 1,8,32")
+    p.add_argument("--tune-buckets", default="", help="buckets to tune, e.g. 1")
+    p.add_argument("--trials", type=int, help="total tuning trials per tuned bucket (0: no tuning)")
+    p.add_argument("--trials-per-task", type=int)
+    p.add_argument("--max-tasks", type=int, help="tune only the N heaviest tasks (0: all)")
+    p.add_argument("--budget", help="wall-clock tuning budget, e.g. 10m; '' for none")
+    p.add_argument("--input", action="append", help="NAME:3x224x224[:dtype] for ONNX models (repeatable)")
+    p.add_argument("--checkpoint", help="PyTorch state_dict for a registry model")
+    p.add_argument("--seed", type=int, help="weight and input seed")
+    p.add_argument("--workdir", help="artifact folder (default artifacts/<model>/<target>-<precision>)")
+    p.add_argument("--db-root", help="tuning database root (default tuning_logs/)")
+    p.add_argument("--dump-ir", action="store_true", help="write the IR after each optimization phase")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tvm-deploy", description=__doc__.split("\n")[0])
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run every stage (make tune)")
+    _add_common(p)
+    p.set_defaults(func=cmd_run)
+    for stage in STAGES:
+        p = sub.add_parser(stage, help=f"run the {stage} stage alone")
+        _add_common(p)
+        p.set_defaults(func=cmd_stage)
+    p = sub.add_parser("info", help="check a package and print its manifest summary")
+    p.add_argument("package")
+    p.set_defaults(func=cmd_info)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    t0 = time.time()
+    command = "tvm-deploy " + shlex.join(argv)
+    try:
+        rc = args.func(args)
+    except DeployError as e:
+        print(f"error: {e}", file=sys.stderr)
+        print(f"FAILED | {time.time() - t0:.1f}s | {command}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted (finished stages and measured tuning records are kept)", file=sys.stderr)
+        return 130
+    print(f"PASSED | {time.time() - t0:.1f}s | {command}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

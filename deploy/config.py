@@ -1,0 +1,297 @@
+"""Typed, validated configuration.
+
+A config file (TOML, one per model under `configs/`) is parsed into frozen
+dataclasses. Unknown keys are rejected with the nearest valid key suggested;
+values are type-checked. Defaults are defined once, here: the per-target-kind
+profiles `LLVM_DEFAULTS` and `CUDA_DEFAULTS`, and the dataclass field defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import tomllib
+import types
+import typing
+from pathlib import Path
+
+from .errors import ConfigError
+
+PRECISIONS = ("fp32", "fp16")
+LAYOUTS = ("NCHW", "NHWC")
+DTYPES = ("float32", "float16", "int64", "int32", "bool")
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """One model input. `shape` is the shape of ONE sample: the batch dimension
+    comes from the bucket being built."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    # A registry name (see `models/`) or the path of an ONNX file.
+    source: str
+    # Name used for artifact folders and tuning databases; defaults to the
+    # registry name or the ONNX file's stem.
+    name: str = ""
+    # A PyTorch state_dict to load instead of seeded random weights.
+    checkpoint: str = ""
+    seed: int = 0
+    # ONNX opset for export. TVM 0.27's importer is tested at 17 to 20.
+    opset: int = 17
+    # Required for ONNX sources; registry models declare their own.
+    inputs: tuple[InputSpec, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Settings that depend on the target kind (`[llvm]` / `[cuda]` tables)."""
+
+    precision: str  # fp32 | fp16 (fp16 compute, see `accumulate`)
+    accumulate: str  # fp32 | fp16: accumulator dtype of fp16 convolutions/matmuls
+    layout: str  # NCHW | NHWC: data layout for 2-D convolutions
+    buckets: tuple[int, ...]  # batch sizes, one shape-specialized module each
+    cuda_graph: bool
+    tune_buckets: tuple[int, ...]  # which buckets to tune (others reuse nothing)
+    trials: int  # total MetaSchedule trials per tuned bucket (0 = no tuning)
+    trials_per_task: int
+    trials_per_iter: int
+    max_tasks: int  # tune only the N heaviest tasks (0 = all)
+    budget: str  # wall-clock tuning budget, e.g. "10m"; "" = unbounded
+    builder_timeout_s: float
+    runner_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    # Absolute tolerance relative to the largest |reference| value of the output,
+    # so one setting fits outputs of any scale (random-weight logits vary widely).
+    atol: float
+    # ||out - ref|| / ||ref|| over the whole output.
+    max_rel_l2: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    fp32: Tolerance = Tolerance(rtol=1e-4, atol=1e-4, max_rel_l2=1e-4)
+    # fp16 weights/activations against an fp32 reference.
+    fp16: Tolerance = Tolerance(rtol=5e-2, atol=2e-2, max_rel_l2=2e-2)
+
+
+LLVM_DEFAULTS = Profile(
+    precision="fp32",
+    accumulate="fp32",
+    layout="NCHW",
+    buckets=(1, 8),
+    cuda_graph=False,
+    tune_buckets=(1,),
+    trials=8,
+    trials_per_task=4,
+    trials_per_iter=4,
+    max_tasks=2,
+    budget="6m",
+    builder_timeout_s=120.0,
+    runner_timeout_s=60.0,
+)
+
+CUDA_DEFAULTS = Profile(
+    precision="fp16",
+    accumulate="fp32",
+    layout="NHWC",
+    buckets=(1, 8, 32),
+    cuda_graph=True,
+    tune_buckets=(1,),
+    trials=2000,
+    trials_per_task=64,
+    trials_per_iter=64,
+    max_tasks=0,
+    budget="8m",
+    builder_timeout_s=120.0,
+    runner_timeout_s=60.0,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    llvm: Profile = LLVM_DEFAULTS
+    cuda: Profile = CUDA_DEFAULTS
+    tolerance: Tolerances = Tolerances()
+
+    def profile(self, target_kind: str) -> Profile:
+        return self.cuda if target_kind == "cuda" else self.llvm
+
+
+# ----------------------------------------------------------------- parsing ---
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(value, hint, where: str):
+    """Check `value` against the type `hint`, converting lists to tuples."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table", type(value).__name__, "a table")
+        return _build(hint, value, where)
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list", repr(value), "a list")
+        return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported config type {hint}")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
+        raise ConfigError(f"{where} has the wrong type", repr(value), hint.__name__)
+    return value
+
+
+def _build(cls, table: dict, where: str, base=None):
+    """Build dataclass `cls` from a TOML table; fields missing from the table
+    come from `base` (an instance) or the field defaults."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in table:
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key '{where}.{key}'{_suggest(key, list(fields))}",
+                None,
+                "one of " + ", ".join(fields),
+            )
+    kwargs = {}
+    for name, f in fields.items():
+        if name in table:
+            kwargs[name] = _coerce(table[name], hints[name], f"{where}.{name}")
+        elif base is not None:
+            kwargs[name] = getattr(base, name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing key '{where}.{name}'")
+    obj = cls(**kwargs)
+    _check_values(obj, where)
+    return obj
+
+
+def _check_values(obj, where: str) -> None:
+    def choice(field, allowed):
+        if getattr(obj, field) not in allowed:
+            raise ConfigError(f"invalid {where}.{field}", repr(getattr(obj, field)), " or ".join(allowed))
+
+    if isinstance(obj, Profile):
+        choice("precision", PRECISIONS)
+        choice("accumulate", PRECISIONS)
+        choice("layout", LAYOUTS)
+        if not obj.buckets or any(b < 1 for b in obj.buckets) or len(set(obj.buckets)) != len(obj.buckets):
+            raise ConfigError(f"invalid {where}.buckets", list(obj.buckets), "distinct positive batch sizes")
+        missing = [b for b in obj.tune_buckets if b not in obj.buckets]
+        if missing:
+            raise ConfigError(f"{where}.tune_buckets names buckets that are not built", missing, list(obj.buckets))
+        for name in ("trials", "trials_per_task", "max_tasks"):
+            if getattr(obj, name) < 0:
+                raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a non-negative integer")
+        if obj.trials_per_iter < 1:
+            raise ConfigError(f"invalid {where}.trials_per_iter", obj.trials_per_iter, "a positive integer")
+        parse_duration(obj.budget, f"{where}.budget")
+    elif isinstance(obj, InputSpec):
+        choice("dtype", DTYPES)
+        if any(d < 1 for d in obj.shape):
+            raise ConfigError(f"invalid {where}.shape", list(obj.shape), "positive dimensions (batch excluded)")
+    elif isinstance(obj, ModelConfig):
+        if not 13 <= obj.opset <= 20:
+            raise ConfigError(f"invalid {where}.opset", obj.opset, "13 to 20 (TVM's importer is tested at 17 to 20)")
+        names = [i.name for i in obj.inputs]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"duplicate input names in {where}.inputs", names)
+    elif isinstance(obj, Tolerance):
+        for name in ("rtol", "atol", "max_rel_l2"):
+            if getattr(obj, name) < 0:
+                raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a non-negative number")
+
+
+_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+
+
+def parse_duration(text: str, where: str = "budget") -> float | None:
+    """'90s', '10m', '1h30m', or a plain number of seconds; '' means no limit."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    m = _DURATION.match(text)
+    if not m or not any(m.groups()):
+        raise ConfigError(f"invalid {where}", repr(text), "a duration like 90s, 10m or 1h30m")
+    h, mi, s = (int(g or 0) for g in m.groups())
+    return float(h * 3600 + mi * 60 + s)
+
+
+def from_dict(data: dict, where: str = "config") -> Config:
+    base = {f.name: f for f in dataclasses.fields(Config)}
+    for key in data:
+        if key not in base:
+            raise ConfigError(f"unknown section '{key}' in {where}{_suggest(key, list(base))}", None, "one of " + ", ".join(base))
+    if "model" not in data:
+        raise ConfigError(f"missing section [model] in {where}")
+    model = _build(ModelConfig, data["model"], "model")
+    if not model.name:
+        model = dataclasses.replace(model, name=Path(model.source).stem if model.source.endswith(".onnx") else model.source)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", model.name):
+        raise ConfigError("invalid model.name", repr(model.name), "letters, digits, '_', '.' or '-'")
+    return Config(
+        model=model,
+        llvm=_build(Profile, data.get("llvm", {}), "llvm", base=LLVM_DEFAULTS),
+        cuda=_build(Profile, data.get("cuda", {}), "cuda", base=CUDA_DEFAULTS),
+        tolerance=_build(Tolerances, data.get("tolerance", {}), "tolerance", base=Tolerances()),
+    )
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config file not found", str(path), "an existing .toml file")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid TOML", str(e).splitlines()[0]) from None
+    return from_dict(data, where=str(path))
+
+
+def apply_overrides(cfg: Config, target_kind: str, **overrides) -> Config:
+    """Command-line overrides (None = not given) of the active target profile."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if not given:
+        return cfg
+    table = dataclasses.asdict(cfg.profile(target_kind))
+    table.update(given)
+    if "buckets" in given and "tune_buckets" not in given:
+        # Tune the smallest bucket asked for unless told otherwise.
+        table["tune_buckets"] = [b for b in table["tune_buckets"] if b in given["buckets"]] or [min(given["buckets"])]
+    profile = _build(Profile, table, target_kind)
+    return dataclasses.replace(cfg, **{target_kind: profile})
+
+
+def parse_int_list(text: str, where: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ConfigError(f"invalid {where}", repr(text), "comma-separated integers, e.g. 1,8,32") from None
+    if not values:
+        raise ConfigError(f"invalid {where}", repr(text), "at least one integer")
+    return values
+
+
+def to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)

@@ -1,0 +1,164 @@
+"""Stage 3, optimize: graph-level passes in named phases, per bucket.
+
+The phases, in order (each a short list of passes, as in TVM's own
+relax/backend/cuda/pipeline.py):
+  fold_batchnorm    batch-norm folded into the preceding convolution
+  inference         remaining inference-only decompositions (batch_norm, ...)
+  constant_folding  constants folded, dead code and common subexpressions removed
+  layout            2-D convolutions to NHWC (when the profile asks for it)
+  mixed_precision   fp16 compute (when the profile asks for it)
+  fusion            legalize to TIR and fuse into kernels: the module that
+                    tuning extracts tasks from and the build compiles
+A report records the operator counts after each phase; `dump_ir` writes the
+IR after each phase.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from pathlib import Path
+
+from . import artifacts
+from .config import Profile
+from .errors import StaleArtifactError
+from .frontend import FrontendArtifact
+
+log = logging.getLogger(__name__)
+STAGE = "optimize"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizeArtifact:
+    folder: Path
+    modules: dict[int, Path]
+    manifest: dict
+
+    def load_module(self, bucket: int):
+        from .tvm_compat import load_json
+
+        if bucket not in self.modules:
+            raise StaleArtifactError(
+                f"optimize artifact has no bucket {bucket} (re-run the pipeline with these buckets)",
+                sorted(self.modules),
+            )
+        return load_json(self.modules[bucket].read_text())
+
+
+def phases(profile: Profile) -> list[tuple[str, list]]:
+    from .tvm_compat import relax
+
+    T = relax.transform
+    out = [
+        ("fold_batchnorm", [T.FoldBatchnormToConv2D()]),
+        ("inference", [T.DecomposeOpsForInference(), T.CanonicalizeBindings()]),
+        ("constant_folding", [T.FoldConstant(), T.EliminateCommonSubexpr(), T.DeadCodeElimination()]),
+    ]
+    if profile.layout == "NHWC":
+        out.append(("layout", [T.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]}), T.FoldConstant()]))
+    if profile.precision == "fp16":
+        acc = "float16" if profile.accumulate == "fp16" else "float32"
+        out.append(("mixed_precision", [T.ToMixedPrecision(out_dtype=acc), T.FoldConstant()]))
+    out.append(
+        (
+            "fusion",
+            [
+                T.LegalizeOps(),
+                T.AnnotateTIROpPattern(),
+                T.FoldConstant(),
+                T.FuseOps(),
+                T.FuseTIR(),
+                T.DeadCodeElimination(),
+            ],
+        )
+    )
+    return out
+
+
+def op_counts(mod) -> dict[str, int]:
+    """Relax operator calls in the module's Relax functions; fused kernels are
+    counted by their PrimFunc name prefix as `call_tir:<name>`."""
+    from .tvm_compat import relax, tvm
+
+    counts: collections.Counter = collections.Counter()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call):
+            if isinstance(expr.op, tvm.ir.Op):
+                if expr.op.name == "relax.call_tir":
+                    counts["call_tir"] += 1
+                else:
+                    counts[expr.op.name.removeprefix("relax.")] += 1
+
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func.body, visit)
+    return dict(sorted(counts.items()))
+
+
+def optimize_module(mod, profile: Profile, target, dump_dir: Path | None = None):
+    """Run the phases on one module; returns (module, per-phase report)."""
+    from .tvm_compat import PassContext, Sequential, tirx
+
+    report = [{"phase": "input", "ops": op_counts(mod)}]
+    with target, PassContext(opt_level=3):
+        for name, passes in phases(profile):
+            mod = Sequential(passes, name=name)(mod)
+            entry = {"phase": name, "ops": op_counts(mod)}
+            if name == "fusion":
+                entry["kernels"] = sum(isinstance(f, tirx.PrimFunc) for f in mod.functions.values())
+            report.append(entry)
+            if dump_dir is not None:
+                (dump_dir / f"{len(report) - 1:02d}_{name}.py").write_text(mod.script(show_meta=False))
+    return mod, report
+
+
+def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, dump_ir: bool = False) -> OptimizeArtifact:
+    from .tvm_compat import save_json
+
+    target = target_info.tvm_target()
+    with artifacts.staged_dir(folder) as tmp:
+        files, reports = {}, {}
+        for bucket in profile.buckets:
+            if bucket not in front.modules:
+                raise StaleArtifactError(
+                    f"frontend artifact has no bucket {bucket} (re-run the frontend stage)", sorted(front.modules)
+                )
+            dump_dir = None
+            if dump_ir:
+                dump_dir = tmp / "ir" / f"b{bucket}"
+                dump_dir.mkdir(parents=True)
+            mod, report = optimize_module(front.load_module(bucket), profile, target, dump_dir)
+            name = f"b{bucket}.relax.json"
+            (tmp / name).write_text(save_json(mod))
+            files[bucket], reports[str(bucket)] = name, report
+            log.info("optimize: bucket %d: %s", bucket, summarize(report))
+        artifacts.write_manifest(
+            tmp,
+            STAGE,
+            {
+                "frontend_manifest_sha256": artifacts.sha256_file(front.folder / artifacts.MANIFEST),
+                "profile": dataclasses.asdict(profile),
+                "target": target_info.key(),
+                "buckets": {str(b): f for b, f in files.items()},
+                "report": reports,
+            },
+        )
+    return load(folder)
+
+
+def summarize(report: list[dict]) -> str:
+    parts = []
+    for entry in report:
+        n = sum(v for k, v in entry["ops"].items() if k != "call_tir")
+        if entry["phase"] == "fusion":
+            parts.append(f"fusion: {entry['kernels']} kernels, {entry['ops'].get('call_tir', 0)} calls")
+        else:
+            parts.append(f"{entry['phase']}: {n} ops")
+    return ", ".join(parts)
+
+
+def load(folder: Path) -> OptimizeArtifact:
+    m = artifacts.read_manifest(folder, STAGE)
+    return OptimizeArtifact(Path(folder), {int(b): Path(folder) / f for b, f in m["buckets"].items()}, m)

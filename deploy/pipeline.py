@@ -1,0 +1,169 @@
+"""The whole job: export -> frontend -> optimize -> tune -> build -> validate,
+then the latency of the package before and after tuning.
+
+Stages never import each other's internals; this module hands each stage its
+predecessor's artifact. Stage folders live in one workspace:
+  <workdir>/export  frontend  optimize  tune  untuned  package  summary.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from . import artifacts, build, export, frontend, optimize, tune, validate
+from .config import Config, Profile, parse_duration, to_dict
+from .targets import TargetInfo
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DB_ROOT = REPO_ROOT / "tuning_logs"
+DEFAULT_ARTIFACTS = Path("artifacts")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+    root: Path
+
+    def __getattr__(self, stage: str) -> Path:
+        if stage.startswith("_"):
+            raise AttributeError(stage)
+        return self.root / stage
+
+
+def default_workdir(cfg: Config, target: TargetInfo) -> Path:
+    profile = cfg.profile(target.kind)
+    return DEFAULT_ARTIFACTS / cfg.model.name / f"{target.slug}-{profile.precision}"
+
+
+def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budget: str) -> str:
+    profile = cfg.profile(target.kind)
+    lines = [
+        f"model      {cfg.model.name} (source {cfg.model.source}, seed {cfg.model.seed}"
+        + (f", checkpoint {cfg.model.checkpoint}" if cfg.model.checkpoint else "") + ")",
+        f"target     {target.kind} {target.arch} on {target.device_name or 'no device (cross-compile)'}",
+        f"           {target.spec}",
+        f"profile    {json.dumps(dataclasses.asdict(profile))}",
+        f"budget     {budget or 'none'}",
+        f"workdir    {workdir}",
+        f"databases  {db_root}",
+    ]
+    return "\n".join(lines)
+
+
+def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path) -> tuple[dict, dict]:
+    keys = {b: tune.database_key(cfg.model.name, inputs, b, profile, target) for b in profile.buckets}
+    dirs = {b: tune.database_dir(db_root, keys[b], target) for b in profile.buckets}
+    return keys, dirs
+
+
+def run(
+    cfg: Config,
+    target: TargetInfo,
+    workdir: Path,
+    db_root: Path = DEFAULT_DB_ROOT,
+    budget: str | None = None,
+    dump_ir: bool = False,
+    compare_untuned: bool = True,
+) -> dict:
+    profile = cfg.profile(target.kind)
+    budget = profile.budget if budget is None else budget
+    budget_s = parse_duration(budget)
+    ws = Workspace(Path(workdir))
+    timings = {}
+
+    def timed(name, fn, *a, **kw):
+        t0 = time.time()
+        out = fn(*a, **kw)
+        timings[name] = round(time.time() - t0, 1)
+        log.info("%s: done in %.1f s", name, timings[name])
+        return out
+
+    exported = timed("export", export.run, cfg, ws.export)
+    front = timed("frontend", frontend.run, profile, exported, ws.frontend)
+    opt = timed("optimize", optimize.run, profile, target, front, ws.optimize, dump_ir=dump_ir)
+    tune_summary = None
+    if profile.trials > 0 and profile.tune_buckets:
+        tuned = timed(
+            "tune", tune.run, profile, target, opt, cfg.model.name, exported.inputs, db_root, ws.tune, budget_s,
+            cfg.model.seed,
+        )
+        tune_summary = json.loads((tuned.folder / "summary.json").read_text())
+    keys, dirs = db_keys(cfg, profile, target, exported.inputs, db_root)
+    existing = {b: d for b, d in dirs.items() if (d / tune.RECORDS).is_file()}
+    package = timed("build", build.run, profile, target, exported, opt, existing, keys, ws.package, cfg.model.name)
+    tol = getattr(cfg.tolerance, profile.precision)
+    report = None
+    if target.has_device:
+        report = timed("validate", validate.run, cfg, tol, ws.package, exported, cfg.model.seed)
+    else:
+        log.warning("validate: skipped, no %s device here to run the package on", target.kind)
+
+    latency = None
+    if target.has_device:
+        latency = timed("latency", measure_before_after, cfg, profile, target, exported, opt, package, ws, compare_untuned and bool(existing))
+    summary = {
+        "package": str(ws.package),
+        "model": cfg.model.name,
+        "target": target.key(),
+        "profile": to_dict(profile),
+        "buckets": {b: {k: v for k, v in m.items() if k in ("tuned_kernels", "kernels", "compile_seconds")} for b, m in package.manifest["buckets"].items()},
+        "validation": None if report is None else {"passed": report["passed"], "worst_rel_l2": report["worst_rel_l2"]},
+        "latency": latency,
+        "tuning": tune_summary,
+        "stage_seconds": timings,
+    }
+    artifacts.write_json_atomic(ws.root / "summary.json", summary)
+    return summary
+
+
+def measure_before_after(cfg, profile, target, exported, opt, package, ws: Workspace, compare_untuned: bool) -> dict:
+    """Latency of each bucket of the package; for the tuned buckets also of the
+    same module built from default schedules only (the 'before')."""
+    from . import runtime
+
+    out = {}
+    pred = runtime.load(package.folder)
+    for b in pred.buckets:
+        out[str(b)] = {"tuned": pred.latency(b)}
+    if compare_untuned:
+        tuned_buckets = [b for b in profile.tune_buckets if package.manifest["buckets"][str(b)]["tuned_kernels"]]
+        if tuned_buckets:
+            plain = dataclasses.replace(profile, buckets=tuple(tuned_buckets))
+            keys, _ = db_keys(cfg, plain, target, exported.inputs, DEFAULT_DB_ROOT)
+            untuned = build.run(plain, target, exported, opt, {}, keys, ws.untuned, cfg.model.name)
+            upred = runtime.load(untuned.folder)
+            for b in tuned_buckets:
+                out[str(b)]["untuned"] = upred.latency(b)
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"package    {summary['package']}"]
+    for b, info in sorted(summary["buckets"].items(), key=lambda kv: int(kv[0])):
+        line = f"bucket {b:>4}  {info['tuned_kernels']}/{info['kernels']} kernels tuned"
+        lat = (summary.get("latency") or {}).get(b)
+        if lat:
+            line += f"  {lat['tuned']['median_ms']:.3f} ms"
+            if "untuned" in lat:
+                u = lat["untuned"]["median_ms"]
+                line += f"  (untuned {u:.3f} ms, {u / lat['tuned']['median_ms']:.2f}x)"
+        lines.append(line)
+    t = summary.get("tuning")
+    if t:
+        for b, s in t.items():
+            vf = s["valid_fraction"]
+            lines.append(
+                f"tuning b{b}  {s['trials_after']} trials in database ({s['new_trials']} new, "
+                f"{'n/a' if vf is None else f'{vf:.0%}'} valid, {s['tasks_selected']}/{s['tasks_total']} tasks)"
+                + ("  stopped at the deadline" if s["stopped_by_deadline"] else "")
+            )
+    v = summary.get("validation")
+    lines.append(
+        "validation " + ("not run (no device)" if v is None else ("PASSED" if v["passed"] else "FAILED") + f" (worst rel_l2 {v['worst_rel_l2']:.1e})")
+    )
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""Load a package and run it: `deploy.load(folder)` returns a Predictor that
+checks input names, shapes and dtypes, picks the smallest batch bucket that
+fits (padding the batch), and splits larger batches across buckets.
+
+The package's manifest and the sha256 of every module are checked before any
+native code is loaded."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from . import artifacts
+from .errors import ShapeError, StaleArtifactError, TargetError
+
+log = logging.getLogger(__name__)
+PACKAGE_STAGE = "package"
+
+
+def check_package(folder: str | Path) -> dict:
+    """Everything that can be checked without loading native code."""
+    from .tvm_compat import versions
+
+    folder = Path(folder)
+    manifest = artifacts.read_manifest(folder, PACKAGE_STAGE, verify=True)
+    have = versions()
+    built = manifest.get("versions", {})
+    if built.get("tvm") != have["tvm"]:
+        raise StaleArtifactError("package was built with another TVM version", built.get("tvm"), have["tvm"])
+    for b in manifest["buckets"].values():
+        if artifacts.sha256_file(folder / b["file"]) != b["sha256"]:
+            raise StaleArtifactError(f"module {b['file']} does not match its manifest sha256", str(folder))
+    return manifest
+
+
+def _device_for(manifest: dict):
+    from .tvm_compat import tvm
+
+    target = manifest["target"]
+    if target["kind"] != "cuda":
+        return tvm.cpu(0)
+    dev = None
+    try:
+        dev = tvm.cuda(0)
+        ok = dev.exist
+    except Exception:
+        ok = False
+    if not ok:
+        raise TargetError("package is built for CUDA but no CUDA GPU is visible", "no GPU", target["arch"])
+    want = manifest["gpu"]["compute_capability"]
+    if dev.compute_version != want:
+        raise TargetError(
+            "package was built for another GPU architecture", f"compute capability {dev.compute_version}", want
+        )
+    return dev
+
+
+class Predictor:
+    def __init__(self, folder: str | Path):
+        from .tvm_compat import VirtualMachine, load_module
+
+        self.folder = Path(folder)
+        self.manifest = check_package(self.folder)
+        self.device = _device_for(self.manifest)
+        self.inputs = self.manifest["inputs"]
+        self.outputs = self.manifest["outputs"]
+        self.buckets = sorted(int(b) for b in self.manifest["buckets"])
+        self._vms = {}
+        for b in self.buckets:
+            lib = load_module(str(self.folder / self.manifest["buckets"][str(b)]["file"]))
+            self._vms[b] = VirtualMachine(lib, self.device)
+        if self.manifest.get("validation") is None:
+            log.warning("package %s was not validated", self.folder)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return self.buckets[-1]
+
+    def check_inputs(self, *args, **kwargs) -> list[np.ndarray]:
+        """Inputs (positional in manifest order, or by name) -> arrays, checked."""
+        names = [i["name"] for i in self.inputs]
+        if args and kwargs:
+            raise ShapeError("pass inputs either by position or by name, not both")
+        if len(args) == 1 and isinstance(args[0], dict):
+            kwargs, args = dict(args[0]), ()
+        if args:
+            if len(args) != len(names):
+                raise ShapeError("wrong number of inputs", len(args), f"{len(names)} ({', '.join(names)})")
+            kwargs = dict(zip(names, args))
+        unknown = sorted(set(kwargs) - set(names))
+        missing = [n for n in names if n not in kwargs]
+        if unknown:
+            raise ShapeError(f"unknown input name(s) {', '.join(unknown)}", None, ", ".join(names))
+        if missing:
+            raise ShapeError(f"missing input(s) {', '.join(missing)}", None, ", ".join(names))
+        arrays, batch = [], None
+        for spec in self.inputs:
+            a = kwargs[spec["name"]]
+            a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+            if str(a.dtype) != spec["dtype"]:
+                raise ShapeError(f"input '{spec['name']}' has the wrong dtype", str(a.dtype), spec["dtype"])
+            want = tuple(spec["shape"])
+            if a.ndim != len(want) + 1 or tuple(a.shape[1:]) != want:
+                raise ShapeError(f"input '{spec['name']}' has the wrong shape", list(a.shape), ["batch", *want])
+            if a.shape[0] < 1:
+                raise ShapeError(f"input '{spec['name']}' has an empty batch", list(a.shape))
+            if batch is not None and a.shape[0] != batch:
+                raise ShapeError("inputs disagree on the batch size", a.shape[0], batch)
+            batch = a.shape[0]
+            arrays.append(np.ascontiguousarray(a))
+        return arrays
+
+    def run_bucket(self, bucket: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Run one bucket on arrays whose batch is exactly `bucket`."""
+        from .tvm_compat import tensor
+
+        vm = self._vms[bucket]
+        out = vm["main"](*[tensor(a, self.device) for a in arrays])
+        outs = list(out) if not hasattr(out, "numpy") else [out]
+        return [o.numpy() for o in outs]
+
+    def __call__(self, *args, **kwargs) -> dict[str, np.ndarray]:
+        arrays = self.check_inputs(*args, **kwargs)
+        batch = arrays[0].shape[0]
+        pieces: list[list[np.ndarray]] = []
+        start = 0
+        while start < batch:
+            n = min(batch - start, self.max_batch)
+            bucket = self.bucket_for(n)
+            chunk = [a[start : start + n] for a in arrays]
+            if n < bucket:
+                chunk = [np.concatenate([c, np.zeros((bucket - n, *c.shape[1:]), c.dtype)]) for c in chunk]
+            pieces.append([o[:n] for o in self.run_bucket(bucket, chunk)])
+            start += n
+        return {
+            spec["name"]: np.concatenate([p[i] for p in pieces]) for i, spec in enumerate(self.outputs)
+        }
+
+    def random_inputs(self, batch: int, seed: int = 0) -> list[np.ndarray]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for spec in self.inputs:
+            shape = (batch, *spec["shape"])
+            if spec["dtype"].startswith("float"):
+                out.append(rng.standard_normal(shape).astype(spec["dtype"]))
+            else:
+                out.append(rng.integers(0, 10, shape).astype(spec["dtype"]))
+        return out
+
+    def latency(self, bucket: int, number: int = 20, repeat: int = 5, seed: int = 0) -> dict:
+        """Device-synchronized latency of one bucket (TVM's time evaluator,
+        which synchronizes the device around each repeat)."""
+        from .tvm_compat import tensor
+
+        vm = self._vms[bucket]
+        args = [tensor(a, self.device) for a in self.random_inputs(bucket, seed)]
+        vm["main"](*args)  # warm-up: module load, CUDA graph capture
+        r = vm.time_evaluator("main", self.device, number=number, repeat=repeat)(*args)
+        return {
+            "median_ms": r.median * 1e3,
+            "mean_ms": r.mean * 1e3,
+            "min_ms": r.min * 1e3,
+            "max_ms": r.max * 1e3,
+            "std_ms": r.std * 1e3,
+            "number": number,
+            "repeat": repeat,
+        }
+
+
+def load(folder: str | Path) -> Predictor:
+    """Load a package folder written by the build stage."""
+    return Predictor(folder)

@@ -1,0 +1,112 @@
+"""Which machine code to generate: `auto`, `llvm`, `cuda` (the GPU here, its
+architecture detected) or `cuda:sm_XY` (cross-compiled, no GPU needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+from .errors import TargetError
+
+# Limits every CUDA GPU since Volta satisfies; used when cross-compiling
+# without a device to read them from.
+_CUDA_GENERIC_LIMITS = {
+    "max_threads_per_block": 1024,
+    "max_shared_memory_per_block": 49152,
+    "thread_warp_size": 32,
+    "registers_per_block": 65536,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetInfo:
+    kind: str  # "llvm" | "cuda"
+    spec: str  # JSON of the tvm Target (the exact target string in manifests)
+    arch: str  # "sm_90", or the LLVM CPU name
+    device_name: str  # "NVIDIA H200", "cpu", or "" when cross-compiling
+    has_device: bool  # whether code for it can run on this machine
+
+    def tvm_target(self):
+        from .tvm_compat import Target
+
+        spec = json.loads(self.spec)
+        if self.kind == "cuda":
+            return Target(spec, host={"kind": "llvm"})
+        return Target(spec)
+
+    def device(self):
+        from .tvm_compat import tvm
+
+        if not self.has_device:
+            raise TargetError(f"no {self.kind} device on this machine to run on", self.kind)
+        return tvm.cuda(0) if self.kind == "cuda" else tvm.cpu(0)
+
+    @property
+    def slug(self) -> str:
+        """Readable folder label; the authoritative description is `key()`."""
+        gpu = re.sub(r"[^a-z0-9]+", "-", self.device_name.lower()).strip("-")
+        if self.kind == "cuda":
+            return f"cuda-{self.arch}-{gpu or 'nodevice'}"
+        return f"llvm-{self.arch}"
+
+    def key(self) -> dict:
+        return {"kind": self.kind, "arch": self.arch, "device": self.device_name, "target": self.spec}
+
+
+def _cuda_device():
+    from .tvm_compat import tvm
+
+    try:
+        dev = tvm.cuda(0)
+        return dev if dev.exist else None
+    except Exception:  # the CUDA runtime library may be absent entirely
+        return None
+
+
+def _llvm() -> TargetInfo:
+    from tvm.target import codegen
+
+    import psutil
+
+    cpu = codegen.llvm_get_system_cpu()
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    spec = {"kind": "llvm", "mcpu": cpu, "num-cores": int(cores)}
+    return TargetInfo("llvm", json.dumps(spec, sort_keys=True), cpu, "cpu", True)
+
+
+def _cuda_here(dev) -> TargetInfo:
+    from .tvm_compat import Target
+
+    target = Target.from_device(dev)
+    spec = {k: v for k, v in dict(target.export()).items() if k not in ("host", "tag")}
+    spec["keys"] = list(spec.get("keys", ()))
+    arch = str(spec.get("arch", "sm_" + dev.compute_version.replace(".", "")))
+    return TargetInfo("cuda", json.dumps(spec, sort_keys=True, default=str), arch, dev.device_name, True)
+
+
+def resolve(text: str) -> TargetInfo:
+    text = (text or "auto").strip().lower()
+    if text == "auto":
+        dev = _cuda_device()
+        return _cuda_here(dev) if dev is not None else _llvm()
+    if text in ("llvm", "cpu"):
+        return _llvm()
+    if text == "cuda":
+        dev = _cuda_device()
+        if dev is None:
+            raise TargetError(
+                "TARGET=cuda but no CUDA GPU is visible here", "no device",
+                "a GPU, or TARGET=cuda:sm_90 to cross-compile",
+            )
+        return _cuda_here(dev)
+    m = re.fullmatch(r"cuda:(sm_\d+a?)", text)
+    if m:
+        arch = m.group(1)
+        dev = _cuda_device()
+        here = dev is not None and arch.rstrip("a") == "sm_" + dev.compute_version.replace(".", "")
+        spec = {"kind": "cuda", "arch": arch, "keys": ["cuda", "gpu"], **_CUDA_GENERIC_LIMITS}
+        name = dev.device_name if here else ""
+        return TargetInfo("cuda", json.dumps(spec, sort_keys=True), arch, name, here)
+    raise TargetError("unknown target", repr(text), "auto, llvm, cuda or cuda:sm_XY (e.g. cuda:sm_90)")

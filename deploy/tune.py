@@ -1,0 +1,420 @@
+"""Stage 4, tune: MetaSchedule with the XGBoost cost model, per tuned bucket.
+
+Databases live under `tuning_logs/<model>/<target>/<variant>/`, keyed (in
+`key.json`) by model, input shapes, precision, layout and target/GPU; they are
+committed, because tuning is the expensive part. A run:
+  - refuses a database whose key differs from what is being tuned;
+  - counts the records each task already has and tunes only what is left of
+    its budget, so a second run resumes and skips finished tasks;
+  - stops cleanly at a wall-clock deadline: each task ends at its next
+    candidate batch after the deadline, in-flight measurements are kept;
+  - records every failed candidate's reason (build or run), which
+    MetaSchedule's own logs only count.
+JSONDatabase appends one line per measured candidate, so a killed run loses
+nothing already measured; a line cut short by the kill is dropped on the
+next open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from . import artifacts
+from .config import InputSpec, Profile
+from .errors import DatabaseMismatchError
+from .optimize import OptimizeArtifact
+from .targets import TargetInfo
+
+log = logging.getLogger(__name__)
+STAGE = "tune"
+KEY_FILE = "key.json"
+WORKLOADS = "database_workload.json"
+RECORDS = "database_tuning_record.json"
+FAILED_SECS = 1e9  # MetaSchedule stores 1e10 s for a candidate that failed
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneArtifact:
+    folder: Path
+    databases: dict[int, Path]  # bucket -> database folder
+    manifest: dict
+
+
+# --------------------------------------------------------------- database ---
+
+
+def database_key(model: str, inputs: tuple[InputSpec, ...], bucket: int, profile: Profile, target: TargetInfo) -> dict:
+    return {
+        "model": model,
+        "inputs": [{"name": i.name, "shape": [bucket, *i.shape], "dtype": i.dtype} for i in inputs],
+        "precision": profile.precision,
+        "accumulate": profile.accumulate if profile.precision == "fp16" else "fp32",
+        "layout": profile.layout,
+        "target": target.key(),
+    }
+
+
+def database_dir(root: Path, key: dict, target: TargetInfo) -> Path:
+    """A readable label; `key.json` inside is what is checked."""
+    acc = "-acc16" if key["accumulate"] == "fp16" and key["precision"] == "fp16" else ""
+    batch = key["inputs"][0]["shape"][0]
+    return Path(root) / key["model"] / target.slug / f"{key['precision']}{acc}-{key['layout'].lower()}-b{batch}"
+
+
+def check_key(folder: Path, key: dict) -> None:
+    path = folder / KEY_FILE
+    if not path.is_file():
+        return
+    try:
+        have = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DatabaseMismatchError(f"tuning database key is corrupt: {path}", str(e)) from None
+    diffs = [k for k in sorted(set(key) | set(have)) if key.get(k) != have.get(k)]
+    if diffs:
+        k = diffs[0]
+        raise DatabaseMismatchError(
+            f"tuning database {folder} was made for another {', '.join(diffs)}", have.get(k), key.get(k)
+        )
+
+
+def repair_jsonl(path: Path) -> int:
+    """Drop lines that do not parse (a write cut short by a kill); returns the
+    number dropped. The file is rewritten atomically."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    good = []
+    for line in lines:
+        try:
+            json.loads(line)
+            good.append(line)
+        except json.JSONDecodeError:
+            continue
+    dropped = len(lines) - len(good)
+    if dropped:
+        tmp = path.with_suffix(".repair.tmp")
+        tmp.write_text("".join(line + "\n" for line in good))
+        os.replace(tmp, path)
+        log.warning("tune: dropped %d unreadable line(s) from %s (an interrupted write)", dropped, path)
+    return dropped
+
+
+def open_database(folder: Path, key: dict, create: bool):
+    from .tvm_compat import ms
+
+    folder = Path(folder)
+    check_key(folder, key)
+    if not create and not (folder / RECORDS).is_file():
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / KEY_FILE).is_file():
+        artifacts.write_json_atomic(folder / KEY_FILE, key)
+    # The workload file is written before its records, so only the record file
+    # can end in a torn line that refers to a complete workload.
+    repair_jsonl(folder / WORKLOADS)
+    repair_jsonl(folder / RECORDS)
+    return ms.database.JSONDatabase(
+        path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / RECORDS), allow_missing=True
+    )
+
+
+def database_digest(folder: Path) -> str:
+    parts = [artifacts.sha256_file(folder / f) if (folder / f).is_file() else "-" for f in (KEY_FILE, WORKLOADS, RECORDS)]
+    return artifacts.sha256_bytes("/".join(parts).encode())
+
+
+def trials_done(db, task_mod) -> tuple[int, float | None]:
+    """(records for this task, best latency in seconds or None)."""
+    if not db.has_workload(task_mod):
+        return 0, None
+    wkl = db.commit_workload(task_mod)
+    n = 0
+    for rec in db.get_all_tuning_records():
+        if rec.workload.same_as(wkl):
+            n += 1
+    top = db.get_top_k(wkl, 1)
+    best = None
+    if top:
+        secs = [float(x) for x in top[0].run_secs]
+        if secs and min(secs) < FAILED_SECS:
+            best = sum(secs) / len(secs)
+    return n, best
+
+
+# ------------------------------------------------------------ MetaSchedule ---
+
+
+def lean_build(mod, target, _params):
+    """MetaSchedule's default build minus its `import tvm.s_tir.tensor_intrin`,
+    which parses ~500 TVMScript functions (40-75 s) in every fresh worker pool
+    and ran past the builder's time-out. Candidates arrive already tensorized,
+    so the workers do not need the intrinsics registered."""
+    import tvm
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    return tvm.tirx.build(mod, target=target)
+
+
+def _first_line(msg: str) -> str:
+    lines = [ln.strip() for ln in str(msg).strip().splitlines() if ln.strip()]
+    # TVM errors end with the useful line ("Check failed: ..."); tracebacks start with noise.
+    for ln in reversed(lines):
+        if "Error" in ln or "failed" in ln.lower() or "Timeout" in ln:
+            return ln[:300]
+    return (lines[-1] if lines else "")[:300]
+
+
+def _make_deadline_search(deadline: float | None, budget: int):
+    """An EvolutionarySearch that stops at a wall-clock deadline and after
+    `budget` new trials (what is left of this task's budget)."""
+    from .tvm_compat import ms
+    from .tvm_compat import derived_object
+
+    @derived_object
+    class DeadlineSearch(ms.search_strategy.PySearchStrategy):
+        def __init__(self):
+            self.inner = ms.search_strategy.EvolutionarySearch()
+
+        def _initialize_with_tune_context(self, context):
+            self.inner._initialize_with_tune_context(context)
+
+        def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None):
+            self.inner.pre_tuning(min(max_trials, budget), num_trials_per_iter, design_spaces, database, cost_model)
+
+        def post_tuning(self):
+            self.inner.post_tuning()
+
+        def generate_measure_candidates(self):
+            if deadline is not None and time.time() >= deadline:
+                return None
+            return self.inner.generate_measure_candidates()
+
+        def notify_runner_results(self, measure_candidates, results):
+            self.inner.notify_runner_results(measure_candidates, results)
+
+        def clone(self):
+            return _make_deadline_search(deadline, budget)
+
+    return DeadlineSearch()
+
+
+def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, bar):
+    from .tvm_compat import ms
+    from .tvm_compat import derived_object
+
+    @derived_object
+    class Progress(ms.measure_callback.PyMeasureCallback):
+        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+            name = names[task_id]
+            s = stats[name]
+            with open(failures_path, "a") as f:
+                for b, r in zip(builder_results, runner_results):
+                    s["candidates"] += 1
+                    if b.error_msg:
+                        s["build_errors"] += 1
+                        f.write(json.dumps({"task": name, "stage": "build", "error": _first_line(b.error_msg)}) + "\n")
+                    elif r.error_msg:
+                        s["run_errors"] += 1
+                        f.write(json.dumps({"task": name, "stage": "run", "error": _first_line(r.error_msg)}) + "\n")
+                    elif r.run_secs:
+                        secs = [float(x) for x in r.run_secs]
+                        t = sum(secs) / len(secs)
+                        if s["best_s"] is None or t < s["best_s"]:
+                            s["best_s"] = t
+            bar.update(len(runner_results))
+            best = s["best_s"]
+            bar.set_postfix_str(f"{name[:32]} best {best * 1e6:.1f} us" if best else f"{name[:32]} no valid yet")
+
+    return Progress()
+
+
+def _runner(target: TargetInfo, profile: Profile):
+    from .tvm_compat import ms
+
+    if target.kind == "cuda":
+        cfg = ms.runner.EvaluatorConfig(number=10, repeat=1, min_repeat_ms=20, enable_cpu_cache_flush=False)
+    else:
+        cfg = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40, enable_cpu_cache_flush=False)
+    return ms.runner.LocalRunner(timeout_sec=profile.runner_timeout_s, evaluator_config=cfg)
+
+
+def task_flops(task) -> float:
+    from tvm.s_tir.analysis import estimate_tir_flops
+
+    try:
+        return float(estimate_tir_flops(task.dispatched[0]))
+    except Exception:  # estimation is best-effort (some ops are opaque)
+        return 0.0
+
+
+def extract_tasks(mod, target):
+    from .tvm_compat import ms
+
+    tasks = ms.relax_integration.extract_tasks(mod, target)
+    return [t for t in tasks if not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False)]
+
+
+def tune_bucket(
+    mod,
+    db_dir: Path,
+    key: dict,
+    target: TargetInfo,
+    profile: Profile,
+    deadline: float | None,
+    work: Path,
+    seed: int = 0,
+) -> dict:
+    """Tune one bucket's module into the database at `db_dir`; returns a summary."""
+    from tqdm.auto import tqdm
+
+    from .tvm_compat import ms
+
+    tvm_target = target.tvm_target()
+    all_tasks = extract_tasks(mod, tvm_target)
+    db = open_database(db_dir, key, create=True)
+    ranked = sorted(all_tasks, key=lambda t: task_flops(t) * t.weight, reverse=True)
+    chosen = ranked[: profile.max_tasks] if profile.max_tasks else ranked
+    plan = []
+    for t in chosen:
+        done, best = trials_done(db, t.dispatched[0])
+        plan.append({"task": t, "name": t.task_name, "done": done, "best_s": best, "left": max(0, profile.trials_per_task - done)})
+    total_done = sum(p["done"] for p in plan)
+    todo = [p for p in plan if p["left"] > 0]
+    global_left = min(max(0, profile.trials - total_done), sum(p["left"] for p in todo))
+    summary = {
+        "database": str(db_dir),
+        "tasks_total": len(all_tasks),
+        "tasks_selected": len(chosen),
+        "tasks": {},
+        "trials_before": total_done,
+    }
+    stats = {p["name"]: {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None} for p in todo}
+    started = time.time()
+    if todo and global_left > 0 and (deadline is None or time.time() < deadline):
+        logs = work / "logs" / db_dir.name
+        loggers = ms.logging.get_loggers_from_work_dir(str(logs), [p["name"] for p in todo])
+        seeds = ms.utils.fork_seed(seed, n=len(todo))
+        contexts = [
+            ms.TuneContext(
+                mod=p["task"].dispatched[0],
+                target=tvm_target,
+                space_generator="post-order-apply",
+                search_strategy=_make_deadline_search(deadline, p["left"]),
+                task_name=p["name"],
+                logger=lg,
+                rand_state=s,
+                num_threads="physical",
+            )
+            for p, lg, s in zip(todo, loggers, seeds)
+        ]
+        failures = work / "failures.jsonl"
+        log.info(
+            "tune: %s: %d of %d tasks to tune, %d trials (%d already in the database)",
+            db_dir.name, len(todo), len(all_tasks), global_left, total_done,
+        )
+        with tqdm(total=global_left, desc=f"tune b{key['inputs'][0]['shape'][0]}", unit="trial", dynamic_ncols=True) as bar:
+            ms.tune_tasks(
+                tasks=contexts,
+                task_weights=[float(p["task"].weight) for p in todo],
+                work_dir=str(logs),
+                max_trials_global=global_left,
+                max_trials_per_task=profile.trials_per_task,
+                num_trials_per_iter=profile.trials_per_iter,
+                builder=ms.builder.LocalBuilder(f_build=lean_build, timeout_sec=profile.builder_timeout_s),
+                runner=_runner(target, profile),
+                database=db,
+                cost_model="xgb",
+                measure_callbacks=[
+                    ms.measure_callback.AddToDatabase(),
+                    ms.measure_callback.RemoveBuildArtifact(),
+                    ms.measure_callback.UpdateCostModel(),
+                    _make_progress_callback([p["name"] for p in todo], stats, failures, bar),
+                ],
+                task_scheduler="gradient",
+            )
+    elapsed = time.time() - started
+    for p in plan:
+        s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None})
+        done, best = trials_done(db, p["task"].dispatched[0])
+        summary["tasks"][p["name"]] = {
+            "weight": int(p["task"].weight),
+            "flops": task_flops(p["task"]),
+            "trials": done,
+            "new_trials": s["candidates"],
+            "build_errors": s["build_errors"],
+            "run_errors": s["run_errors"],
+            "best_us_before_run": None if p["best_s"] is None else p["best_s"] * 1e6,
+            "best_us": None if best is None else best * 1e6,
+        }
+    new = sum(t["new_trials"] for t in summary["tasks"].values())
+    bad = sum(t["build_errors"] + t["run_errors"] for t in summary["tasks"].values())
+    summary.update(
+        trials_after=sum(t["trials"] for t in summary["tasks"].values()),
+        new_trials=new,
+        valid_fraction=None if not new else (new - bad) / new,
+        seconds=round(elapsed, 1),
+        trials_per_minute=None if not new or elapsed <= 0 else round(new / elapsed * 60, 1),
+        stopped_by_deadline=bool(deadline is not None and time.time() >= deadline and todo),
+        database_digest=database_digest(db_dir),
+    )
+    return summary
+
+
+def run(
+    profile: Profile,
+    target: TargetInfo,
+    opt: OptimizeArtifact,
+    model: str,
+    inputs: tuple[InputSpec, ...],
+    db_root: Path,
+    folder: Path,
+    budget_s: float | None,
+    seed: int = 0,
+) -> TuneArtifact:
+    deadline = None if budget_s is None else time.time() + budget_s
+    with artifacts.staged_dir(folder) as tmp:
+        summaries, dbs = {}, {}
+        for bucket in profile.tune_buckets:
+            key = database_key(model, inputs, bucket, profile, target)
+            db_dir = database_dir(db_root, key, target)
+            summaries[str(bucket)] = tune_bucket(opt.load_module(bucket), db_dir, key, target, profile, deadline, tmp, seed)
+            dbs[str(bucket)] = str(db_dir)
+        # Logs are bulky; keep them out of the manifest's hashed files.
+        files = [f for f in ("failures.jsonl",) if (tmp / f).is_file()]
+        artifacts.write_json_atomic(tmp / "summary.json", summaries)
+        files.append("summary.json")
+        artifacts.write_manifest(
+            tmp,
+            STAGE,
+            {"databases": dbs, "target": target.key(), "profile": dataclasses.asdict(profile), "budget_s": budget_s},
+            files=files,
+        )
+    return load(folder)
+
+
+def load(folder: Path) -> TuneArtifact:
+    m = artifacts.read_manifest(folder, STAGE)
+    return TuneArtifact(Path(folder), {int(b): Path(p) for b, p in m["databases"].items()}, m)
+
+
+def failure_reasons(folder: Path, top: int = 5) -> list[tuple[str, int]]:
+    """Most common failure reasons recorded in a tune artifact."""
+    import collections
+
+    path = Path(folder) / "failures.jsonl"
+    if not path.is_file():
+        return []
+    c = collections.Counter()
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        c[f"{d['stage']}: {d['error']}"] += 1
+    return c.most_common(top)

@@ -1,0 +1,238 @@
+"""Model zoo for the deployment pipeline: PyTorch definitions with random weights.
+
+Usage::
+
+    import models
+    spec = models.get("resnet50")          # ModelSpec (factory, input shape, ...)
+    net = models.build("resnet50", seed=0) # deterministic weights, eval() mode
+
+``build`` re-initialises every BatchNorm layer's running statistics and affine
+parameters with seeded random values so that BN folding in the compiler is
+actually exercised (a freshly-constructed BN is an identity map).
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from .mobilenet import mobilenet_v2
+from .resnet import resnet18, resnet50
+from .tiny import tiny_cnn, tiny_mlp
+from .transformer import tiny_vit
+
+__all__ = [
+    "ModelSpec",
+    "REGISTRY",
+    "UnknownModelError",
+    "build",
+    "get",
+    "names",
+    "mobilenet_v2",
+    "resnet18",
+    "resnet50",
+    "tiny_cnn",
+    "tiny_mlp",
+    "tiny_vit",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    factory: Callable[[], torch.nn.Module]
+    input_shape: tuple[int, ...]  # one sample, WITHOUT the batch dim, e.g. (3, 224, 224)
+    input_dtype: str  # "float32"
+    description: str  # one line
+
+
+def _spec(name: str, factory: Callable[[], nn.Module], input_shape: tuple[int, ...], description: str) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        factory=factory,
+        input_shape=tuple(input_shape),
+        input_dtype="float32",
+        description=description,
+    )
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        _spec(
+            "resnet50",
+            resnet50,
+            (3, 224, 224),
+            "ResNet-50 v1.5, torchvision-identical (25.6M params, 1000 classes)",
+        ),
+        _spec(
+            "resnet18",
+            resnet18,
+            (3, 224, 224),
+            "ResNet-18, torchvision-identical (11.7M params, 1000 classes)",
+        ),
+        _spec(
+            "mobilenet_v2",
+            mobilenet_v2,
+            (3, 224, 224),
+            "MobileNetV2 depthwise-separable CNN, torchvision-identical (3.5M params, 1000 classes)",
+        ),
+        _spec(
+            "tiny_vit",
+            tiny_vit,
+            (3, 32, 32),
+            "Small ViT encoder (4x4 patches, 3 layers, dim 128, 4 heads, explicit attention, 10 classes)",
+        ),
+        _spec(
+            "tiny_cnn",
+            tiny_cnn,
+            (3, 16, 16),
+            "Tiny CNN (Conv-BN-ReLU x2, global avgpool, Linear; 10 classes) for fast tests",
+        ),
+        _spec(
+            "tiny_mlp",
+            tiny_mlp,
+            (64,),
+            "Tiny MLP (3 Linear layers with ReLU, 64 -> 10) for fast tests",
+        ),
+    )
+}
+
+
+class UnknownModelError(KeyError):
+    """KeyError whose str() is the plain message (KeyError normally repr()s it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def names() -> list[str]:
+    """Registered model names, in registry order."""
+    return list(REGISTRY)
+
+
+def get(name: str) -> ModelSpec:
+    """Look up a model spec; unknown names raise KeyError with a suggestion."""
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        pass
+    known = names()
+    msg = f"unknown model {name!r} | known: {', '.join(known)}"
+    if isinstance(name, str):
+        lowered = {k.lower(): k for k in known}
+        close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
+        if close:
+            msg += f" | did you mean {lowered[close[0]]!r}?"
+    raise UnknownModelError(msg)
+
+
+def _randomize_batchnorm(model: nn.Module) -> None:
+    """Give every BatchNorm non-trivial, seeded statistics and affine params.
+
+    running_mean ~ N(0, 0.1), running_var ~ U(0.5, 1.5), weight ~ U(0.8, 1.2),
+    bias ~ N(0, 0.1).  Uses the global torch RNG (already seeded by ``build``).
+    The weight is kept near 1 so activations of deep nets stay well scaled.
+    """
+    with torch.no_grad():
+        for m in model.modules():
+            if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+                continue
+            if m.running_mean is not None:
+                m.running_mean.normal_(0.0, 0.1)
+            if m.running_var is not None:
+                m.running_var.uniform_(0.5, 1.5)
+            if m.weight is not None:
+                m.weight.uniform_(0.8, 1.2)
+            if m.bias is not None:
+                m.bias.normal_(0.0, 0.1)
+
+
+def _preview(keys: list[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    if len(keys) > limit:
+        shown += ", ..."
+    return f"[{shown}]"
+
+
+def _extract_state_dict(obj: Any, path: str) -> dict[str, torch.Tensor]:
+    if isinstance(obj, collections.abc.Mapping):
+        for wrapper_key in ("state_dict", "model"):
+            inner = obj.get(wrapper_key)
+            if isinstance(inner, collections.abc.Mapping):
+                obj = inner
+                break
+    if not isinstance(obj, collections.abc.Mapping):
+        raise ValueError(f"checkpoint '{path}' does not contain a state_dict (got {type(obj).__name__})")
+    out: dict[str, torch.Tensor] = {}
+    for key, value in obj.items():
+        key = str(key)
+        if key.startswith("module."):
+            key = key[len("module.") :]
+        out[key] = value
+    return out
+
+
+def _load_checkpoint(model: nn.Module, name: str, checkpoint: Union[str, os.PathLike]) -> None:
+    path = os.fspath(checkpoint)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint not found: '{path}'")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised as a one-line ValueError
+        detail = " ".join(str(exc).split())[:300]
+        raise ValueError(f"checkpoint '{path}' could not be loaded: {type(exc).__name__}: {detail}") from exc
+    state_dict = _extract_state_dict(obj, path)
+
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    mismatched = [
+        k
+        for k in expected
+        if k in state_dict
+        and isinstance(state_dict[k], torch.Tensor)
+        and tuple(state_dict[k].shape) != tuple(expected[k].shape)
+    ]
+    if missing or unexpected or mismatched:
+        parts = [
+            f"{len(missing)} missing key(s) {_preview(missing)}",
+            f"{len(unexpected)} unexpected key(s) {_preview(unexpected)}",
+        ]
+        if mismatched:
+            parts.append(f"{len(mismatched)} shape mismatch(es) {_preview(mismatched)}")
+        raise ValueError(f"checkpoint '{path}' does not match model '{name}': " + "; ".join(parts))
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised as a one-line ValueError
+        detail = " ".join(str(exc).split())[:300]
+        raise ValueError(f"checkpoint '{path}' could not be loaded into model '{name}': {detail}") from exc
+
+
+def build(
+    name: str,
+    seed: int = 0,
+    checkpoint: Optional[Union[str, os.PathLike]] = None,
+) -> torch.nn.Module:
+    """Construct model ``name`` with deterministic random weights, in eval() mode.
+
+    ``torch.manual_seed(seed)`` is called before construction, then BatchNorm
+    layers get seeded random statistics/affine parameters.  If ``checkpoint``
+    is given it is loaded on top (strict): a raw state_dict or a dict holding
+    one under "state_dict" or "model"; a leading "module." prefix is stripped.
+    """
+    spec = get(name)
+    torch.manual_seed(seed)
+    model = spec.factory()
+    _randomize_batchnorm(model)
+    if checkpoint is not None:
+        _load_checkpoint(model, spec.name, checkpoint)
+    model.eval()
+    return model
