@@ -136,7 +136,7 @@ def measure_before_after(cfg, profile, target, exported, opt, package, ws: Works
             plain = dataclasses.replace(profile, buckets=tuple(tuned_buckets))
             keys, _ = db_keys(cfg, plain, target, exported.inputs, DEFAULT_DB_ROOT)
             untuned = build.run(plain, target, exported, opt, {}, keys, ws.untuned, cfg.model.name)
-            upred = runtime.load(untuned.folder)
+            upred = runtime.load(untuned.folder, warn_unvalidated=False)
             for b in tuned_buckets:
                 out[str(b)]["untuned"] = upred.latency(b)
     return out

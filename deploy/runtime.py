@@ -58,7 +58,7 @@ def _device_for(manifest: dict):
 
 
 class Predictor:
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, warn_unvalidated: bool = True):
         from .tvm_compat import VirtualMachine, load_module
 
         self.folder = Path(folder)
@@ -71,7 +71,7 @@ class Predictor:
         for b in self.buckets:
             lib = load_module(str(self.folder / self.manifest["buckets"][str(b)]["file"]))
             self._vms[b] = VirtualMachine(lib, self.device)
-        if self.manifest.get("validation") is None:
+        if warn_unvalidated and self.manifest.get("validation") is None:
             log.warning("package %s was not validated", self.folder)
 
     @property
@@ -155,14 +155,26 @@ class Predictor:
                 out.append(rng.integers(0, 10, shape).astype(spec["dtype"]))
         return out
 
-    def latency(self, bucket: int, number: int = 20, repeat: int = 5, seed: int = 0) -> dict:
+    def latency(self, bucket: int, number: int | None = None, repeat: int | None = None, seed: int = 0) -> dict:
         """Device-synchronized latency of one bucket (TVM's time evaluator,
-        which synchronizes the device around each repeat)."""
+        which synchronizes the device around each repeat). By default each
+        repeat lasts ~0.1 s, so a slow CPU module does not take minutes."""
+        import time
+
         from .tvm_compat import tensor
 
         vm = self._vms[bucket]
         args = [tensor(a, self.device) for a in self.random_inputs(bucket, seed)]
         vm["main"](*args)  # warm-up: module load, CUDA graph capture
+        self.device.sync()
+        t0 = time.perf_counter()
+        vm["main"](*args)
+        self.device.sync()
+        once = time.perf_counter() - t0
+        if number is None:
+            number = int(min(200, max(1, 0.1 / max(once, 1e-6))))
+        if repeat is None:
+            repeat = 10 if once < 0.05 else 3
         r = vm.time_evaluator("main", self.device, number=number, repeat=repeat)(*args)
         return {
             "median_ms": r.median * 1e3,
@@ -175,6 +187,6 @@ class Predictor:
         }
 
 
-def load(folder: str | Path) -> Predictor:
+def load(folder: str | Path, warn_unvalidated: bool = True) -> Predictor:
     """Load a package folder written by the build stage."""
-    return Predictor(folder)
+    return Predictor(folder, warn_unvalidated)

@@ -234,6 +234,21 @@ def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, 
     return Progress()
 
 
+def _quiet_console() -> None:
+    """MetaSchedule's logging config prints every task table to the console;
+    keep those in its log files and show our progress bar instead. Its
+    dictConfig may also disable loggers created before it: re-enable ours."""
+    for name, lg in list(logging.root.manager.loggerDict.items()):
+        if not isinstance(lg, logging.Logger):
+            continue
+        if name.startswith("tvm.s_tir.meta_schedule"):
+            for h in lg.handlers:
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                    h.setLevel(logging.WARNING)
+        elif name.startswith("deploy"):
+            lg.disabled = False
+
+
 def _runner(target: TargetInfo, profile: Profile):
     from .tvm_compat import ms
 
@@ -299,6 +314,7 @@ def tune_bucket(
     if todo and global_left > 0 and (deadline is None or time.time() < deadline):
         logs = work / "logs" / db_dir.name
         loggers = ms.logging.get_loggers_from_work_dir(str(logs), [p["name"] for p in todo])
+        _quiet_console()
         seeds = ms.utils.fork_seed(seed, n=len(todo))
         contexts = [
             ms.TuneContext(

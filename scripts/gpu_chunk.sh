@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One resumable chunk of work on the GPU machine (the `device` tool's H200),
+# where TVM comes from the staged bundle and torch/onnx/onnxruntime from the
+# image. Tuning databases are kept in $DB_ROOT (default /tmp/tuning_logs),
+# which outlives a call while the machine stays warm; it is seeded from the
+# committed tuning_logs/ and packed into $OUT/tuning_logs.tgz after the run,
+# to be unpacked over tuning_logs/ and committed.
+#
+#   bash scripts/gpu_chunk.sh <make variables...>
+#   e.g. bash scripts/gpu_chunk.sh MODEL=resnet50 TARGET=cuda BUDGET=3m
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ -f /tmp/device-bundle/env.sh ] && source /tmp/device-bundle/env.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
+for c in /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-13; do
+  [ -z "${CUDA_PATH:-}" ] && [ -d "$c/include" ] && export CUDA_PATH=$c
+done
+DB_ROOT=${DB_ROOT:-/tmp/tuning_logs}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$DB_ROOT" "$OUT"
+cp -rn tuning_logs/. "$DB_ROOT"/ 2>/dev/null || true
+WORKDIR=${WORKDIR:-/tmp/ws}
+make tune PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "$@" 2>&1 | tee "$OUT/run.log"
+rc=${PIPESTATUS[0]}
+tar -czf "$OUT/tuning_logs.tgz" -C "$DB_ROOT" .
+# The small, reviewable outputs: summaries, manifests, reports, failure reasons.
+tar -czf "$OUT/reports.tgz" -C "$WORKDIR" --ignore-failed-read \
+  summary.json package/manifest.json package/validation.json tune/summary.json tune/failures.jsonl \
+  optimize/manifest.json 2>/dev/null
+exit $rc

@@ -1,0 +1,57 @@
+"""Shared fixtures. Tiny models are defined in code (models/tiny.py), never
+committed as binaries. Tests run on the `llvm` target; `gpu`-marked tests need
+a CUDA GPU and are skipped without one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def _has_gpu() -> bool:
+    try:
+        import tvm
+
+        return bool(tvm.cuda(0).exist)
+    except Exception:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def llvm_target():
+    from deploy import targets
+
+    return targets.resolve("llvm")
+
+
+def make_config(source: str = "tiny_cnn", **profile):
+    from deploy import config
+
+    table = {"buckets": [1, 4], "tune_buckets": [1], "trials": 0, "budget": ""}
+    table.update(profile)
+    return config.from_dict({"model": {"source": source, "seed": 0}, "llvm": table})
+
+
+@pytest.fixture(scope="session")
+def tiny_package(tmp_path_factory, llvm_target):
+    """tiny_cnn through every stage on llvm (no tuning): the shared package."""
+    from deploy import pipeline
+
+    work = tmp_path_factory.mktemp("tiny_cnn")
+    cfg = make_config()
+    summary = pipeline.run(cfg, llvm_target, work / "ws", db_root=work / "db")
+    return Path(summary["package"]), summary, cfg, work

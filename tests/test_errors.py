@@ -1,0 +1,184 @@
+"""Bad input: a one-line error, a non-zero exit, nothing half-written."""
+
+import json
+import shutil
+
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import deploy
+import models
+from deploy import artifacts, cli
+from deploy.errors import StaleArtifactError
+
+from .conftest import HAS_GPU
+
+
+def run_cli(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def export_tiny(path, input_name="x"):
+    model = models.build("tiny_cnn", seed=0)
+    torch.onnx.export(model, (torch.randn(1, 3, 16, 16),), str(path), opset_version=17, dynamo=False,
+                      input_names=[input_name], output_names=["y"], dynamic_axes={input_name: {0: "n"}})
+
+
+def test_missing_onnx_file(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "export", "-m", tmp_path / "missing.onnx", "--workdir", tmp_path / "ws")
+    assert rc == 2 and "ONNX file not found" in error_line(err)
+    assert not (tmp_path / "ws").exists()
+
+
+def test_corrupt_onnx_file(capsys, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07this is not a protobuf" * 10)
+    rc, _, err = run_cli(capsys, "export", "-m", bad, "--input", "x:3x16x16", "--workdir", tmp_path / "ws")
+    assert rc == 2 and "corrupt or invalid ONNX file" in error_line(err)
+    assert not list((tmp_path / "ws").glob("export*")) if (tmp_path / "ws").exists() else True
+
+
+def test_unsupported_operators_are_listed_with_counts(capsys, tmp_path):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Swizzle", ["a"], ["b"], domain="com.example"),
+        helper.make_node("Swizzle", ["b"], ["c"], domain="com.example"),
+        helper.make_node("Swish", ["c"], ["y"]),
+    ]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("com.example", 1)])
+    path = tmp_path / "ops.onnx"
+    onnx.save(model, str(path))
+    ws = tmp_path / "ws"
+    assert run_cli(capsys, "export", "-m", path, "--input", "x:4", "--workdir", ws)[0] == 0
+    rc, _, err = run_cli(capsys, "frontend", "-m", path, "--input", "x:4", "--workdir", ws, "--target", "llvm")
+    line = error_line(err)
+    assert rc == 2
+    assert "2 ONNX operator type(s)" in line and "com.example.Swizzle x2" in line and "Swish x1" in line
+    assert not (ws / "frontend").exists()
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [("x:3x8x8", "dim 2 of input 'x'"), ("x:3x16x16:int64", "dtype of input 'x'"),
+     ("x:16x16", "rank of input 'x'"), ("z:3x16x16", "input names do not match"), ("x:3xAx16", "invalid --input")],
+)
+def test_wrong_shapes_dtypes_and_names(capsys, tmp_path, spec, message):
+    path = tmp_path / "net.onnx"
+    export_tiny(path)
+    rc, _, err = run_cli(capsys, "export", "-m", path, "--input", spec, "--workdir", tmp_path / "ws")
+    assert rc == 2 and message in error_line(err)
+    assert not (tmp_path / "ws" / "export").exists()
+
+
+def test_onnx_without_inputs_names_them(capsys, tmp_path):
+    path = tmp_path / "net.onnx"
+    export_tiny(path, input_name="pixels")
+    rc, _, err = run_cli(capsys, "export", "-m", path, "--workdir", tmp_path / "ws")
+    assert rc == 2 and "inputs pixels" in error_line(err)
+
+
+def test_bad_config_file(capsys, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\nsource = "tiny_cnn"\n[llvm]\nbucket = [1]\n')
+    rc, _, err = run_cli(capsys, "run", "-m", "tiny_cnn", "--config", cfg, "--workdir", tmp_path / "ws")
+    assert rc == 2 and "did you mean 'buckets'" in error_line(err)
+
+
+def test_unknown_model_and_bad_flags(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "run", "-m", "resnet5", "--workdir", tmp_path / "ws")
+    assert rc == 2 and "did you mean 'resnet50'" in error_line(err)
+    rc, _, err = run_cli(capsys, "run", "-m", "tiny_cnn", "--buckets", "1,x", "--workdir", tmp_path / "ws")
+    assert rc == 2 and "--buckets" in error_line(err)
+    rc, _, err = run_cli(capsys, "run", "-m", "tiny_cnn", "--precision", "int4", "--workdir", tmp_path / "ws")
+    assert rc == 2 and "fp32 or fp16" in error_line(err)
+    rc, _, err = run_cli(capsys, "run", "-m", "tiny_cnn", "--budget", "soon", "--workdir", tmp_path / "ws")
+    assert rc == 2 and "duration" in error_line(err)
+    rc, _, err = run_cli(capsys, "run", "-m", "tiny_cnn", "--checkpoint", tmp_path / "none.pt", "--workdir", tmp_path / "ws")
+    assert rc == 2 and "checkpoint not found" in error_line(err)
+    assert not (tmp_path / "ws" / "export").exists()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")
+def test_cuda_without_gpu(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "run", "-m", "tiny_cnn", "--target", "cuda", "--workdir", tmp_path / "ws")
+    assert rc == 2 and "no CUDA GPU" in error_line(err)
+
+
+def test_stage_without_predecessor(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "optimize", "-m", "tiny_cnn", "--target", "llvm", "--workdir", tmp_path / "ws")
+    assert rc == 2 and "no frontend artifact" in error_line(err)
+
+
+def test_tampered_package_is_never_loaded(capsys, tmp_path, tiny_package):
+    pkg = tmp_path / "pkg"
+    shutil.copytree(tiny_package[0], pkg)
+    with open(pkg / "b1.so", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(StaleArtifactError, match="b1.so"):
+        deploy.load(pkg)
+    rc, _, err = run_cli(capsys, "info", pkg)
+    assert rc == 2 and "does not match its manifest" in error_line(err)
+    (pkg / "manifest.json").unlink()
+    with pytest.raises(StaleArtifactError, match="did not finish"):
+        deploy.load(pkg)
+
+
+def test_package_from_another_tvm_is_refused(tmp_path, tiny_package):
+    pkg = tmp_path / "pkg"
+    shutil.copytree(tiny_package[0], pkg)
+    m = json.loads((pkg / "manifest.json").read_text())
+    m["versions"]["tvm"] = "0.26.0"
+    (pkg / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StaleArtifactError, match="another TVM version"):
+        deploy.load(pkg)
+
+
+def test_interrupted_stage_leaves_previous_artifact(tmp_path):
+    final = tmp_path / "stage"
+    with artifacts.staged_dir(final) as d:
+        (d / "a.txt").write_text("old")
+        artifacts.write_manifest(d, "demo", {})
+    with pytest.raises(KeyboardInterrupt):
+        with artifacts.staged_dir(final) as d:
+            (d / "a.txt").write_text("half")
+            raise KeyboardInterrupt
+    assert (final / "a.txt").read_text() == "old"
+    assert artifacts.read_manifest(final, "demo")["stage"] == "demo"
+    assert [p.name for p in tmp_path.iterdir()] == ["stage"]
+
+
+def test_frontend_artifact_from_another_onnx_is_stale(tmp_path, tiny_package):
+    from deploy import export, frontend
+
+    ws = tiny_package[0].parent
+    other = tmp_path / "export"
+    shutil.copytree(ws / "export", other)
+    with open(other / "model.onnx", "ab") as f:
+        f.write(b"\0")
+    m = json.loads((other / "manifest.json").read_text())
+    m["files"]["model.onnx"] = artifacts.sha256_file(other / "model.onnx")
+    (other / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StaleArtifactError, match="another ONNX file"):
+        frontend.load(ws / "frontend", export.load(other))
+
+
+def test_unsupported_ops_against_tvms_convert_map():
+    import collections
+
+    from deploy.frontend import unsupported_ops
+
+    assert unsupported_ops(collections.Counter({("ai.onnx", "Conv"): 3})) == {}
+    assert unsupported_ops(collections.Counter({("ai.onnx", "LSTM"): 2, ("ai.onnx", "Loop"): 1})) == {"LSTM": 2, "Loop": 1}

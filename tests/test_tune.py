@@ -1,0 +1,84 @@
+"""MetaSchedule on llvm: one small task, a handful of trials, then resumed.
+(The first TuneContext of a process imports TVM's tensor intrinsics: ~60 s here.)"""
+
+import json
+
+import pytest
+
+from deploy import tune
+from deploy.errors import DatabaseMismatchError
+
+from .conftest import make_config
+
+
+@pytest.fixture(scope="module")
+def tiny_opt(tiny_package):
+    from deploy import export, optimize
+
+    ws = tiny_package[0].parent
+    return export.load(ws / "export"), optimize.load(ws / "optimize")
+
+
+def _tune(cfg, target, exported, opt, db_root, folder, budget_s=None):
+    a = tune.run(cfg.llvm, target, opt, cfg.model.name, exported.inputs, db_root, folder, budget_s)
+    return json.loads((a.folder / "summary.json").read_text())["1"], a
+
+
+def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
+    exported, opt = tiny_opt
+    db_root = tmp_path / "db"
+    cfg = make_config(trials=2, trials_per_task=2, trials_per_iter=2, max_tasks=1)
+    s1, a1 = _tune(cfg, llvm_target, exported, opt, db_root, tmp_path / "t1")
+    (name,) = s1["tasks"]
+    assert s1["tasks_selected"] == 1 and s1["tasks_total"] > 1
+    assert s1["new_trials"] == 2 and s1["trials_after"] == 2
+    assert s1["tasks"][name]["best_us"] is not None
+    assert s1["valid_fraction"] == 1.0
+    db_dir = a1.databases[1]
+    key = json.loads((db_dir / "key.json").read_text())
+    assert key["precision"] == "fp32" and key["inputs"][0]["shape"] == [1, 3, 16, 16]
+    records = (db_dir / tune.RECORDS).read_text().splitlines()
+    assert len(records) == 2
+
+    # Same budget again: the task has reached it, nothing is redone.
+    s2, _ = _tune(cfg, llvm_target, exported, opt, db_root, tmp_path / "t2")
+    assert s2["new_trials"] == 0 and s2["trials_after"] == 2
+
+    # A killed run can leave a torn last line; it is dropped, records before it kept.
+    with open(db_dir / tune.RECORDS, "a") as f:
+        f.write('[0, ["torn')
+    # A larger budget resumes: only the missing trials run, on top of the old records.
+    cfg4 = make_config(trials=4, trials_per_task=4, trials_per_iter=2, max_tasks=1)
+    s3, _ = _tune(cfg4, llvm_target, exported, opt, db_root, tmp_path / "t3")
+    assert s3["trials_before"] == 2
+    assert s3["new_trials"] == 2 and s3["trials_after"] == 4
+    assert s3["tasks"][name]["best_us_before_run"] is not None
+
+
+def test_deadline_stops_cleanly(tmp_path, llvm_target, tiny_opt):
+    exported, opt = tiny_opt
+    cfg = make_config(trials=64, trials_per_task=32, trials_per_iter=2, max_tasks=1)
+    s, a = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t", budget_s=0.001)
+    assert s["new_trials"] == 0
+    assert (a.folder / "manifest.json").is_file()
+
+
+def test_database_for_another_target_is_refused(tmp_path, llvm_target, tiny_opt):
+    exported, opt = tiny_opt
+    cfg = make_config(trials=2, trials_per_task=2, max_tasks=1)
+    key = tune.database_key(cfg.model.name, exported.inputs, 1, cfg.llvm, llvm_target)
+    db_dir = tune.database_dir(tmp_path / "db", key, llvm_target)
+    db_dir.mkdir(parents=True)
+    other = dict(key, target={**key["target"], "arch": "sm_90", "kind": "cuda", "device": "NVIDIA H200"})
+    (db_dir / "key.json").write_text(json.dumps(other))
+    with pytest.raises(DatabaseMismatchError, match="made for another target"):
+        _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+
+
+def test_repair_jsonl(tmp_path):
+    p = tmp_path / "r.json"
+    p.write_text('[1, 2]\n[3, 4]\n[5, "cut')
+    assert tune.repair_jsonl(p) == 1
+    assert p.read_text() == "[1, 2]\n[3, 4]\n"
+    assert tune.repair_jsonl(p) == 0
