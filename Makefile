@@ -1,13 +1,14 @@
 # Two commands on a fresh machine:
 #   make tune MODEL=resnet50     the whole pipeline (creates .venv and installs the pins first)
 #   make test                    the test suite
-# Options: TARGET=auto|llvm|cuda|cuda:sm_90  PRECISION=fp32|fp16  BUCKETS=1,8,32
+# Options: TARGET=auto|llvm|cuda|cuda:sm_90  PRECISION=fp32|fp16  ACCUMULATE=fp32|fp16  BUCKETS=1,8,32
 #          TRIALS=N  BUDGET=10m  MAX_TASKS=N  WORKDIR=dir  EXTRA="--any --cli flags"
 # PYTHON=python3 uses that interpreter as it is (no venv), e.g. on the GPU machine.
 
 MODEL     ?= resnet50
 TARGET    ?=
 PRECISION ?=
+ACCUMULATE ?=
 BUCKETS   ?=
 TRIALS    ?=
 BUDGET    ?=
@@ -28,6 +29,7 @@ endif
 ARGS := --model $(MODEL) \
 	$(if $(TARGET),--target $(TARGET)) \
 	$(if $(PRECISION),--precision $(PRECISION)) \
+	$(if $(ACCUMULATE),--accumulate $(ACCUMULATE)) \
 	$(if $(BUCKETS),--buckets $(BUCKETS)) \
 	$(if $(TRIALS),--trials $(TRIALS)) \
 	$(if $(BUDGET),--budget $(BUDGET)) \

@@ -122,6 +122,8 @@ def run(
             "cuda_graph": bool(target.kind == "cuda" and profile.cuda_graph),
             "target": target.key(),
             "gpu": gpu_info(target),
+            # Without a CUDA driver at build time TVM embeds CUDA source, compiled when loaded.
+            "cuda_code": None if target.kind != "cuda" else ("binary" if target.has_device else "source"),
             "onnx_sha256": artifacts.sha256_file(exported.onnx_path),
             "buckets": buckets,
             "validation": None,

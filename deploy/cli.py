@@ -100,6 +100,7 @@ def prepare(args):
         target.kind,
         precision=_nonempty(args.precision),
         layout=_nonempty(args.layout),
+        accumulate=_nonempty(args.accumulate),
         buckets=list(buckets) if buckets else None,
         tune_buckets=list(tune_buckets) if tune_buckets else None,
         trials=args.trials,
@@ -176,6 +177,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="", help="auto (default), llvm, cuda, or cuda:sm_XY to cross-compile")
     p.add_argument("--precision", default="", help="fp32 or fp16")
     p.add_argument("--layout", default="", help="NCHW or NHWC")
+    p.add_argument("--accumulate", default="", help="fp32 or fp16: accumulator dtype of fp16 convolutions/matmuls")
     p.add_argument("--buckets", default="", help="batch buckets, e.g. 1,8,32")
     p.add_argument("--tune-buckets", default="", help="buckets to tune, e.g. 1")
     p.add_argument("--trials", type=int, help="total tuning trials per tuned bucket (0: no tuning)")

@@ -329,31 +329,48 @@ def tune_bucket(
             )
             for p, lg, s in zip(todo, loggers, seeds)
         ]
+        # A task whose design space cannot be generated (seen on the H200: a
+        # ScheduleError "not a stage pipeline" in compute-at for a fused
+        # NHWC fp16 conv) would abort the whole run from inside the task
+        # scheduler. Find those first and leave them to the default schedules.
+        kept = []
+        for p, ctx in zip(todo, contexts):
+            try:
+                ctx.generate_design_space()
+                kept.append((p, ctx))
+            except Exception as e:  # TVM raises ScheduleError/TVMError subclasses
+                reason = _first_line(str(e))
+                summary.setdefault("unschedulable", {})[p["name"]] = reason
+                log.warning("tune: %s: no design space (%s); left to default schedules", p["name"], reason)
+        todo, contexts = [p for p, _ in kept], [c for _, c in kept]
+        global_left = min(global_left, sum(p["left"] for p in todo))
         failures = work / "failures.jsonl"
         log.info(
             "tune: %s: %d of %d tasks to tune, %d trials (%d already in the database)",
             db_dir.name, len(todo), len(all_tasks), global_left, total_done,
         )
-        with tqdm(total=global_left, desc=f"tune b{key['inputs'][0]['shape'][0]}", unit="trial", dynamic_ncols=True) as bar:
-            ms.tune_tasks(
-                tasks=contexts,
-                task_weights=[float(p["task"].weight) for p in todo],
-                work_dir=str(logs),
-                max_trials_global=global_left,
-                max_trials_per_task=profile.trials_per_task,
-                num_trials_per_iter=profile.trials_per_iter,
-                builder=ms.builder.LocalBuilder(f_build=lean_build, timeout_sec=profile.builder_timeout_s),
-                runner=_runner(target, profile),
-                database=db,
-                cost_model="xgb",
-                measure_callbacks=[
-                    ms.measure_callback.AddToDatabase(),
-                    ms.measure_callback.RemoveBuildArtifact(),
-                    ms.measure_callback.UpdateCostModel(),
-                    _make_progress_callback([p["name"] for p in todo], stats, failures, bar),
-                ],
-                task_scheduler="gradient",
-            )
+        if todo and global_left > 0:
+            label = f"tune b{key['inputs'][0]['shape'][0]}"
+            with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True) as bar:
+                ms.tune_tasks(
+                    tasks=contexts,
+                    task_weights=[float(p["task"].weight) for p in todo],
+                    work_dir=str(logs),
+                    max_trials_global=global_left,
+                    max_trials_per_task=profile.trials_per_task,
+                    num_trials_per_iter=profile.trials_per_iter,
+                    builder=ms.builder.LocalBuilder(f_build=lean_build, timeout_sec=profile.builder_timeout_s),
+                    runner=_runner(target, profile),
+                    database=db,
+                    cost_model="xgb",
+                    measure_callbacks=[
+                        ms.measure_callback.AddToDatabase(),
+                        ms.measure_callback.RemoveBuildArtifact(),
+                        ms.measure_callback.UpdateCostModel(),
+                        _make_progress_callback([p["name"] for p in todo], stats, failures, bar),
+                    ],
+                    task_scheduler="gradient",
+                )
     elapsed = time.time() - started
     for p in plan:
         s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None})
