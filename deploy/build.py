@@ -5,8 +5,11 @@ exactly what it holds."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -40,10 +43,10 @@ def signature(func) -> tuple[list[dict], list[dict]]:
 
 def compile_module(mod, target: TargetInfo, profile: Profile):
     """Relax module (optimized, fused, tuning records applied) -> tvm Executable."""
-    from .tvm_compat import PassContext, dlight, dlight_gpu_rules, tvm
+    from .tvm_compat import PassContext, build_config, dlight, dlight_gpu_rules, tvm
 
     tvm_target = target.tvm_target()
-    config = {}
+    config = build_config(target.kind)
     if target.kind == "cuda" and profile.cuda_graph:
         config["relax.backend.use_cuda_graph"] = True
     with tvm_target, PassContext(opt_level=3, config=config):
@@ -60,6 +63,37 @@ def count_scheduled(mod) -> tuple[int, int]:
     return tuned, len(funcs)
 
 
+def _build_bucket(job) -> tuple[dict, list[dict]]:
+    """Compile one bucket's module into a .so (runs in a worker process)."""
+    from .tune import database_digest, open_database
+    from .tvm_compat import load_json, relax
+
+    module_path, target, profile, db, out = job
+    mod = load_json(Path(module_path).read_text())
+    params_sig, outs = signature(mod["main"])
+    db_info = None
+    with target.tvm_target():
+        if db is not None:
+            database = open_database(Path(db[0]), db[1], create=False)
+            if database is not None:
+                db_info = {"path": db[0], "digest": database_digest(Path(db[0]))}
+                with database:
+                    mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+        n_tuned, n_funcs = count_scheduled(mod)
+    t0 = time.time()
+    compile_module(mod, target, profile).export_library(out)
+    info = {
+        "file": Path(out).name,
+        "sha256": artifacts.sha256_file(out),
+        "kernels": n_funcs,
+        "tuned_kernels": n_tuned,
+        "database": db_info,
+        "compile_seconds": round(time.time() - t0, 1),
+        "input_shapes": [p["shape"] for p in params_sig],
+    }
+    return info, outs
+
+
 def run(
     profile: Profile,
     target: TargetInfo,
@@ -71,43 +105,28 @@ def run(
     model: str,
 ) -> PackageArtifact:
     """`databases` maps buckets to tuning databases (a bucket without one is
-    built from default schedules)."""
-    from .tune import database_digest, open_database
-    from .tvm_compat import relax
-
-    buckets = {}
-    outputs_sig = None
+    built from default schedules). Buckets are compiled in parallel processes
+    (each ResNet-50 bucket takes about a minute of single-threaded compile)."""
+    jobs = []
     with artifacts.staged_dir(folder) as tmp:
         for bucket in profile.buckets:
-            mod = opt.load_module(bucket)
-            params_sig, outs = signature(mod["main"])
+            db = (str(databases[bucket]), db_keys[bucket]) if bucket in databases else None
+            jobs.append((str(opt.modules[bucket]), target, profile, db, str(tmp / f"b{bucket}.so")))
+        workers = min(len(jobs), max(1, (os.cpu_count() or 1)))
+        if workers > 1:
+            ctx = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+                results = list(pool.map(_build_bucket, jobs))
+        else:
+            results = [_build_bucket(j) for j in jobs]
+        buckets, outputs_sig = {}, None
+        for bucket, (info, outs) in zip(profile.buckets, results):
             outputs_sig = outs
-            db, db_info = None, None
-            if bucket in databases:
-                db = open_database(databases[bucket], db_keys[bucket], create=False)
-                if db is not None:
-                    db_info = {"path": str(databases[bucket]), "digest": database_digest(databases[bucket])}
-            with target.tvm_target():
-                applied = mod
-                if db is not None:
-                    with db:
-                        applied = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
-                n_tuned, n_funcs = count_scheduled(applied)
-            t0 = time.time()
-            ex = compile_module(applied, target, profile)
-            name = f"b{bucket}.so"
-            ex.export_library(str(tmp / name))
-            seconds = time.time() - t0
-            log.info("build: bucket %d: %d of %d kernels tuned, compiled in %.1f s", bucket, n_tuned, n_funcs, seconds)
-            buckets[str(bucket)] = {
-                "file": name,
-                "sha256": artifacts.sha256_file(tmp / name),
-                "kernels": n_funcs,
-                "tuned_kernels": n_tuned,
-                "database": db_info,
-                "compile_seconds": round(seconds, 1),
-                "input_shapes": [p["shape"] for p in params_sig],
-            }
+            buckets[str(bucket)] = info
+            log.info(
+                "build: bucket %d: %d of %d kernels tuned, compiled in %.1f s",
+                bucket, info["tuned_kernels"], info["kernels"], info["compile_seconds"],
+            )
         manifest = {
             "model": model,
             "inputs": [

@@ -105,10 +105,13 @@ def repair_jsonl(path: Path) -> int:
 
 
 def open_database(folder: Path, key: dict, create: bool):
-    from .tvm_compat import ms
+    from .tvm_compat import ms, register_tensor_intrinsics
 
     folder = Path(folder)
     check_key(folder, key)
+    # Records of tensorized schedules name TVM's tensor intrinsics, which must
+    # be registered before the records are parsed.
+    register_tensor_intrinsics()
     if not create and not (folder / RECORDS).is_file():
         return None
     folder.mkdir(parents=True, exist_ok=True)
@@ -153,12 +156,16 @@ def lean_build(mod, target, _params):
     """MetaSchedule's default build minus its `import tvm.s_tir.tensor_intrin`,
     which parses ~500 TVMScript functions (40-75 s) in every fresh worker pool
     and ran past the builder's time-out. Candidates arrive already tensorized,
-    so the workers do not need the intrinsics registered."""
+    so the workers do not need the intrinsics registered. On CUDA it builds
+    with the same pass config as the final compile (see CUDA_BUILD_CONFIG)."""
     import tvm
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
-    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return tvm.tirx.build(mod, target=target)
+    from deploy.tvm_compat import build_config
+
+    with tvm.transform.PassContext(config=build_config(target.kind.name)):
+        mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+        return tvm.tirx.build(mod, target=target)
 
 
 def _first_line(msg: str) -> str:
@@ -202,6 +209,37 @@ def _make_deadline_search(deadline: float | None, budget: int):
             return _make_deadline_search(deadline, budget)
 
     return DeadlineSearch()
+
+
+def _design_space(task_mod, target, seed: int, attempts: int = 8):
+    """MetaSchedule's default design space (post-order-apply of the target's
+    rules), generated once and reused. Generation samples tile sizes, and in
+    TVM 0.27 some samples make `compute-at` raise a ScheduleError ("not a
+    stage pipeline"; seen on ResNet-50's 3x3 256-channel NHWC fp16 conv), which
+    would abort the whole tuning run from inside the task scheduler. So it is
+    retried with other seeds, and a task that fails every time is left out."""
+    from .tvm_compat import ms
+
+    cache: dict = {}
+
+    def sch_fn(_sch):
+        if "spaces" not in cache:
+            error = None
+            for attempt in range(attempts):
+                ctx = ms.TuneContext(
+                    mod=task_mod, target=target, space_generator="post-order-apply", rand_state=seed + 7919 * attempt
+                )
+                try:
+                    cache["spaces"] = list(ctx.generate_design_space())
+                    cache["attempts"] = attempt + 1
+                    break
+                except Exception as e:  # ScheduleError / TVMError
+                    error = e
+            else:
+                raise error
+        return cache["spaces"]
+
+    return ms.space_generator.ScheduleFn(sch_fn), cache
 
 
 def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, bar):
@@ -320,7 +358,7 @@ def tune_bucket(
             ms.TuneContext(
                 mod=p["task"].dispatched[0],
                 target=tvm_target,
-                space_generator="post-order-apply",
+                space_generator=_design_space(p["task"].dispatched[0], tvm_target, s)[0],
                 search_strategy=_make_deadline_search(deadline, p["left"]),
                 task_name=p["name"],
                 logger=lg,
@@ -329,10 +367,8 @@ def tune_bucket(
             )
             for p, lg, s in zip(todo, loggers, seeds)
         ]
-        # A task whose design space cannot be generated (seen on the H200: a
-        # ScheduleError "not a stage pipeline" in compute-at for a fused
-        # NHWC fp16 conv) would abort the whole run from inside the task
-        # scheduler. Find those first and leave them to the default schedules.
+        # Generate (and cache) each design space before tuning: a task whose
+        # space cannot be generated is left to the default schedules.
         kept = []
         for p, ctx in zip(todo, contexts):
             try:

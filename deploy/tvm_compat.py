@@ -50,3 +50,24 @@ def dlight_cpu_rules() -> list:
     return [c.GEMV(), c.Reduction()]
 
 from tvm.ir.utils import derived_object  # noqa: E402,F401  (Python subclasses of MetaSchedule objects)
+
+
+def register_tensor_intrinsics() -> None:
+    """Register TVM's tensor intrinsics (wmma, mma, ...): parsing them takes
+    20 to 70 s, so this is done only where needed, once per process."""
+    import tvm.s_tir.tensor_intrin  # noqa: F401
+
+
+# TVM 0.27's StorageRewrite reuses a dead fp16 shared-memory tile for a
+# tensor-core kernel's fp32 accumulator tile (its allocator ignores dtypes),
+# leaving a tvm_access_ptr typed float32 over a float16 buffer; LowerIntrin then
+# rejects the build ("tvm_access_ptr element type must match the source
+# buffer"). That failed 53 to 62 of every 64 MetaSchedule candidates with fp32
+# accumulation on the H200. `merge_static_smem` turns that reuse off, and the
+# later shared-memory merge pass types the pointers correctly. It must be set
+# both where candidates are built and where the final module is compiled.
+CUDA_BUILD_CONFIG = {"tirx.merge_static_smem": True}
+
+
+def build_config(target_kind: str) -> dict:
+    return dict(CUDA_BUILD_CONFIG) if target_kind == "cuda" else {}

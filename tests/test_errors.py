@@ -119,7 +119,7 @@ def test_cuda_without_gpu(capsys, tmp_path):
 
 def test_stage_without_predecessor(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "optimize", "-m", "tiny_cnn", "--target", "llvm", "--workdir", tmp_path / "ws")
-    assert rc == 2 and "no frontend artifact" in error_line(err)
+    assert rc == 2 and "no export artifact" in error_line(err) and "run it first" in error_line(err)
 
 
 def test_tampered_package_is_never_loaded(capsys, tmp_path, tiny_package):
