@@ -37,7 +37,7 @@ ARGS := --model $(MODEL) \
 	$(if $(WORKDIR),--workdir $(WORKDIR)) \
 	$(EXTRA)
 
-.PHONY: tune test install clean
+.PHONY: tune profile test install clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,6 +50,9 @@ install: $(DEPS)
 
 tune: $(DEPS)
 	$(PY) -m deploy run $(ARGS)
+
+profile: $(DEPS)
+	$(PY) -m deploy profile $(ARGS)
 
 test: $(DEPS)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

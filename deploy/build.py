@@ -29,16 +29,17 @@ class PackageArtifact:
     manifest: dict
 
 
+def tensor_types(ty) -> list[dict]:
+    """Shapes and dtypes of a Relax tensor type, or of each tensor in a tuple type."""
+    if hasattr(ty, "fields"):
+        return [t for f in ty.fields for t in tensor_types(f)]
+    return [{"shape": [int(d) for d in ty.shape.values], "dtype": str(ty.dtype)}]
+
+
 def signature(func) -> tuple[list[dict], list[dict]]:
     """Shapes and dtypes of a Relax function's parameters and results."""
-
-    def tensors(ty) -> list[dict]:
-        if hasattr(ty, "fields"):
-            return [t for f in ty.fields for t in tensors(f)]
-        return [{"shape": [int(d) for d in ty.shape.values], "dtype": str(ty.dtype)}]
-
-    params = [t for p in func.params for t in tensors(p.ty)]
-    return params, tensors(func.ret_ty)
+    params = [t for p in func.params for t in tensor_types(p.ty)]
+    return params, tensor_types(func.ret_ty)
 
 
 def compile_module(mod, target: TargetInfo, profile: Profile):

@@ -2,6 +2,7 @@
 
   run        the whole pipeline (what `make tune` calls)
   export     frontend  optimize  tune  build  validate   one stage each
+  profile    per-kernel times of one bucket (after build)
   info       print a package's manifest summary
 
 A user error prints one line ("error: what | got ... | expected ...") and
@@ -21,7 +22,7 @@ from . import config as config_mod
 from .errors import ConfigError, DeployError
 
 log = logging.getLogger("deploy")
-STAGES = ("export", "frontend", "optimize", "tune", "build", "validate")
+STAGES = ("export", "frontend", "optimize", "tune", "build", "validate", "profile")
 
 
 def _input_spec(text: str) -> config_mod.InputSpec:
@@ -155,6 +156,18 @@ def cmd_stage(args) -> int:
         existing = {b: d for b, d in dirs.items() if (d / tune.RECORDS).is_file()}
         a = build.run(profile, target, ex, optimize.load(ws.optimize), existing, keys, ws.package, cfg.model.name)
         print(f"build: package {a.folder}")
+    elif stage == "profile":
+        from . import profile as profile_mod
+
+        ex = export.load(ws.export)
+        bucket = args.bucket or profile.tune_buckets[0]
+        if bucket not in profile.buckets:
+            raise ConfigError("--bucket is not one of the built buckets", bucket, list(profile.buckets))
+        keys, dirs = db_keys(cfg, profile, target, ex.inputs, db_root)
+        db = (dirs[bucket], keys[bucket]) if (dirs[bucket] / tune.RECORDS).is_file() else None
+        rep = profile_mod.run(profile, target, optimize.load(ws.optimize), db, bucket, ws.profile, iters=args.iters)
+        print(profile_mod.format_report(rep, top=15), end="")
+        print(f"profile: full report in {ws.profile / 'profile.md'}")
     elif stage == "validate":
         rep = validate.run(cfg, getattr(cfg.tolerance, profile.precision), ws.package, export.load(ws.export), cfg.model.seed)
         print(f"validate: passed, worst rel_l2 {rep['worst_rel_l2']:.1e}")
@@ -202,6 +215,9 @@ def parser() -> argparse.ArgumentParser:
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"run the {stage} stage alone")
         _add_common(p)
+        if stage == "profile":
+            p.add_argument("--bucket", type=int, help="bucket to profile (default: the first tuned bucket)")
+            p.add_argument("--iters", type=int, default=20)
         p.set_defaults(func=cmd_stage)
     p = sub.add_parser("info", help="check a package and print its manifest summary")
     p.add_argument("package")

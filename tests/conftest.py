@@ -43,6 +43,8 @@ def make_config(source: str = "tiny_cnn", **profile):
 
     table = {"buckets": [1, 4], "tune_buckets": [1], "trials": 0, "budget": ""}
     table.update(profile)
+    if "buckets" in profile and "tune_buckets" not in profile:
+        table["tune_buckets"] = [min(profile["buckets"])]
     return config.from_dict({"model": {"source": source, "seed": 0}, "llvm": table})
 
 

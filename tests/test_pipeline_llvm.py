@@ -115,3 +115,75 @@ def test_fp16_nhwc_on_llvm(tmp_path, llvm_target):
     assert phases == ["input", "fold_batchnorm", "inference", "constant_folding", "layout", "mixed_precision", "fusion"]
     assert m["report"]["2"][-2]["ops"].get("astype", 0) > 0
     assert len(list((tmp_path / "ws" / "optimize" / "ir" / "b2").glob("*.py"))) == 6
+
+
+def test_batchnorm_is_folded_into_conv(tmp_path, llvm_target):
+    """An ONNX graph with an explicit BatchNormalization (PyTorch's exporter
+    folds it already, other exporters do not): the fold_batchnorm phase removes it."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from deploy import config, export, frontend, optimize
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype("float32"), "w"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, 8).astype("float32"), "scale"),
+        numpy_helper.from_array(rng.standard_normal(8).astype("float32"), "bias"),
+        numpy_helper.from_array(rng.standard_normal(8).astype("float32") * 0.1, "mean"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, 8).astype("float32"), "var"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8, 8, 8])], inits)
+    path = tmp_path / "bn.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    cfg = config.from_dict({"model": {"source": str(path), "inputs": [{"name": "x", "shape": [3, 8, 8]}]},
+                            "llvm": {"buckets": [2], "tune_buckets": [2], "trials": 0}})
+    ex = export.run(cfg, tmp_path / "export")
+    fe = frontend.run(cfg.llvm, ex, tmp_path / "frontend")
+    opt = optimize.run(cfg.llvm, llvm_target, fe, tmp_path / "optimize")
+    report = {e["phase"]: e["ops"] for e in opt.manifest["report"]["2"]}
+    assert report["input"].get("nn.batch_norm") == 1
+    assert "nn.batch_norm" not in report["fold_batchnorm"]
+    summary = pipeline.run(cfg, llvm_target, tmp_path / "ws", db_root=tmp_path / "db")
+    assert summary["validation"]["passed"]
+
+
+def test_validation_failure_is_reported(tmp_path, tiny_package):
+    """A tolerance no build can meet: the run fails with a per-output report."""
+    import dataclasses
+    import shutil
+
+    from deploy import config, export, validate
+    from deploy.errors import ToleranceError
+
+    folder, _, cfg, _ = tiny_package
+    pkg = tmp_path / "package"
+    shutil.copytree(folder, pkg)
+    strict = config.Tolerance(rtol=0.0, atol=0.0, max_rel_l2=0.0)
+    with pytest.raises(ToleranceError, match=r"bucket 1 output 'output' vs onnxruntime"):
+        validate.run(cfg, strict, pkg, export.load(folder.parent / "export"))
+    m = json.loads((pkg / "manifest.json").read_text())
+    assert m["validation"]["passed"] is False and m["validation"]["failures"]
+    report = json.loads((pkg / "validation.json").read_text())
+    assert report["buckets"]["4"]["pytorch"]["output"]["passed"] is False
+    assert dataclasses.asdict(strict) == report["tolerance"]
+
+
+def test_per_kernel_profile(tmp_path, tiny_package, llvm_target):
+    from deploy import optimize, profile
+
+    folder, _, cfg, _ = tiny_package
+    opt = optimize.load(folder.parent / "optimize")
+    rep = profile.run(cfg.llvm, llvm_target, opt, None, 4, tmp_path / "profile", iters=3)
+    names = {k["kernel"] for k in rep["kernels"]}
+    assert any("conv2d" in n for n in names) and any("matmul" in n for n in names)
+    assert abs(sum(k["share"] for k in rep["kernels"]) - 1.0) < 1e-6
+    conv = next(k for k in rep["kernels"] if "conv2d" in k["kernel"])
+    assert conv["flops"] > 0 and conv["gflops_per_s"] > 0 and conv["calls_per_run"] >= 1
+    assert (tmp_path / "profile" / "profile.md").read_text().count("|") > 10
+    assert profile.load(tmp_path / "profile")["bucket"] == 4
