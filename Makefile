@@ -37,7 +37,7 @@ ARGS := --model $(MODEL) \
 	$(if $(WORKDIR),--workdir $(WORKDIR)) \
 	$(EXTRA)
 
-.PHONY: tune profile test install clean
+.PHONY: tune profile bench test install clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,6 +50,9 @@ install: $(DEPS)
 
 tune: $(DEPS)
 	$(PY) -m deploy run $(ARGS)
+
+bench: $(DEPS)
+	$(PY) -m deploy bench $(ARGS)
 
 profile: $(DEPS)
 	$(PY) -m deploy profile $(ARGS)

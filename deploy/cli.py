@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 from . import config as config_mod
-from .errors import ConfigError, DeployError
+import numpy as np
+
+from .errors import ConfigError, DeployError, InputFileError
 
 log = logging.getLogger("deploy")
 STAGES = ("export", "frontend", "optimize", "tune", "build", "validate", "profile")
@@ -174,6 +176,61 @@ def cmd_stage(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import tempfile
+
+    from . import bench, export
+    from .export import is_onnx_source
+    from .pipeline import Workspace
+    from .validate import references
+
+    cfg, target, workdir, db_root = prepare(args)
+    profile = cfg.profile(target.kind)
+    ws = Workspace(workdir)
+    ex = export.load(ws.export)
+    names = tuple(n.strip() for n in args.runners.split(",") if n.strip())
+    factory = None
+    if not is_onnx_source(cfg.model.source):
+        factory = lambda: export.build_torch_model(cfg)  # noqa: E731
+    tmpdir = Path(tempfile.mkdtemp(prefix="bench-"))
+    report = {"model": cfg.model.name, "target": target.key(), "environment": bench.environment(), "cases": [],
+              "command": "tvm-deploy " + " ".join(sys.argv[1:])}
+    for batch in profile.buckets:
+        rng = np.random.default_rng(cfg.model.seed + 1000 + batch)
+        inputs = [rng.standard_normal((batch, *i.shape)).astype(i.dtype) for i in ex.inputs]
+        reference = references(cfg, ex, inputs)["onnxruntime"]
+        make16 = None
+        if factory is not None:
+            make16 = lambda xs, b=batch: bench.fp16_onnx(factory, xs, cfg.model.opset, tmpdir / f"fp16_b{b}.onnx")  # noqa: E731
+        runners = bench.make_runners(
+            names, package=ws.package, untuned=ws.untuned, onnx_path=ex.onnx_path,
+            input_names=[i.name for i in ex.inputs], factory=factory, precision=profile.precision,
+            compile_mode=args.compile_mode, fp16_onnx_path=make16,
+        )
+        baselines = [
+            bench.load_baseline(Path(b), cfg.model.name, batch, list(ex.inputs[0].shape), profile.precision)
+            for b in args.baseline or [] if _baseline_batch(Path(b)) == batch
+        ]
+        report["cases"].append(bench.case(batch, profile.precision, runners, inputs, reference, cfg.tolerance,
+                                          args.warmup, args.iters, baselines))
+    out = Path(args.out) if args.out else ws.bench
+    bench.write(report, out)
+    print(bench.markdown(report), end="")
+    print(f"bench: {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
+    return 0
+
+
+def _baseline_batch(path: Path) -> int | None:
+    import json
+
+    if not path.is_file():
+        raise InputFileError("baseline file not found", str(path))
+    try:
+        return json.loads(path.read_text()).get("batch")
+    except json.JSONDecodeError as e:
+        raise InputFileError(f"baseline {path} is not valid JSON", str(e)) from None
+
+
 def cmd_info(args) -> int:
     import json
 
@@ -219,6 +276,15 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--bucket", type=int, help="bucket to profile (default: the first tuned bucket)")
             p.add_argument("--iters", type=int, default=20)
         p.set_defaults(func=cmd_stage)
+    p = sub.add_parser("bench", help="latency diff of the package against the other runtimes")
+    _add_common(p)
+    p.add_argument("--runners", default=",".join(("tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-fp16", "torch-compile", "tensorrt")))
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode")
+    p.add_argument("--baseline", action="append", help="baseline.json of a TensorRT run measured elsewhere (repeatable)")
+    p.add_argument("--out", help="results folder (default <workdir>/bench)")
+    p.set_defaults(func=cmd_bench)
     p = sub.add_parser("info", help="check a package and print its manifest summary")
     p.add_argument("package")
     p.set_defaults(func=cmd_info)

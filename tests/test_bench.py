@@ -1,0 +1,134 @@
+"""The latency diff on the CPU: runners on a tiny model, the trtexec parsers
+on samples written from trtexec's documented output, and the report."""
+
+import json
+
+import numpy as np
+import pytest
+
+from deploy import bench, export, validate
+from deploy.errors import ConfigError, InputFileError
+
+TRTEXEC_LOG = """\
+[11/29/2026-10:12:00] [I] === Model Options ===
+[11/29/2026-10:12:00] [I] Format: ONNX
+[11/29/2026-10:12:00] [I] Model: resnet50_fp16.onnx
+[11/29/2026-10:12:01] [I] === Performance summary ===
+[11/29/2026-10:12:01] [I] Throughput: 2113.56 qps
+[11/29/2026-10:12:01] [I] Latency: min = 0.458496 ms, max = 0.640869 ms, mean = 0.471163 ms, median = 0.469971 ms, percentile(90%) = 0.476074 ms, percentile(95%) = 0.479004 ms, percentile(99%) = 0.489746 ms
+[11/29/2026-10:12:01] [I] Enqueue Time: min = 0.00292969 ms, max = 0.0231934 ms, mean = 0.00340739 ms, median = 0.00317383 ms, percentile(90%) = 0.00390625 ms, percentile(95%) = 0.00415039 ms, percentile(99%) = 0.00585938 ms
+[11/29/2026-10:12:01] [I] H2D Latency: min = 0 ms, max = 0 ms, mean = 0 ms, median = 0 ms, percentile(90%) = 0 ms, percentile(95%) = 0 ms, percentile(99%) = 0 ms
+[11/29/2026-10:12:01] [I] GPU Compute Time: min = 0.456543 ms, max = 0.638916 ms, mean = 0.469210 ms, median = 0.468018 ms, percentile(90%) = 0.474121 ms, percentile(95%) = 0.477051 ms, percentile(99%) = 0.487793 ms
+[11/29/2026-10:12:01] [I] D2H Latency: min = 0 ms, max = 0 ms, mean = 0 ms, median = 0 ms, percentile(90%) = 0 ms, percentile(95%) = 0 ms, percentile(99%) = 0 ms
+[11/29/2026-10:12:01] [I] Total Host Walltime: 3.00161 s
+[11/29/2026-10:12:01] [I] Total GPU Compute Time: 2.98877 s
+"""
+
+
+def trtexec_times(n=50):
+    rng = np.random.default_rng(0)
+    out, t = [], 0.0
+    for _ in range(n):
+        c = 0.46 + float(rng.uniform(0, 0.03))
+        out.append({"startEnqMs": t, "endEnqMs": t + 0.003, "startComputeMs": t + 0.003, "endComputeMs": t + 0.003 + c,
+                    "computeMs": c, "latencyMs": c})
+        t += c + 0.001
+    return out
+
+
+def test_percentiles():
+    t = bench.percentiles([1.0] * 98 + [5.0, 10.0], batch=8)
+    assert t["p50_ms"] == 1.0 and t["p99_ms"] > 5 and t["max_ms"] == 10.0
+    assert t["throughput_per_s"] == pytest.approx(8000.0)
+
+
+def test_trtexec_summary_prefers_gpu_compute_time():
+    s = bench.parse_trtexec_summary(TRTEXEC_LOG)
+    assert s["p50_ms"] == pytest.approx(0.468018) and s["p99_ms"] == pytest.approx(0.487793)
+    assert s["qps"] == pytest.approx(2113.56)
+    only_latency = "\n".join(ln for ln in TRTEXEC_LOG.splitlines() if "GPU Compute" not in ln)
+    assert bench.parse_trtexec_summary(only_latency)["p50_ms"] == pytest.approx(0.469971)
+    with pytest.raises(InputFileError):
+        bench.parse_trtexec_summary("[I] nothing here")
+
+
+def test_trtexec_times():
+    data = trtexec_times()
+    ms = bench.parse_trtexec_times(data)
+    assert len(ms) == 50 and all(0.46 <= m <= 0.49 for m in ms)
+    with pytest.raises(InputFileError):
+        bench.parse_trtexec_times([])
+
+
+def _baseline(tmp_path, **meta):
+    (tmp_path / "times.json").write_text(json.dumps(trtexec_times()))
+    (tmp_path / "trtexec.log").write_text(TRTEXEC_LOG)
+    m = {"name": "tensorrt-10-h200", "model": "resnet50", "batch": 1, "input_shape": [3, 224, 224],
+         "precision": "fp16", "gpu": "NVIDIA H200", "times": "times.json", "summary": "trtexec.log", **meta}
+    p = tmp_path / "baseline.json"
+    p.write_text(json.dumps(m))
+    return p
+
+
+def test_baseline_is_loaded_and_mismatches_refused(tmp_path):
+    p = _baseline(tmp_path)
+    b = bench.load_baseline(p, "resnet50", 1, [3, 224, 224], "fp16")
+    assert b["kind"] == "tensorrt" and b["timing"]["iterations"] == 50 and b["timing"]["trtexec_qps"] == 2113.56
+    for args, what in [(("mobilenet_v2", 1, [3, 224, 224], "fp16"), "model"), (("resnet50", 8, [3, 224, 224], "fp16"), "batch"),
+                       (("resnet50", 1, [3, 224, 224], "fp32"), "precision"), (("resnet50", 1, [3, 112, 112], "fp16"), "input_shape")]:
+        with pytest.raises(ConfigError, match=f"another {what}"):
+            bench.load_baseline(p, *args)
+    with pytest.raises(InputFileError):
+        bench.load_baseline(tmp_path / "none.json", "resnet50", 1, [3, 224, 224], "fp16")
+
+
+def test_runners_on_a_tiny_model(tmp_path, tiny_package):
+    folder, _, cfg, _ = tiny_package
+    ex = export.load(folder.parent / "export")
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((4, 3, 16, 16)).astype("float32")]
+    reference = validate.references(cfg, ex, inputs)["onnxruntime"]
+    factory = lambda: export.build_torch_model(cfg)  # noqa: E731
+    runners = bench.make_runners(
+        ["tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-fp16", "tensorrt"],
+        package=folder, untuned=folder.parent / "no-untuned", onnx_path=ex.onnx_path, input_names=["input"],
+        factory=factory, precision="fp32", compile_mode="default", fp16_onnx_path=None,
+    )
+    wrong = bench.TorchRunner("torch-other-weights", lambda: __import__("models").build("tiny_cnn", seed=7))
+    case = bench.case(4, "fp32", runners + [wrong], inputs, reference, cfg.tolerance, warmup=2, iters=10)
+    rows = {r["name"]: r for r in case["runners"]}
+    for name in ("tvm", "onnxruntime-cpu", "torch-eager"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["check"]["passed"] and rows[name]["timing"]["iterations"] == 10
+    assert rows["tvm-untuned"]["status"] == "skipped" and "make tune" in rows["tvm-untuned"]["reason"]
+    assert rows["tensorrt-fp32"]["status"] == "skipped" and "tensorrt" in rows["tensorrt-fp32"]["reason"]
+    assert rows["torch-eager-fp16"]["status"] == "skipped"
+    assert rows["torch-other-weights"]["check"]["passed"] is False  # fast but wrong is flagged
+
+    report = {"model": "tiny_cnn", "target": {}, "environment": bench.environment(), "cases": [case]}
+    md = bench.markdown(report)
+    assert "**differ**" in md and "skipped: tensorrt is not importable" in md and "tvm speed-up" in md
+    with pytest.raises(ConfigError, match="unknown runner"):
+        bench.make_runners(["tvm", "tflite"], package=folder, untuned=folder, onnx_path=ex.onnx_path, input_names=["input"],
+                           factory=factory, precision="fp32", compile_mode="default", fp16_onnx_path=None)
+
+
+def test_report_and_plot_from_a_results_file(tmp_path):
+    """A results file as an H200 run writes it, with a TensorRT baseline row."""
+    def row(name, kind, p50):
+        return {"name": name, "kind": kind, "status": "ok", "reason": None, "setup_s": 1.0, "check": {"passed": True, "rel_l2": 1e-3},
+                "timing": bench.percentiles([p50] * 20, 1)}
+
+    report = {"model": "resnet50", "target": {"kind": "cuda"}, "environment": {"gpu": "NVIDIA H200"}, "cases": [{
+        "batch": 1, "precision": "fp16", "warmup": 20, "iterations": 20, "runners": [
+            row("tvm", "tvm", 2.0), row("torch-compile-max-autotune", "pytorch", 1.0), row("tensorrt-baseline", "tensorrt", 0.5),
+            {"name": "tensorrt-fp16", "kind": "tensorrt", "status": "skipped", "reason": "tensorrt is not importable", "setup_s": None,
+             "check": None, "timing": None}]}]}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(report))
+    bench.write(json.loads(path.read_text()), tmp_path / "out")
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| tvm | 2.000 |" in md and "4.00x |" in md  # TVM vs the TensorRT baseline
+    assert "vs TensorRT" in md and "skipped: tensorrt is not importable" in md
+    png = (tmp_path / "out" / "results.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
