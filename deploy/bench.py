@@ -12,7 +12,6 @@ flagged. A runner that cannot run here is reported with its reason.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import platform

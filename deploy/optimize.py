@@ -91,7 +91,7 @@ def op_counts(mod) -> dict[str, int]:
                 else:
                     counts[expr.op.name.removeprefix("relax.")] += 1
 
-    for gv, func in mod.functions.items():
+    for func in mod.functions.values():
         if isinstance(func, relax.Function):
             relax.analysis.post_order_visit(func.body, visit)
     return dict(sorted(counts.items()))

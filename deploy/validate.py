@@ -70,6 +70,8 @@ def run(cfg: Config, tolerance: Tolerance, package_dir: Path, exported: ExportAr
         outs = predictor.run_bucket(bucket, inputs)
         entry = {}
         for ref_name, refs in references(cfg, exported, inputs).items():
+            if len(refs) != len(outs):
+                failures.append(f"bucket {bucket}: {len(outs)} output(s) vs {len(refs)} from {ref_name}")
             per_out = {}
             for spec, o, r in zip(predictor.outputs, outs, refs):
                 res = compare(o, r, tolerance)

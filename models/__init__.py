@@ -18,7 +18,7 @@ import dataclasses
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn

@@ -7,7 +7,6 @@ import pytest
 
 from deploy import pipeline, targets
 
-from .conftest import make_config
 
 
 def test_cross_compile_sm90(tmp_path):
