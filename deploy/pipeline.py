@@ -87,7 +87,9 @@ def run(
     front = timed("frontend", frontend.run, profile, exported, ws.frontend)
     opt = timed("optimize", optimize.run, profile, target, front, ws.optimize, dump_ir=dump_ir)
     tune_summary = None
-    if profile.trials > 0 and profile.tune_buckets:
+    if profile.trials > 0 and profile.tune_buckets and not target.has_device:
+        log.warning("tune: skipped, no %s device here to measure candidates on (existing databases are still used)", target.kind)
+    elif profile.trials > 0 and profile.tune_buckets:
         tuned = timed(
             "tune", tune.run, profile, target, opt, cfg.model.name, exported.inputs, db_root, ws.tune, budget_s,
             cfg.model.seed,

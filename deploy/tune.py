@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import artifacts
 from .config import InputSpec, Profile
-from .errors import DatabaseMismatchError
+from .errors import DatabaseMismatchError, TargetError
 from .optimize import OptimizeArtifact
 from .targets import TargetInfo
 
@@ -446,6 +446,11 @@ def run(
     budget_s: float | None,
     seed: int = 0,
 ) -> TuneArtifact:
+    if not target.has_device:
+        raise TargetError(
+            f"cannot tune for {target.kind} {target.arch} here: candidates are measured on the device", "no device",
+            "the machine with that GPU (databases made there are used by a cross-compiling build)",
+        )
     deadline = None if budget_s is None else time.time() + budget_s
     with artifacts.staged_dir(folder) as tmp:
         summaries, dbs = {}, {}
