@@ -192,6 +192,10 @@ def cmd_bench(args) -> int:
     factory = None
     if not is_onnx_source(cfg.model.source):
         factory = lambda: export.build_torch_model(cfg)  # noqa: E731
+    for b in args.baseline or []:
+        if _baseline_batch(Path(b)) not in profile.buckets:
+            raise ConfigError(f"baseline {b} is for a batch that is not benchmarked", _baseline_batch(Path(b)),
+                              list(profile.buckets))
     tmpdir = Path(tempfile.mkdtemp(prefix="bench-"))
     report = {"model": cfg.model.name, "target": target.key(), "environment": bench.environment(), "cases": [],
               "command": "tvm-deploy " + " ".join(sys.argv[1:])}

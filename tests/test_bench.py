@@ -132,3 +132,30 @@ def test_report_and_plot_from_a_results_file(tmp_path):
     assert "vs TensorRT" in md and "skipped: tensorrt is not importable" in md
     png = (tmp_path / "out" / "results.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_cli_bench_refuses_a_baseline_for_another_batch(capsys, tmp_path, tiny_package):
+    from deploy import cli
+
+    folder = tiny_package[0]
+    p = _baseline(tmp_path, model="tiny_cnn", batch=64, input_shape=[3, 16, 16], precision="fp32")
+    rc = cli.main(["bench", "-m", "tiny_cnn", "--target", "llvm", "--buckets", "1,4", "--workdir", str(folder.parent),
+                   "--baseline", str(p), "--runners", "tvm", "--iters", "5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "batch that is not benchmarked" in err
+
+
+def test_cli_bench_writes_results(capsys, tmp_path, tiny_package):
+    from deploy import cli
+
+    folder = tiny_package[0]
+    p = _baseline(tmp_path, model="tiny_cnn", batch=4, input_shape=[3, 16, 16], precision="fp32")
+    rc = cli.main(["bench", "-m", "tiny_cnn", "--target", "llvm", "--buckets", "1,4", "--workdir", str(folder.parent),
+                   "--baseline", str(p), "--runners", "tvm,onnxruntime", "--iters", "5", "--warmup", "1",
+                   "--out", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [c["batch"] for c in report["cases"]] == [1, 4]
+    names = [r["name"] for r in report["cases"][1]["runners"]]
+    assert names == ["tvm", "onnxruntime-cpu", "tensorrt-10-h200"]
+    assert "vs TensorRT" in (tmp_path / "out" / "results.md").read_text()
