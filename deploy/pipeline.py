@@ -164,6 +164,15 @@ def format_summary(summary: dict) -> str:
                 f"{'n/a' if vf is None else f'{vf:.0%}'} valid, {s['tasks_selected']}/{s['tasks_total']} tasks)"
                 + ("  stopped at the deadline" if s["stopped_by_deadline"] else "")
             )
+            split = s.get("time_split_s")
+            if split and split.get("Total"):
+                build_s = split.get("SendToBuilder", 0.0)
+                run_s = split.get("SendToRunner", 0.0) + split.get("JoinRunnerFutures", 0.0)
+                lines.append(
+                    f"           {split['Total']:.0f} s tuning: build {build_s:.0f} s, run {run_s:.0f} s, "
+                    f"search and cost model {split['Total'] - build_s - run_s:.0f} s"
+                    + (f", {s['trials_per_minute']} trials/min" if s.get("trials_per_minute") else "")
+                )
     v = summary.get("validation")
     lines.append(
         "validation " + ("not run (no device)" if v is None else ("PASSED" if v["passed"] else "FAILED") + f" (worst rel_l2 {v['worst_rel_l2']:.1e})")

@@ -387,7 +387,9 @@ def tune_bucket(
         )
         if todo and global_left > 0:
             label = f"tune b{key['inputs'][0]['shape'][0]}"
-            with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True) as bar:
+            # MetaSchedule's own profiler splits the time between search,
+            # building, running and the cost model: where tuning time goes.
+            with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True) as bar, ms.Profiler() as prof:
                 ms.tune_tasks(
                     tasks=contexts,
                     task_weights=[float(p["task"].weight) for p in todo],
@@ -407,6 +409,7 @@ def tune_bucket(
                     ],
                     task_scheduler="gradient",
                 )
+            summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
     elapsed = time.time() - started
     for p in plan:
         s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None})

@@ -34,6 +34,12 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert s1["new_trials"] == 2 and s1["trials_after"] == 2
     assert s1["tasks"][name]["best_us"] is not None
     assert s1["valid_fraction"] == 1.0
+    # where the time went, from MetaSchedule's profiler
+    assert s1["time_split_s"] and all(v >= 0 for v in s1["time_split_s"].values())
+    from deploy import pipeline
+
+    text = pipeline.format_summary({"package": "p", "buckets": {}, "tuning": {"1": s1}, "validation": None})
+    assert "2 trials in database (2 new, 100% valid, 1/" in text and "s tuning: build" in text
     db_dir = a1.databases[1]
     key = json.loads((db_dir / "key.json").read_text())
     assert key["precision"] == "fp32" and key["inputs"][0]["shape"] == [1, 3, 16, 16]
