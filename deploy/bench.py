@@ -73,7 +73,24 @@ class Runner:
         raise NotImplementedError
 
     def deactivate(self) -> None:
-        pass
+        """Drop what activate() holds (device memory, sessions, graphs), so
+        the next runner is timed on a device this one no longer occupies."""
+        for name in list(vars(self)):
+            if name in self._HELD:
+                delattr(self, name)
+
+    _HELD = ("pred", "vm", "args", "sess", "feed", "binding", "model", "xs", "graph", "context", "engine",
+             "buffers", "stream")
+
+
+def _free_device_memory() -> None:
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class TVMRunner(Runner):
@@ -260,8 +277,8 @@ class TensorRTRunner(Runner):
 def parse_trtexec_times(data: list[dict]) -> list[float]:
     """`trtexec --exportTimes=FILE`: one record per inference. With
     --noDataTransfers the latency is the compute time."""
-    if not isinstance(data, list) or not data:
-        raise InputFileError("trtexec times file holds no records")
+    if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
+        raise InputFileError("trtexec times file holds no records (a JSON list of objects)")
     key = "computeMs" if "computeMs" in data[0] else "latencyMs"
     try:
         return [float(r[key]) for r in data]
@@ -289,7 +306,10 @@ def parse_trtexec_summary(text: str) -> dict:
                     continue
                 k, v = (s.strip() for s in part.split("=", 1))
                 if k in _SUMMARY_KEYS:
-                    stats[_SUMMARY_KEYS[k]] = float(v.split()[0])
+                    try:
+                        stats[_SUMMARY_KEYS[k]] = float(v.split()[0])
+                    except (ValueError, IndexError):
+                        raise InputFileError("unreadable trtexec summary value", f"{k} = {v}") from None
             found[m.group(1)] = stats
         m = re.search(r"Throughput: ([0-9.]+) qps", line)
         if m:
@@ -311,16 +331,27 @@ def load_baseline(path: Path, model: str, batch: int, input_shape: list[int], pr
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise InputFileError(f"baseline {path} is not valid JSON", str(e)) from None
+    if not isinstance(meta, dict):
+        raise InputFileError(f"baseline {path} must be a JSON object", type(meta).__name__)
     want = {"model": model, "batch": batch, "input_shape": list(input_shape), "precision": precision}
     for k, v in want.items():
         if meta.get(k) != v:
             raise ConfigError(f"baseline {path} was measured for another {k}", meta.get(k), v)
+    def read(name: str) -> str:
+        try:
+            return (path.parent / name).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputFileError(f"baseline {path} names an unreadable file", f"{name}: {e}") from None
+
     timing = None
     if meta.get("times"):
-        times = parse_trtexec_times(json.loads((path.parent / meta["times"]).read_text()))
-        timing = percentiles(times, batch)
+        try:
+            data = json.loads(read(meta["times"]))
+        except json.JSONDecodeError as e:
+            raise InputFileError(f"trtexec times file {meta['times']} is not valid JSON", str(e)) from None
+        timing = percentiles(parse_trtexec_times(data), batch)
     if meta.get("summary"):
-        summary = parse_trtexec_summary((path.parent / meta["summary"]).read_text())
+        summary = parse_trtexec_summary(read(meta["summary"]))
         if timing is None:
             timing = {**{k: v for k, v in summary.items() if k.endswith("_ms")}, "iterations": None,
                       "throughput_per_s": batch / (summary["p50_ms"] / 1e3)}
@@ -383,9 +414,13 @@ def run_all(runners: list[Runner], inputs: list[np.ndarray], reference: list[np.
             entry["name"] = r.name
             outs = r.infer()
             tol = getattr(tolerances, r.precision)
-            checks = [compare(o, ref, tol) for o, ref in zip(outs, reference)]
-            entry["check"] = {"passed": all(c["passed"] for c in checks),
-                              "rel_l2": max(c.get("rel_l2", float("inf")) for c in checks)}
+            if len(outs) != len(reference):
+                entry["check"] = {"passed": False, "rel_l2": float("inf"),
+                                  "error": f"{len(outs)} output(s), reference has {len(reference)}"}
+            else:
+                checks = [compare(o, ref, tol) for o, ref in zip(outs, reference)]
+                entry["check"] = {"passed": all(c["passed"] for c in checks),
+                                  "rel_l2": max(c.get("rel_l2", float("inf")) for c in checks)}
             entry["timing"] = percentiles(r.time(warmup, iters), batch)
             log.info("bench: %-22s p50 %.3f ms  (%s)", r.name, entry["timing"]["p50_ms"],
                      "outputs match" if entry["check"]["passed"] else "OUTPUTS DIFFER")
@@ -396,10 +431,8 @@ def run_all(runners: list[Runner], inputs: list[np.ndarray], reference: list[np.
             entry.update(status="failed", reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300])
             log.warning("bench: %s failed: %s", r.name, entry["reason"])
         finally:
-            try:
-                r.deactivate()
-            except Exception:
-                pass
+            r.deactivate()
+            _free_device_memory()
         results.append(entry)
     return results
 
@@ -469,6 +502,15 @@ def plot(report: dict, path: Path) -> None:
 
 
 def write(report: dict, folder: Path) -> None:
+    """Write the results folder; an existing folder is replaced only if an
+    earlier bench wrote it."""
+    folder = Path(folder)
+    if folder.exists():
+        try:
+            artifacts.read_manifest(folder, "bench", verify=False)
+        except Exception:
+            raise ConfigError("the results folder exists and was not written by bench (it would be replaced)",
+                              str(folder)) from None
     with artifacts.staged_dir(folder) as tmp:
         artifacts.write_json_atomic(tmp / "results.json", report)
         (tmp / "results.md").write_text(markdown(report))
@@ -490,7 +532,7 @@ def fp16_onnx(factory, inputs: list[np.ndarray], opset: int, dest: Path) -> Path
     import torch
 
     model = factory().half().eval()
-    xs = tuple(torch.from_numpy(a).half() for a in inputs)
+    xs = tuple(torch.from_numpy(a).half() if a.dtype.kind == "f" else torch.from_numpy(a) for a in inputs)
     torch.onnx.export(model, xs, str(dest), opset_version=opset, dynamo=False,
                       input_names=["input"], output_names=["output"])
     return dest

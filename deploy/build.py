@@ -65,11 +65,17 @@ def count_scheduled(mod) -> tuple[int, int]:
 
 
 def _build_bucket(job) -> tuple[dict, list[dict]]:
-    """Compile one bucket's module into a .so (runs in a worker process)."""
+    """Process-pool entry: `job` is build_bucket's arguments in order."""
+    return build_bucket(*job)
+
+
+def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tuple[str, dict] | None, out: str):
+    """Compile one bucket's optimized module (tuning records from `db`, a
+    (folder, key) pair, when given) into the .so at `out`; returns the
+    manifest entry and the output signature."""
     from .tune import database_digest, open_database
     from .tvm_compat import load_json, relax
 
-    module_path, target, profile, db, out = job
     mod = load_json(Path(module_path).read_text())
     params_sig, outs = signature(mod["main"])
     db_info = None
@@ -112,7 +118,7 @@ def run(
     with artifacts.staged_dir(folder) as tmp:
         for bucket in profile.buckets:
             db = (str(databases[bucket]), db_keys[bucket]) if bucket in databases else None
-            jobs.append((str(opt.modules[bucket]), target, profile, db, str(tmp / f"b{bucket}.so")))
+            jobs.append((str(opt.module_path(bucket)), target, profile, db, str(tmp / f"b{bucket}.so")))
         workers = min(len(jobs), max(1, (os.cpu_count() or 1)))
         if workers > 1:
             ctx = multiprocessing.get_context("spawn")

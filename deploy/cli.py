@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from . import config as config_mod
-import numpy as np
 
 from .errors import ConfigError, DeployError, InputFileError
 
@@ -162,7 +161,7 @@ def cmd_stage(args) -> int:
         from . import profile as profile_mod
 
         ex = export.load(ws.export)
-        bucket = args.bucket or profile.tune_buckets[0]
+        bucket = args.bucket if args.bucket is not None else (profile.tune_buckets or profile.buckets)[0]
         if bucket not in profile.buckets:
             raise ConfigError("--bucket is not one of the built buckets", bucket, list(profile.buckets))
         keys, dirs = db_keys(cfg, profile, target, ex.inputs, db_root)
@@ -182,8 +181,9 @@ def cmd_bench(args) -> int:
     from . import bench, export
     from .export import is_onnx_source
     from .pipeline import Workspace
-    from .validate import references
 
+    if args.iters < 1 or args.warmup < 0:
+        raise ConfigError("invalid --iters/--warmup", f"{args.iters}/{args.warmup}", "iters >= 1 and warmup >= 0")
     cfg, target, workdir, db_root = prepare(args)
     profile = cfg.profile(target.kind)
     ws = Workspace(workdir)
@@ -196,13 +196,25 @@ def cmd_bench(args) -> int:
         if _baseline_batch(Path(b)) not in profile.buckets:
             raise ConfigError(f"baseline {b} is for a batch that is not benchmarked", _baseline_batch(Path(b)),
                               list(profile.buckets))
-    tmpdir = Path(tempfile.mkdtemp(prefix="bench-"))
     report = {"model": cfg.model.name, "target": target.key(), "environment": bench.environment(), "cases": [],
-              "command": "tvm-deploy " + " ".join(sys.argv[1:])}
+              "command": args.command_line}
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        _bench_cases(args, cfg, profile, ws, ex, names, factory, Path(tmp), report)
+    out = Path(args.out) if args.out else ws.bench
+    bench.write(report, out)
+    print(bench.markdown(report), end="")
+    print(f"bench: {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
+    return 0
+
+
+def _bench_cases(args, cfg, profile, ws, ex, names, factory, tmpdir: Path, report: dict) -> None:
+    from . import bench
+    from .runtime import random_inputs
+    from .validate import references
+
     for batch in profile.buckets:
-        rng = np.random.default_rng(cfg.model.seed + 1000 + batch)
-        inputs = [rng.standard_normal((batch, *i.shape)).astype(i.dtype) for i in ex.inputs]
-        reference = references(cfg, ex, inputs)["onnxruntime"]
+        inputs = random_inputs([(i.shape, i.dtype) for i in ex.inputs], batch, seed=cfg.model.seed + 1000 + batch)
+        reference = references(cfg, ex, inputs, include_torch=False)["onnxruntime"]
         make16 = None
         if factory is not None:
             make16 = lambda xs, b=batch: bench.fp16_onnx(factory, xs, cfg.model.opset, tmpdir / f"fp16_b{b}.onnx")  # noqa: E731
@@ -217,11 +229,6 @@ def cmd_bench(args) -> int:
         ]
         report["cases"].append(bench.case(batch, profile.precision, runners, inputs, reference, cfg.tolerance,
                                           args.warmup, args.iters, baselines))
-    out = Path(args.out) if args.out else ws.bench
-    bench.write(report, out)
-    print(bench.markdown(report), end="")
-    print(f"bench: {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
-    return 0
 
 
 def _baseline_batch(path: Path) -> int | None:
@@ -230,9 +237,12 @@ def _baseline_batch(path: Path) -> int | None:
     if not path.is_file():
         raise InputFileError("baseline file not found", str(path))
     try:
-        return json.loads(path.read_text()).get("batch")
+        meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise InputFileError(f"baseline {path} is not valid JSON", str(e)) from None
+    if not isinstance(meta, dict):
+        raise InputFileError(f"baseline {path} must be a JSON object", type(meta).__name__)
+    return meta.get("batch")
 
 
 def cmd_info(args) -> int:
@@ -282,7 +292,8 @@ def parser() -> argparse.ArgumentParser:
         p.set_defaults(func=cmd_stage)
     p = sub.add_parser("bench", help="latency diff of the package against the other runtimes")
     _add_common(p)
-    p.add_argument("--runners", default=",".join(("tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-fp16", "torch-compile", "tensorrt")))
+    p.add_argument("--runners", default="tvm,tvm-untuned,onnxruntime,torch-eager,torch-eager-fp16,torch-compile,tensorrt",
+                   help="comma-separated; see deploy.bench.ALL_RUNNERS")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode")
@@ -305,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.time()
     command = "tvm-deploy " + shlex.join(argv)
+    args.command_line = command
     try:
         rc = args.func(args)
     except DeployError as e:

@@ -35,15 +35,18 @@ class OptimizeArtifact:
     modules: dict[int, Path]
     manifest: dict
 
-    def load_module(self, bucket: int):
-        from .tvm_compat import load_json
-
+    def module_path(self, bucket: int) -> Path:
         if bucket not in self.modules:
             raise StaleArtifactError(
                 f"optimize artifact has no bucket {bucket} (re-run the pipeline with these buckets)",
                 sorted(self.modules),
             )
-        return load_json(self.modules[bucket].read_text())
+        return self.modules[bucket]
+
+    def load_module(self, bucket: int):
+        from .tvm_compat import load_json
+
+        return load_json(self.module_path(bucket).read_text())
 
 
 def phases(profile: Profile) -> list[tuple[str, list]]:

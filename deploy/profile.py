@@ -23,6 +23,7 @@ import numpy as np
 
 from . import artifacts
 from .config import Profile
+from .errors import ConfigError
 from .optimize import OptimizeArtifact
 from .targets import TargetInfo
 
@@ -71,19 +72,22 @@ def run(
     iters: int = 20,
 ) -> dict:
     from . import build
+    from .runtime import random_inputs
     from .tvm_compat import VirtualMachine, load_module, tensor
     from tvm.runtime.vm import VMInstrumentReturnKind
 
+    if iters < 1:
+        raise ConfigError("--iters must be at least 1", iters)
+    dev = target.device()  # fails fast (TargetError) before minutes of compiling
     plain = dataclasses.replace(profile, buckets=(bucket,), cuda_graph=False)
     mod = opt.load_module(bucket)
     costs = kernel_costs(mod)
     with artifacts.staged_dir(folder) as tmp:
-        info, _ = build._build_bucket((str(opt.modules[bucket]), target, plain, database and (str(database[0]), database[1]), str(tmp / "module.so")))
-        dev = target.device()
+        db = None if database is None else (str(database[0]), database[1])
+        info, _ = build.build_bucket(str(opt.module_path(bucket)), target, plain, db, str(tmp / "module.so"))
         vm = VirtualMachine(load_module(str(tmp / "module.so")), dev)
         params, _ = build.signature(mod["main"])
-        rng = np.random.default_rng(0)
-        args = [tensor(rng.standard_normal(p["shape"]).astype(p["dtype"]), dev) for p in params]
+        args = [tensor(a, dev) for a in random_inputs([(p["shape"], p["dtype"]) for p in params], None)]
         vm["main"](*args)  # warm-up
 
         times: dict[str, list[float]] = collections.defaultdict(list)

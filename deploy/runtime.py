@@ -145,15 +145,7 @@ class Predictor:
         }
 
     def random_inputs(self, batch: int, seed: int = 0) -> list[np.ndarray]:
-        rng = np.random.default_rng(seed)
-        out = []
-        for spec in self.inputs:
-            shape = (batch, *spec["shape"])
-            if spec["dtype"].startswith("float"):
-                out.append(rng.standard_normal(shape).astype(spec["dtype"]))
-            else:
-                out.append(rng.integers(0, 10, shape).astype(spec["dtype"]))
-        return out
+        return random_inputs([(s["shape"], s["dtype"]) for s in self.inputs], batch, seed)
 
     def latency(self, bucket: int, number: int | None = None, repeat: int | None = None, seed: int = 0) -> dict:
         """Device-synchronized latency of one bucket (TVM's time evaluator,
@@ -185,6 +177,20 @@ class Predictor:
             "number": number,
             "repeat": repeat,
         }
+
+
+def random_inputs(specs, batch: int | None, seed: int = 0) -> list[np.ndarray]:
+    """Seeded inputs for (shape, dtype) pairs; `batch` is prepended unless None.
+    Floats are standard normal, integers uniform in [0, 10)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape, dtype in specs:
+        shape = tuple(shape) if batch is None else (batch, *shape)
+        if str(dtype).startswith("float"):
+            out.append(rng.standard_normal(shape).astype(dtype))
+        else:
+            out.append(rng.integers(0, 10, shape).astype(dtype))
+    return out
 
 
 def load(folder: str | Path, warn_unvalidated: bool = True) -> Predictor:

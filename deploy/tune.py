@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import artifacts
 from .config import InputSpec, Profile
-from .errors import DatabaseMismatchError, TargetError
+from .errors import DatabaseMismatchError, StaleArtifactError, TargetError
 from .optimize import OptimizeArtifact
 from .targets import TargetInfo
 
@@ -82,24 +82,30 @@ def check_key(folder: Path, key: dict) -> None:
         )
 
 
-def repair_jsonl(path: Path) -> int:
-    """Drop lines that do not parse (a write cut short by a kill); returns the
-    number dropped. The file is rewritten atomically."""
+def repair_jsonl(path: Path, only_last: bool = False) -> int:
+    """Drop lines that do not parse (a write cut short by a kill) and end the
+    file with a newline, so the next append starts a line of its own; returns
+    the number of lines dropped. With `only_last`, only a torn final line may
+    go: a bad line before it would shift the line numbers records refer to.
+    The file is rewritten atomically."""
     if not path.is_file():
         return 0
-    lines = path.read_text().splitlines()
+    text = path.read_text()
+    lines = text.splitlines()
     good = []
-    for line in lines:
+    for i, line in enumerate(lines):
         try:
             json.loads(line)
             good.append(line)
         except json.JSONDecodeError:
-            continue
+            if only_last and i != len(lines) - 1:
+                raise StaleArtifactError(f"tuning database file {path} has an unreadable line {i + 1}") from None
     dropped = len(lines) - len(good)
-    if dropped:
+    if dropped or (text and not text.endswith("\n")):
         tmp = path.with_suffix(".repair.tmp")
         tmp.write_text("".join(line + "\n" for line in good))
         os.replace(tmp, path)
+    if dropped:
         log.warning("tune: dropped %d unreadable line(s) from %s (an interrupted write)", dropped, path)
     return dropped
 
@@ -109,17 +115,15 @@ def open_database(folder: Path, key: dict, create: bool):
 
     folder = Path(folder)
     check_key(folder, key)
+    if not create and not (folder / RECORDS).is_file():
+        return None
     # Records of tensorized schedules name TVM's tensor intrinsics, which must
     # be registered before the records are parsed.
     register_tensor_intrinsics()
-    if not create and not (folder / RECORDS).is_file():
-        return None
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / KEY_FILE).is_file():
         artifacts.write_json_atomic(folder / KEY_FILE, key)
-    # The workload file is written before its records, so only the record file
-    # can end in a torn line that refers to a complete workload.
-    repair_jsonl(folder / WORKLOADS)
+    repair_jsonl(folder / WORKLOADS, only_last=True)
     repair_jsonl(folder / RECORDS)
     return ms.database.JSONDatabase(
         path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / RECORDS), allow_missing=True

@@ -43,12 +43,12 @@ def compare(out: np.ndarray, ref: np.ndarray, tol: Tolerance) -> dict:
     }
 
 
-def references(cfg: Config, exported: ExportArtifact, inputs: list[np.ndarray]) -> dict[str, list[np.ndarray]]:
+def references(cfg: Config, exported: ExportArtifact, inputs: list[np.ndarray], include_torch: bool = True) -> dict[str, list[np.ndarray]]:
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(exported.onnx_path), providers=["CPUExecutionProvider"])
     refs = {"onnxruntime": sess.run(None, {i.name: a for i, a in zip(exported.inputs, inputs)})}
-    if not is_onnx_source(cfg.model.source):
+    if include_torch and not is_onnx_source(cfg.model.source):
         import torch
 
         model = build_torch_model(cfg)

@@ -21,7 +21,7 @@ mkdir -p "$DB_ROOT" "$OUT"
 cp -rn tuning_logs/. "$DB_ROOT"/ 2>/dev/null || true
 WORKDIR=${WORKDIR:-/tmp/ws}
 # Leave time to pack the results before the device command's 10-minute limit.
-timeout --signal=INT "${CHUNK_SECONDS:-540}" make tune PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "$@" 2>&1 | tee "$OUT/run.log"
+timeout -k 30 --signal=INT "${CHUNK_SECONDS:-540}" make tune PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "$@" 2>&1 | tee "$OUT/run.log"
 rc=${PIPESTATUS[0]}
 tar -czf "$OUT/tuning_logs.tgz" -C "$DB_ROOT" .
 # The small, reviewable outputs: summaries, manifests, reports, failure reasons.

@@ -159,3 +159,29 @@ def test_cli_bench_writes_results(capsys, tmp_path, tiny_package):
     names = [r["name"] for r in report["cases"][1]["runners"]]
     assert names == ["tvm", "onnxruntime-cpu", "tensorrt-10-h200"]
     assert "vs TensorRT" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_bench_never_replaces_a_folder_it_did_not_write(tmp_path):
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("keep me")
+    report = {"model": "m", "target": {}, "environment": {}, "cases": []}
+    with pytest.raises(ConfigError, match="not written by bench"):
+        bench.write(report, keep)
+    assert (keep / "notes.txt").read_text() == "keep me"
+
+
+def test_unreadable_baseline_files_are_user_errors(tmp_path):
+    p = _baseline(tmp_path, times="missing.json", summary=None)
+    with pytest.raises(InputFileError, match="unreadable file"):
+        bench.load_baseline(p, "resnet50", 1, [3, 224, 224], "fp16")
+    (tmp_path / "bad.json").write_text("{not json")
+    p = _baseline(tmp_path, times="bad.json", summary=None)
+    with pytest.raises(InputFileError, match="not valid JSON"):
+        bench.load_baseline(p, "resnet50", 1, [3, 224, 224], "fp16")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(InputFileError):
+        bench.parse_trtexec_times(json.loads((tmp_path / "list.json").read_text()))
+    (tmp_path / "arr.json").write_text("[]")
+    with pytest.raises(InputFileError, match="JSON object"):
+        bench.load_baseline(tmp_path / "arr.json", "resnet50", 1, [3, 224, 224], "fp16")

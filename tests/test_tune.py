@@ -83,8 +83,16 @@ def test_database_for_another_target_is_refused(tmp_path, llvm_target, tiny_opt)
 
 
 def test_repair_jsonl(tmp_path):
+    from deploy.errors import StaleArtifactError
+
     p = tmp_path / "r.json"
     p.write_text('[1, 2]\n[3, 4]\n[5, "cut')
     assert tune.repair_jsonl(p) == 1
     assert p.read_text() == "[1, 2]\n[3, 4]\n"
     assert tune.repair_jsonl(p) == 0
+    p.write_text('[1, 2]\n[3, 4]')  # killed before the newline: complete, but the next append would join it
+    assert tune.repair_jsonl(p) == 0 and p.read_text() == "[1, 2]\n[3, 4]\n"
+    w = tmp_path / "w.json"
+    w.write_text('[1]\n[2, "bad\n[3]\n')
+    with pytest.raises(StaleArtifactError, match="line 2"):
+        tune.repair_jsonl(w, only_last=True)
