@@ -41,7 +41,7 @@ def onnx_op_histogram(graph) -> collections.Counter:
 
 
 def unsupported_ops(histogram: collections.Counter) -> dict[str, int]:
-    from tvm.relax.frontend.onnx import onnx_frontend
+    from .tvm_compat import onnx_frontend
 
     supported = set(onnx_frontend._get_convert_map())
     out = {}

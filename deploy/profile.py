@@ -34,10 +34,8 @@ STAGE = "profile"
 def kernel_costs(mod) -> dict[str, dict]:
     """FLOPs of every PrimFunc in a fused module, and the bytes of the
     tensors each call reads and writes (from the Relax call sites)."""
-    from tvm.s_tir.analysis import estimate_tir_flops
-
     from .build import tensor_types
-    from .tvm_compat import relax, tirx, tvm
+    from .tvm_compat import estimate_tir_flops, relax, tirx, tvm
 
     out = {}
     for gv, func in mod.functions.items():
@@ -73,8 +71,7 @@ def run(
 ) -> dict:
     from . import build
     from .runtime import random_inputs
-    from .tvm_compat import VirtualMachine, load_module, tensor
-    from tvm.runtime.vm import VMInstrumentReturnKind
+    from .tvm_compat import VirtualMachine, VMInstrumentReturnKind, load_module, tensor
 
     if iters < 1:
         raise ConfigError("--iters must be at least 1", iters)

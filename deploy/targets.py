@@ -66,11 +66,11 @@ def _cuda_device():
 
 
 def _llvm() -> TargetInfo:
-    from tvm.target import codegen
-
     import psutil
 
-    cpu = codegen.llvm_get_system_cpu()
+    from .tvm_compat import target_codegen
+
+    cpu = target_codegen.llvm_get_system_cpu()
     cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     spec = {"kind": "llvm", "mcpu": cpu, "num-cores": int(cores)}
     return TargetInfo("llvm", json.dumps(spec, sort_keys=True), cpu, "cpu", True)

@@ -162,10 +162,7 @@ def lean_build(mod, target, _params):
     and ran past the builder's time-out. Candidates arrive already tensorized,
     so the workers do not need the intrinsics registered. On CUDA it builds
     with the same pass config as the final compile (see CUDA_BUILD_CONFIG)."""
-    import tvm
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
-    from deploy.tvm_compat import build_config
+    from deploy.tvm_compat import RemoveWeightLayoutRewriteBlock, build_config, tvm
 
     with tvm.transform.PassContext(config=build_config(target.kind.name)):
         mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
@@ -302,7 +299,7 @@ def _runner(target: TargetInfo, profile: Profile):
 
 
 def task_flops(task) -> float:
-    from tvm.s_tir.analysis import estimate_tir_flops
+    from .tvm_compat import estimate_tir_flops
 
     try:
         return float(estimate_tir_flops(task.dispatched[0]))

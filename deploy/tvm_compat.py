@@ -10,10 +10,12 @@ from __future__ import annotations
 import tvm  # noqa: F401  (re-exported)
 from tvm import relax  # noqa: F401
 from tvm.relax.frontend.onnx import from_onnx  # noqa: F401
+from tvm.relax.frontend.onnx import onnx_frontend  # noqa: F401  (its op table: what the importer supports)
 from tvm.s_tir import dlight  # noqa: F401
 from tvm.s_tir import meta_schedule as ms  # noqa: F401
 from tvm import tirx  # noqa: F401
 from tvm.target import Target  # noqa: F401
+from tvm.target import codegen as target_codegen  # noqa: F401
 
 tensor = tvm.runtime.tensor
 from_dlpack = tvm.runtime.from_dlpack
@@ -50,6 +52,9 @@ def dlight_cpu_rules() -> list:
     return [c.GEMV(), c.Reduction()]
 
 from tvm.ir.utils import derived_object  # noqa: E402,F401  (Python subclasses of MetaSchedule objects)
+from tvm.runtime.vm import VMInstrumentReturnKind  # noqa: E402,F401
+from tvm.s_tir.analysis import estimate_tir_flops  # noqa: E402,F401
+from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # noqa: E402,F401
 
 
 def register_tensor_intrinsics() -> None:
