@@ -321,9 +321,8 @@ def parse_trtexec_summary(text: str) -> dict:
     return stats
 
 
-def load_baseline(path: Path, model: str, batch: int, input_shape: list[int], precision: str) -> dict:
-    """A baseline measured elsewhere: `baseline.json` naming what it measured,
-    beside trtexec's --exportTimes JSON and/or its text output."""
+def read_baseline_meta(path: Path) -> dict:
+    """The `baseline.json` of a baseline measured elsewhere."""
     path = Path(path)
     if not path.is_file():
         raise InputFileError("baseline file not found", str(path))
@@ -333,6 +332,14 @@ def load_baseline(path: Path, model: str, batch: int, input_shape: list[int], pr
         raise InputFileError(f"baseline {path} is not valid JSON", str(e)) from None
     if not isinstance(meta, dict):
         raise InputFileError(f"baseline {path} must be a JSON object", type(meta).__name__)
+    return meta
+
+
+def load_baseline(path: Path, model: str, batch: int, input_shape: list[int], precision: str) -> dict:
+    """A baseline measured elsewhere: `baseline.json` naming what it measured,
+    beside trtexec's --exportTimes JSON and/or its text output."""
+    path = Path(path)
+    meta = read_baseline_meta(path)
     want = {"model": model, "batch": batch, "input_shape": list(input_shape), "precision": precision}
     for k, v in want.items():
         if meta.get(k) != v:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import config as config_mod
 
-from .errors import ConfigError, DeployError, InputFileError
+from .errors import ConfigError, DeployError
 
 log = logging.getLogger("deploy")
 STAGES = ("export", "frontend", "optimize", "tune", "build", "validate", "profile")
@@ -232,17 +232,9 @@ def _bench_cases(args, cfg, profile, ws, ex, names, factory, tmpdir: Path, repor
 
 
 def _baseline_batch(path: Path) -> int | None:
-    import json
+    from .bench import read_baseline_meta
 
-    if not path.is_file():
-        raise InputFileError("baseline file not found", str(path))
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputFileError(f"baseline {path} is not valid JSON", str(e)) from None
-    if not isinstance(meta, dict):
-        raise InputFileError(f"baseline {path} must be a JSON object", type(meta).__name__)
-    return meta.get("batch")
+    return read_baseline_meta(path).get("batch")
 
 
 def cmd_info(args) -> int:
