@@ -85,3 +85,6 @@ def test_shipped_configs_parse():
     for p in paths:
         cfg = config.load(p)
         assert cfg.model.source in models.names(), p
+        assert cfg.model.name == p.stem, p
+    # one config per registered model
+    assert sorted(p.stem for p in paths) == sorted(models.names())
