@@ -210,11 +210,12 @@ def cmd_bench(args) -> int:
 def _bench_cases(args, cfg, profile, ws, ex, names, factory, tmpdir: Path, report: dict) -> None:
     from . import bench
     from .runtime import random_inputs
-    from .validate import references
+    from .validate import References
 
+    reference_for = References(cfg, ex, include_torch=False)
     for batch in profile.buckets:
         inputs = random_inputs([(i.shape, i.dtype) for i in ex.inputs], batch, seed=cfg.model.seed + 1000 + batch)
-        reference = references(cfg, ex, inputs, include_torch=False)["onnxruntime"]
+        reference = reference_for(inputs)["onnxruntime"]
         make16 = None
         if factory is not None:
             make16 = lambda xs, b=batch: bench.fp16_onnx(factory, xs, cfg.model.opset, tmpdir / f"fp16_b{b}.onnx")  # noqa: E731

@@ -43,20 +43,35 @@ def compare(out: np.ndarray, ref: np.ndarray, tol: Tolerance) -> dict:
     }
 
 
+class References:
+    """fp32 reference outputs: ONNX Runtime (CPU) on the exported ONNX, and
+    the PyTorch model on the same weights for registry models. The session
+    and the model are made once and reused for every batch."""
+
+    def __init__(self, cfg: Config, exported: ExportArtifact, include_torch: bool = True):
+        import onnxruntime as ort
+
+        self.exported = exported
+        self.sess = ort.InferenceSession(str(exported.onnx_path), providers=["CPUExecutionProvider"])
+        self.model = None
+        if include_torch and not is_onnx_source(cfg.model.source):
+            self.model = build_torch_model(cfg)
+
+    def __call__(self, inputs: list[np.ndarray]) -> dict[str, list[np.ndarray]]:
+        refs = {"onnxruntime": self.sess.run(None, {i.name: a for i, a in zip(self.exported.inputs, inputs)})}
+        if self.model is not None:
+            import torch
+
+            with torch.no_grad():
+                out = self.model(*[torch.from_numpy(a) for a in inputs])
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            refs["pytorch"] = [o.numpy() for o in outs]
+        return refs
+
+
 def references(cfg: Config, exported: ExportArtifact, inputs: list[np.ndarray], include_torch: bool = True) -> dict[str, list[np.ndarray]]:
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(exported.onnx_path), providers=["CPUExecutionProvider"])
-    refs = {"onnxruntime": sess.run(None, {i.name: a for i, a in zip(exported.inputs, inputs)})}
-    if include_torch and not is_onnx_source(cfg.model.source):
-        import torch
-
-        model = build_torch_model(cfg)
-        with torch.no_grad():
-            out = model(*[torch.from_numpy(a) for a in inputs])
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        refs["pytorch"] = [o.numpy() for o in outs]
-    return refs
+    """One-off reference outputs (see `References`)."""
+    return References(cfg, exported, include_torch)(inputs)
 
 
 def run(cfg: Config, tolerance: Tolerance, package_dir: Path, exported: ExportArtifact, seed: int = 0) -> dict:
@@ -65,11 +80,12 @@ def run(cfg: Config, tolerance: Tolerance, package_dir: Path, exported: ExportAr
     predictor = runtime.load(package_dir, warn_unvalidated=False)
     report = {"tolerance": dataclasses.asdict(tolerance), "precision": predictor.manifest["precision"], "buckets": {}}
     failures = []
+    refs_for = References(cfg, exported)
     for bucket in predictor.buckets:
         inputs = predictor.random_inputs(bucket, seed=seed + bucket)
         outs = predictor.run_bucket(bucket, inputs)
         entry = {}
-        for ref_name, refs in references(cfg, exported, inputs).items():
+        for ref_name, refs in refs_for(inputs).items():
             if len(refs) != len(outs):
                 failures.append(f"bucket {bucket}: {len(outs)} output(s) vs {len(refs)} from {ref_name}")
             per_out = {}
