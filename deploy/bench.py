@@ -115,9 +115,9 @@ class TVMRunner(Runner):
         self.vm["main"](*self.args)  # CUDA graph capture, lazy loading
 
     def infer(self):
-        out = self.vm["main"](*self.args)
-        outs = [out] if hasattr(out, "numpy") else list(out)
-        return [o.numpy() for o in outs]
+        from .runtime import outputs_to_numpy
+
+        return outputs_to_numpy(self.vm["main"](*self.args))
 
     def time(self, warmup, iters):
         return _timed_loop(lambda: self.vm["main"](*self.args), self.pred.device.sync, warmup, iters)

@@ -128,7 +128,7 @@ def cmd_run(args) -> int:
 
 def cmd_stage(args) -> int:
     from . import build, export, frontend, optimize, tune, validate
-    from .pipeline import Workspace, db_keys
+    from .pipeline import Workspace, existing_databases
 
     cfg, target, workdir, db_root = prepare(args)
     profile = cfg.profile(target.kind)
@@ -153,8 +153,7 @@ def cmd_stage(args) -> int:
             print(f"  {n:5d} x {reason}")
     elif stage == "build":
         ex = export.load(ws.export)
-        keys, dirs = db_keys(cfg, profile, target, ex.inputs, db_root)
-        existing = {b: d for b, d in dirs.items() if (d / tune.RECORDS).is_file()}
+        keys, existing = existing_databases(cfg, profile, target, ex.inputs, db_root)
         a = build.run(profile, target, ex, optimize.load(ws.optimize), existing, keys, ws.package, cfg.model.name)
         print(f"build: package {a.folder}")
     elif stage == "profile":
@@ -164,8 +163,8 @@ def cmd_stage(args) -> int:
         bucket = args.bucket if args.bucket is not None else (profile.tune_buckets or profile.buckets)[0]
         if bucket not in profile.buckets:
             raise ConfigError("--bucket is not one of the built buckets", bucket, list(profile.buckets))
-        keys, dirs = db_keys(cfg, profile, target, ex.inputs, db_root)
-        db = (dirs[bucket], keys[bucket]) if (dirs[bucket] / tune.RECORDS).is_file() else None
+        keys, existing = existing_databases(cfg, profile, target, ex.inputs, db_root)
+        db = (existing[bucket], keys[bucket]) if bucket in existing else None
         rep = profile_mod.run(profile, target, optimize.load(ws.optimize), db, bucket, ws.profile, iters=args.iters)
         print(profile_mod.format_report(rep, top=15), end="")
         print(f"profile: full report in {ws.profile / 'profile.md'}")

@@ -55,6 +55,13 @@ def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budg
     return "\n".join(lines)
 
 
+def existing_databases(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path) -> tuple[dict, dict]:
+    """(bucket -> database key, bucket -> database folder) for the buckets
+    whose database has records: what the build applies."""
+    keys, dirs = db_keys(cfg, profile, target, inputs, db_root)
+    return keys, {b: d for b, d in dirs.items() if (d / tune.RECORDS).is_file()}
+
+
 def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path) -> tuple[dict, dict]:
     keys = {b: tune.database_key(cfg.model.name, inputs, b, profile, target) for b in profile.buckets}
     dirs = {b: tune.database_dir(db_root, keys[b], target) for b in profile.buckets}
@@ -87,16 +94,16 @@ def run(
     front = timed("frontend", frontend.run, profile, exported, ws.frontend)
     opt = timed("optimize", optimize.run, profile, target, front, ws.optimize, dump_ir=dump_ir)
     tune_summary = None
-    if profile.trials > 0 and profile.tune_buckets and not target.has_device:
-        log.warning("tune: skipped, no %s device here to measure candidates on (existing databases are still used)", target.kind)
-    elif profile.trials > 0 and profile.tune_buckets:
-        tuned = timed(
-            "tune", tune.run, profile, target, opt, cfg.model.name, exported.inputs, db_root, ws.tune, budget_s,
-            cfg.model.seed,
-        )
-        tune_summary = json.loads((tuned.folder / "summary.json").read_text())
-    keys, dirs = db_keys(cfg, profile, target, exported.inputs, db_root)
-    existing = {b: d for b, d in dirs.items() if (d / tune.RECORDS).is_file()}
+    if profile.trials > 0 and profile.tune_buckets:
+        if not target.has_device:
+            log.warning("tune: skipped, no %s device here to measure candidates on (existing databases are still used)", target.kind)
+        else:
+            tuned = timed(
+                "tune", tune.run, profile, target, opt, cfg.model.name, exported.inputs, db_root, ws.tune, budget_s,
+                cfg.model.seed,
+            )
+            tune_summary = json.loads((tuned.folder / "summary.json").read_text())
+    keys, existing = existing_databases(cfg, profile, target, exported.inputs, db_root)
     package = timed("build", build.run, profile, target, exported, opt, existing, keys, ws.package, cfg.model.name)
     tol = getattr(cfg.tolerance, profile.precision)
     report = None

@@ -122,10 +122,7 @@ class Predictor:
         """Run one bucket on arrays whose batch is exactly `bucket`."""
         from .tvm_compat import tensor
 
-        vm = self._vms[bucket]
-        out = vm["main"](*[tensor(a, self.device) for a in arrays])
-        outs = list(out) if not hasattr(out, "numpy") else [out]
-        return [o.numpy() for o in outs]
+        return outputs_to_numpy(self._vms[bucket]["main"](*[tensor(a, self.device) for a in arrays]))
 
     def __call__(self, *args, **kwargs) -> dict[str, np.ndarray]:
         arrays = self.check_inputs(*args, **kwargs)
@@ -177,6 +174,11 @@ class Predictor:
             "number": number,
             "repeat": repeat,
         }
+
+
+def outputs_to_numpy(out) -> list[np.ndarray]:
+    """A VM result (one tensor, or a tuple of them) as numpy arrays."""
+    return [o.numpy() for o in ([out] if hasattr(out, "numpy") else list(out))]
 
 
 def random_inputs(specs, batch: int | None, seed: int = 0) -> list[np.ndarray]:

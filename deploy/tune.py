@@ -135,22 +135,25 @@ def database_digest(folder: Path) -> str:
     return artifacts.sha256_bytes("/".join(parts).encode())
 
 
-def trials_done(db, task_mod) -> tuple[int, float | None]:
-    """(records for this task, best latency in seconds or None)."""
-    if not db.has_workload(task_mod):
-        return 0, None
-    wkl = db.commit_workload(task_mod)
-    n = 0
-    for rec in db.get_all_tuning_records():
-        if rec.workload.same_as(wkl):
-            n += 1
-    top = db.get_top_k(wkl, 1)
-    best = None
-    if top:
-        secs = [float(x) for x in top[0].run_secs]
-        if secs and min(secs) < FAILED_SECS:
-            best = sum(secs) / len(secs)
-    return n, best
+def trials_done(db, task_mods: list) -> list[tuple[int, float | None]]:
+    """For each task: (records in the database, best latency in seconds or
+    None). The records are read once for all tasks."""
+    records = db.get_all_tuning_records()
+    out = []
+    for mod in task_mods:
+        if not db.has_workload(mod):
+            out.append((0, None))
+            continue
+        wkl = db.commit_workload(mod)
+        n = sum(1 for rec in records if rec.workload.same_as(wkl))
+        top = db.get_top_k(wkl, 1)
+        best = None
+        if top:
+            secs = [float(x) for x in top[0].run_secs]
+            if secs and min(secs) < FAILED_SECS:
+                best = sum(secs) / len(secs)
+        out.append((n, best))
+    return out
 
 
 # ------------------------------------------------------------ MetaSchedule ---
@@ -332,11 +335,11 @@ def tune_bucket(
     tvm_target = target.tvm_target()
     all_tasks = extract_tasks(mod, tvm_target)
     db = open_database(db_dir, key, create=True)
-    ranked = sorted(all_tasks, key=lambda t: task_flops(t) * t.weight, reverse=True)
+    flops = {t.task_name: task_flops(t) for t in all_tasks}
+    ranked = sorted(all_tasks, key=lambda t: flops[t.task_name] * t.weight, reverse=True)
     chosen = ranked[: profile.max_tasks] if profile.max_tasks else ranked
     plan = []
-    for t in chosen:
-        done, best = trials_done(db, t.dispatched[0])
+    for t, (done, best) in zip(chosen, trials_done(db, [t.dispatched[0] for t in chosen])):
         plan.append({"task": t, "name": t.task_name, "done": done, "best_s": best, "left": max(0, profile.trials_per_task - done)})
     total_done = sum(p["done"] for p in plan)
     todo = [p for p in plan if p["left"] > 0]
@@ -412,12 +415,11 @@ def tune_bucket(
                 )
             summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
     elapsed = time.time() - started
-    for p in plan:
+    for p, (done, best) in zip(plan, trials_done(db, [p["task"].dispatched[0] for p in plan])):
         s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None})
-        done, best = trials_done(db, p["task"].dispatched[0])
         summary["tasks"][p["name"]] = {
             "weight": int(p["task"].weight),
-            "flops": task_flops(p["task"]),
+            "flops": flops[p["name"]],
             "trials": done,
             "new_trials": s["candidates"],
             "build_errors": s["build_errors"],
