@@ -73,7 +73,7 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
     """Compile one bucket's optimized module (tuning records from `db`, a
     (folder, key) pair, when given) into the .so at `out`; returns the
     manifest entry and the output signature."""
-    from .tune import database_digest, open_database
+    from . import database as dbs
     from .tvm_compat import load_json, relax
 
     mod = load_json(Path(module_path).read_text())
@@ -81,11 +81,11 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
     db_info = None
     with target.tvm_target():
         if db is not None:
-            database = open_database(Path(db[0]), db[1], create=False)
-            if database is not None:
-                db_info = {"path": db[0], "digest": database_digest(Path(db[0]))}
-                with database:
-                    mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+            with dbs.open_readonly(Path(db[0]), db[1]) as database:
+                if database is not None:
+                    db_info = {"path": db[0], "digest": dbs.digest(Path(db[0]))}
+                    with database:
+                        mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
         n_tuned, n_funcs = count_scheduled(mod)
     t0 = time.time()
     compile_module(mod, target, profile).export_library(out)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from . import artifacts, build, export, frontend, optimize, tune, validate
+from . import database as dbs
 from .config import Config, Profile, parse_duration, to_dict
 from .targets import TargetInfo
 
@@ -59,12 +60,12 @@ def existing_databases(cfg: Config, profile: Profile, target: TargetInfo, inputs
     """(bucket -> database key, bucket -> database folder) for the buckets
     whose database has records: what the build applies."""
     keys, dirs = db_keys(cfg, profile, target, inputs, db_root)
-    return keys, {b: d for b, d in dirs.items() if (d / tune.RECORDS).is_file()}
+    return keys, {b: d for b, d in dirs.items() if dbs.has_records(d)}
 
 
 def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path) -> tuple[dict, dict]:
-    keys = {b: tune.database_key(cfg.model.name, inputs, b, profile, target) for b in profile.buckets}
-    dirs = {b: tune.database_dir(db_root, keys[b], target) for b in profile.buckets}
+    keys = {b: dbs.database_key(cfg.model.name, inputs, b, profile, target) for b in profile.buckets}
+    dirs = {b: dbs.database_dir(db_root, keys[b], target) for b in profile.buckets}
     return keys, dirs
 
 

@@ -25,17 +25,14 @@ import time
 from pathlib import Path
 
 from . import artifacts
+from . import database as dbs
 from .config import InputSpec, Profile
-from .errors import DatabaseMismatchError, StaleArtifactError, TargetError
+from .errors import TargetError
 from .optimize import OptimizeArtifact
 from .targets import TargetInfo
 
 log = logging.getLogger(__name__)
 STAGE = "tune"
-KEY_FILE = "key.json"
-WORKLOADS = "database_workload.json"
-RECORDS = "database_tuning_record.json"
-FAILED_SECS = 1e9  # MetaSchedule stores 1e10 s for a candidate that failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,117 +40,6 @@ class TuneArtifact:
     folder: Path
     databases: dict[int, Path]  # bucket -> database folder
     manifest: dict
-
-
-# --------------------------------------------------------------- database ---
-
-
-def database_key(model: str, inputs: tuple[InputSpec, ...], bucket: int, profile: Profile, target: TargetInfo) -> dict:
-    return {
-        "model": model,
-        "inputs": [{"name": i.name, "shape": [bucket, *i.shape], "dtype": i.dtype} for i in inputs],
-        "precision": profile.precision,
-        "accumulate": profile.accumulate if profile.precision == "fp16" else "fp32",
-        "layout": profile.layout,
-        "target": target.key(),
-    }
-
-
-def database_dir(root: Path, key: dict, target: TargetInfo) -> Path:
-    """A readable label; `key.json` inside is what is checked."""
-    acc = "-acc16" if key["accumulate"] == "fp16" and key["precision"] == "fp16" else ""
-    batch = key["inputs"][0]["shape"][0]
-    return Path(root) / key["model"] / target.slug / f"{key['precision']}{acc}-{key['layout'].lower()}-b{batch}"
-
-
-def check_key(folder: Path, key: dict) -> None:
-    path = folder / KEY_FILE
-    if not path.is_file():
-        return
-    try:
-        have = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DatabaseMismatchError(f"tuning database key is corrupt: {path}", str(e)) from None
-    diffs = [k for k in sorted(set(key) | set(have)) if key.get(k) != have.get(k)]
-    if diffs:
-        k = diffs[0]
-        raise DatabaseMismatchError(
-            f"tuning database {folder} was made for another {', '.join(diffs)}", have.get(k), key.get(k)
-        )
-
-
-def repair_jsonl(path: Path, only_last: bool = False) -> int:
-    """Drop lines that do not parse (a write cut short by a kill) and end the
-    file with a newline, so the next append starts a line of its own; returns
-    the number of lines dropped. With `only_last`, only a torn final line may
-    go: a bad line before it would shift the line numbers records refer to.
-    The file is rewritten atomically."""
-    if not path.is_file():
-        return 0
-    text = path.read_text()
-    lines = text.splitlines()
-    good = []
-    for i, line in enumerate(lines):
-        try:
-            json.loads(line)
-            good.append(line)
-        except json.JSONDecodeError:
-            if only_last and i != len(lines) - 1:
-                raise StaleArtifactError(f"tuning database file {path} has an unreadable line {i + 1}") from None
-    dropped = len(lines) - len(good)
-    if dropped or (text and not text.endswith("\n")):
-        tmp = path.with_suffix(".repair.tmp")
-        tmp.write_text("".join(line + "\n" for line in good))
-        os.replace(tmp, path)
-    if dropped:
-        log.warning("tune: dropped %d unreadable line(s) from %s (an interrupted write)", dropped, path)
-    return dropped
-
-
-def open_database(folder: Path, key: dict, create: bool):
-    from .tvm_compat import ms, register_tensor_intrinsics
-
-    folder = Path(folder)
-    check_key(folder, key)
-    if not create and not (folder / RECORDS).is_file():
-        return None
-    # Records of tensorized schedules name TVM's tensor intrinsics, which must
-    # be registered before the records are parsed.
-    register_tensor_intrinsics()
-    folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / KEY_FILE).is_file():
-        artifacts.write_json_atomic(folder / KEY_FILE, key)
-    repair_jsonl(folder / WORKLOADS, only_last=True)
-    repair_jsonl(folder / RECORDS)
-    return ms.database.JSONDatabase(
-        path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / RECORDS), allow_missing=True
-    )
-
-
-def database_digest(folder: Path) -> str:
-    parts = [artifacts.sha256_file(folder / f) if (folder / f).is_file() else "-" for f in (KEY_FILE, WORKLOADS, RECORDS)]
-    return artifacts.sha256_bytes("/".join(parts).encode())
-
-
-def trials_done(db, task_mods: list) -> list[tuple[int, float | None]]:
-    """For each task: (records in the database, best latency in seconds or
-    None). The records are read once for all tasks."""
-    records = db.get_all_tuning_records()
-    out = []
-    for mod in task_mods:
-        if not db.has_workload(mod):
-            out.append((0, None))
-            continue
-        wkl = db.commit_workload(mod)
-        n = sum(1 for rec in records if rec.workload.same_as(wkl))
-        top = db.get_top_k(wkl, 1)
-        best = None
-        if top:
-            secs = [float(x) for x in top[0].run_secs]
-            if secs and min(secs) < FAILED_SECS:
-                best = sum(secs) / len(secs)
-        out.append((n, best))
-    return out
 
 
 # ------------------------------------------------------------ MetaSchedule ---
@@ -327,19 +213,30 @@ def tune_bucket(
     work: Path,
     seed: int = 0,
 ) -> dict:
-    """Tune one bucket's module into the database at `db_dir`; returns a summary."""
+    """Tune one bucket's module into the database at `db_dir`; returns a
+    summary. The database's working copy is packed however the run ends
+    (deadline, Ctrl-C, an error)."""
+    db = dbs.open_for_tuning(db_dir, key)
+    try:
+        summary = _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed)
+    finally:
+        dbs.pack(db_dir)
+    summary["database_digest"] = dbs.digest(db_dir)
+    return summary
+
+
+def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> dict:
     from tqdm.auto import tqdm
 
     from .tvm_compat import ms
 
     tvm_target = target.tvm_target()
     all_tasks = extract_tasks(mod, tvm_target)
-    db = open_database(db_dir, key, create=True)
     flops = {t.task_name: task_flops(t) for t in all_tasks}
     ranked = sorted(all_tasks, key=lambda t: flops[t.task_name] * t.weight, reverse=True)
     chosen = ranked[: profile.max_tasks] if profile.max_tasks else ranked
     plan = []
-    for t, (done, best) in zip(chosen, trials_done(db, [t.dispatched[0] for t in chosen])):
+    for t, (done, best) in zip(chosen, dbs.trials_done(db, [t.dispatched[0] for t in chosen])):
         plan.append({"task": t, "name": t.task_name, "done": done, "best_s": best, "left": max(0, profile.trials_per_task - done)})
     total_done = sum(p["done"] for p in plan)
     todo = [p for p in plan if p["left"] > 0]
@@ -415,7 +312,7 @@ def tune_bucket(
                 )
             summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
     elapsed = time.time() - started
-    for p, (done, best) in zip(plan, trials_done(db, [p["task"].dispatched[0] for p in plan])):
+    for p, (done, best) in zip(plan, dbs.trials_done(db, [p["task"].dispatched[0] for p in plan])):
         s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None})
         summary["tasks"][p["name"]] = {
             "weight": int(p["task"].weight),
@@ -436,7 +333,6 @@ def tune_bucket(
         seconds=round(elapsed, 1),
         trials_per_minute=None if not new or elapsed <= 0 else round(new / elapsed * 60, 1),
         stopped_by_deadline=bool(deadline is not None and time.time() >= deadline and todo),
-        database_digest=database_digest(db_dir),
     )
     return summary
 
@@ -459,12 +355,12 @@ def run(
         )
     deadline = None if budget_s is None else time.time() + budget_s
     with artifacts.staged_dir(folder) as tmp:
-        summaries, dbs = {}, {}
+        summaries, folders = {}, {}
         for bucket in profile.tune_buckets:
-            key = database_key(model, inputs, bucket, profile, target)
-            db_dir = database_dir(db_root, key, target)
+            key = dbs.database_key(model, inputs, bucket, profile, target)
+            db_dir = dbs.database_dir(db_root, key, target)
             summaries[str(bucket)] = tune_bucket(opt.load_module(bucket), db_dir, key, target, profile, deadline, tmp, seed)
-            dbs[str(bucket)] = str(db_dir)
+            folders[str(bucket)] = str(db_dir)
         # Logs are bulky; keep them out of the manifest's hashed files.
         files = [f for f in ("failures.jsonl",) if (tmp / f).is_file()]
         artifacts.write_json_atomic(tmp / "summary.json", summaries)
@@ -472,7 +368,7 @@ def run(
         artifacts.write_manifest(
             tmp,
             STAGE,
-            {"databases": dbs, "target": target.key(), "profile": dataclasses.asdict(profile), "budget_s": budget_s},
+            {"databases": folders, "target": target.key(), "profile": dataclasses.asdict(profile), "budget_s": budget_s},
             files=files,
         )
     return load(folder)

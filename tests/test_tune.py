@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from deploy import database as dbs
 from deploy import tune
 from deploy.errors import DatabaseMismatchError
 
@@ -43,15 +44,18 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     db_dir = a1.databases[1]
     key = json.loads((db_dir / "key.json").read_text())
     assert key["precision"] == "fp32" and key["inputs"][0]["shape"] == [1, 3, 16, 16]
-    records = (db_dir / tune.RECORDS).read_text().splitlines()
-    assert len(records) == 2
+    # Packed when the run ended: compressed files only, no working copy left.
+    assert not (db_dir / dbs.RECORDS).exists() and (db_dir / (dbs.RECORDS + dbs.PACKED)).is_file()
+    assert len(dbs._packed_lines(db_dir / (dbs.RECORDS + dbs.PACKED))) == 2
 
     # Same budget again: the task has reached it, nothing is redone.
     s2, _ = _tune(cfg, llvm_target, exported, opt, db_root, tmp_path / "t2")
     assert s2["new_trials"] == 0 and s2["trials_after"] == 2
 
-    # A killed run can leave a torn last line; it is dropped, records before it kept.
-    with open(db_dir / tune.RECORDS, "a") as f:
+    # A killed run leaves its working copy, perhaps with a torn last line:
+    # folded in on the next open, the torn line dropped, the records kept.
+    dbs._expand(db_dir, db_dir)
+    with open(db_dir / dbs.RECORDS, "a") as f:
         f.write('[0, ["torn')
     # A larger budget resumes: only the missing trials run, on top of the old records.
     cfg4 = make_config(trials=4, trials_per_task=4, trials_per_iter=2, max_tasks=1)
@@ -72,8 +76,8 @@ def test_deadline_stops_cleanly(tmp_path, llvm_target, tiny_opt):
 def test_database_for_another_target_is_refused(tmp_path, llvm_target, tiny_opt):
     exported, opt = tiny_opt
     cfg = make_config(trials=2, trials_per_task=2, max_tasks=1)
-    key = tune.database_key(cfg.model.name, exported.inputs, 1, cfg.llvm, llvm_target)
-    db_dir = tune.database_dir(tmp_path / "db", key, llvm_target)
+    key = dbs.database_key(cfg.model.name, exported.inputs, 1, cfg.llvm, llvm_target)
+    db_dir = dbs.database_dir(tmp_path / "db", key, llvm_target)
     db_dir.mkdir(parents=True)
     other = dict(key, target={**key["target"], "arch": "sm_90", "kind": "cuda", "device": "NVIDIA H200"})
     (db_dir / "key.json").write_text(json.dumps(other))
@@ -87,12 +91,12 @@ def test_repair_jsonl(tmp_path):
 
     p = tmp_path / "r.json"
     p.write_text('[1, 2]\n[3, 4]\n[5, "cut')
-    assert tune.repair_jsonl(p) == 1
+    assert dbs.repair_jsonl(p) == 1
     assert p.read_text() == "[1, 2]\n[3, 4]\n"
-    assert tune.repair_jsonl(p) == 0
+    assert dbs.repair_jsonl(p) == 0
     p.write_text('[1, 2]\n[3, 4]')  # killed before the newline: complete, but the next append would join it
-    assert tune.repair_jsonl(p) == 0 and p.read_text() == "[1, 2]\n[3, 4]\n"
+    assert dbs.repair_jsonl(p) == 0 and p.read_text() == "[1, 2]\n[3, 4]\n"
     w = tmp_path / "w.json"
     w.write_text('[1]\n[2, "bad\n[3]\n')
     with pytest.raises(StaleArtifactError, match="line 2"):
-        tune.repair_jsonl(w, only_last=True)
+        dbs.repair_jsonl(w, only_last=True)

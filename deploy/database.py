@@ -1,0 +1,257 @@
+"""Tuning databases: where MetaSchedule's records live, how they are keyed,
+and how they are stored.
+
+A database folder, `tuning_logs/<model>/<target>-<gpu>/<variant>/`, holds
+  key.json                           what it was tuned for (model, input shapes,
+                                     precision, accumulation, layout, target/GPU);
+                                     a different key is refused
+  database_workload.json.xz          TVM's JSONDatabase files, xz-compressed:
+  database_tuning_record.json.xz     the committed form
+A record is 35-47 KB of JSON (tensorized traces embed layout maps), so a
+fully tuned ResNet-50 is ~70 MB as plain JSON; the records repeat each other
+so much that xz keeps it to a few hundred KB (430x on a real database).
+
+While a run tunes, the plain files `database_*.json` (git-ignored) are the
+working copy, which MetaSchedule appends to as each candidate is measured,
+so a killed run loses nothing already measured. `pack` folds a working copy
+into the compressed files (a union: records already there are kept, new ones
+appended) and removes it; it runs when a tuning run ends, and before any
+open, so a working copy left by a killed run is folded in the next time.
+Packing needs no TVM: it works on the JSON lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import lzma
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+from . import artifacts
+from .config import InputSpec, Profile
+from .errors import DatabaseMismatchError, StaleArtifactError
+from .targets import TargetInfo
+
+log = logging.getLogger(__name__)
+KEY_FILE = "key.json"
+WORKLOADS = "database_workload.json"
+RECORDS = "database_tuning_record.json"
+PACKED = ".xz"
+FAILED_SECS = 1e9  # MetaSchedule stores 1e10 s for a candidate that failed
+
+
+def database_key(model: str, inputs: tuple[InputSpec, ...], bucket: int, profile: Profile, target: TargetInfo) -> dict:
+    return {
+        "model": model,
+        "inputs": [{"name": i.name, "shape": [bucket, *i.shape], "dtype": i.dtype} for i in inputs],
+        "precision": profile.precision,
+        "accumulate": profile.accumulate if profile.precision == "fp16" else "fp32",
+        "layout": profile.layout,
+        "target": target.key(),
+    }
+
+
+def database_dir(root: Path, key: dict, target: TargetInfo) -> Path:
+    """A readable label; `key.json` inside is what is checked."""
+    acc = "-acc16" if key["accumulate"] == "fp16" and key["precision"] == "fp16" else ""
+    batch = key["inputs"][0]["shape"][0]
+    return Path(root) / key["model"] / target.slug / f"{key['precision']}{acc}-{key['layout'].lower()}-b{batch}"
+
+
+def check_key(folder: Path, key: dict) -> None:
+    path = Path(folder) / KEY_FILE
+    if not path.is_file():
+        return
+    try:
+        have = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DatabaseMismatchError(f"tuning database key is corrupt: {path}", str(e)) from None
+    diffs = [k for k in sorted(set(key) | set(have)) if key.get(k) != have.get(k)]
+    if diffs:
+        k = diffs[0]
+        raise DatabaseMismatchError(
+            f"tuning database {folder} was made for another {', '.join(diffs)}", have.get(k), key.get(k)
+        )
+
+
+# ------------------------------------------------------------ JSON lines ---
+
+
+def repair_jsonl(path: Path, only_last: bool = False) -> int:
+    """Drop lines that do not parse (a write cut short by a kill) and end the
+    file with a newline, so the next append starts a line of its own; returns
+    the number of lines dropped. With `only_last`, only a torn final line may
+    go: a bad line before it would shift the line numbers records refer to.
+    The file is rewritten atomically."""
+    if not path.is_file():
+        return 0
+    text = path.read_text()
+    lines = text.splitlines()
+    good = []
+    for i, line in enumerate(lines):
+        try:
+            json.loads(line)
+            good.append(line)
+        except json.JSONDecodeError:
+            if only_last and i != len(lines) - 1:
+                raise StaleArtifactError(f"tuning database file {path} has an unreadable line {i + 1}") from None
+    dropped = len(lines) - len(good)
+    if dropped or (text and not text.endswith("\n")):
+        tmp = path.with_suffix(".repair.tmp")
+        tmp.write_text("".join(line + "\n" for line in good))
+        os.replace(tmp, path)
+    if dropped:
+        log.warning("tune: dropped %d unreadable line(s) from %s (an interrupted write)", dropped, path)
+    return dropped
+
+
+def _packed_lines(path: Path) -> list[str]:
+    if not path.is_file():
+        return []
+    try:
+        text = lzma.decompress(path.read_bytes()).decode()
+    except (lzma.LZMAError, UnicodeDecodeError) as e:
+        raise StaleArtifactError(f"tuning database file {path} is corrupt", str(e)) from None
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def _write_packed(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_bytes(lzma.compress("".join(ln + "\n" for ln in lines).encode(), preset=6))
+    os.replace(tmp, path)
+
+
+def merge(base: tuple[list[str], list[str]], extra: tuple[list[str], list[str]]) -> tuple[list[str], list[str], int]:
+    """Union of two databases given as (workload lines, record lines).
+    A record line is `[workload index, record]`; records of `extra` are
+    re-indexed onto the merged workloads and appended unless `base` already
+    has the same record. Base lines keep their order and indices, so a
+    reader of the base sees a prefix of the result. Returns the merged
+    lines and the number of records added."""
+    workloads = list(base[0])
+    index = {ln: i for i, ln in enumerate(workloads)}
+    seen = set()
+    for ln in base[1]:
+        wi, rec = json.loads(ln)
+        seen.add((workloads[wi], json.dumps(rec)))
+    records = list(base[1])
+    added = 0
+    for ln in extra[1]:
+        wi, rec = json.loads(ln)
+        wl = extra[0][wi]
+        if (wl, json.dumps(rec)) in seen:
+            continue
+        if wl not in index:
+            index[wl] = len(workloads)
+            workloads.append(wl)
+        seen.add((wl, json.dumps(rec)))
+        records.append(json.dumps([index[wl], rec], separators=(",", ":")))
+        added += 1
+    return workloads, records, added
+
+
+def pack(folder: Path) -> int:
+    """Fold the working copy (plain JSON) into the compressed files and
+    remove it; returns the number of records added. The workload file is
+    replaced first: it only ever grows at its end, so the old record file
+    stays valid against it if the second write never happens."""
+    folder = Path(folder)
+    work = (folder / WORKLOADS, folder / RECORDS)
+    if not any(p.is_file() for p in work):
+        return 0
+    repair_jsonl(work[0], only_last=True)
+    repair_jsonl(work[1])
+    extra = tuple([ln for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else [] for p in work)
+    base = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
+    workloads, records, added = merge(base, extra)
+    if added:
+        _write_packed(folder / (WORKLOADS + PACKED), workloads)
+        _write_packed(folder / (RECORDS + PACKED), records)
+    for p in work:
+        p.unlink(missing_ok=True)
+    return added
+
+
+def has_records(folder: Path) -> bool:
+    folder = Path(folder)
+    return any((folder / n).is_file() for n in (RECORDS, RECORDS + PACKED))
+
+
+def _expand(folder: Path, dest: Path) -> None:
+    for name in (WORKLOADS, RECORDS):
+        lines = _packed_lines(folder / (name + PACKED))
+        (dest / name).write_text("".join(ln + "\n" for ln in lines))
+
+
+def _json_database(folder: Path):
+    from .tvm_compat import ms, register_tensor_intrinsics
+
+    # Records of tensorized schedules name TVM's tensor intrinsics, which
+    # must be registered before the records are parsed.
+    register_tensor_intrinsics()
+    return ms.database.JSONDatabase(
+        path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / RECORDS), allow_missing=True
+    )
+
+
+def open_for_tuning(folder: Path, key: dict):
+    """The database to tune into: the working copy, expanded from the
+    compressed files (after folding in any copy a killed run left). Call
+    `pack(folder)` when tuning ends."""
+    folder = Path(folder)
+    check_key(folder, key)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / KEY_FILE).is_file():
+        artifacts.write_json_atomic(folder / KEY_FILE, key)
+    pack(folder)
+    _expand(folder, folder)
+    return _json_database(folder)
+
+
+@contextlib.contextmanager
+def open_readonly(folder: Path, key: dict):
+    """Yield the database's records (a JSONDatabase over a temporary
+    expansion), or None when it has none."""
+    folder = Path(folder)
+    check_key(folder, key)
+    if (folder / RECORDS).is_file():
+        pack(folder)  # records a killed run left behind
+    if not (folder / (RECORDS + PACKED)).is_file():
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="tvm-deploy-db-") as tmp:
+        _expand(folder, Path(tmp))
+        yield _json_database(Path(tmp))
+
+
+def digest(folder: Path) -> str:
+    """Identifies the committed content: key and compressed files."""
+    folder = Path(folder)
+    names = (KEY_FILE, WORKLOADS + PACKED, RECORDS + PACKED)
+    parts = [artifacts.sha256_file(folder / f) if (folder / f).is_file() else "-" for f in names]
+    return artifacts.sha256_bytes("/".join(parts).encode())
+
+
+def trials_done(db, task_mods: list) -> list[tuple[int, float | None]]:
+    """For each task: (records in the database, best latency in seconds or
+    None). The records are read once for all tasks."""
+    records = db.get_all_tuning_records()
+    out = []
+    for mod in task_mods:
+        if not db.has_workload(mod):
+            out.append((0, None))
+            continue
+        wkl = db.commit_workload(mod)
+        n = sum(1 for rec in records if rec.workload.same_as(wkl))
+        top = db.get_top_k(wkl, 1)
+        best = None
+        if top:
+            secs = [float(x) for x in top[0].run_secs]
+            if secs and min(secs) < FAILED_SECS:
+                best = sum(secs) / len(secs)
+        out.append((n, best))
+    return out

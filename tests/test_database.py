@@ -1,0 +1,75 @@
+"""Tuning-database storage: compressed committed files, working copy, union merge (no TVM needed)."""
+
+import json
+import lzma
+
+import pytest
+
+from deploy import database as dbs
+from deploy.errors import StaleArtifactError
+
+
+def _lines(*items):
+    return [json.dumps(x, separators=(",", ":")) for x in items]
+
+
+def test_merge_keeps_base_order_and_reindexes_extra():
+    base = (_lines(["h1", "A"], ["h2", "B"]), _lines([0, ["t1", [1.0]]], [1, ["t2", [2.0]]]))
+    # the same workload B at another index, one duplicate record, one new workload
+    extra = (_lines(["h2", "B"], ["h3", "C"]), _lines([0, ["t2", [2.0]]], [0, ["t3", [3.0]]], [1, ["t4", [4.0]]]))
+    w, r, added = dbs.merge(base, extra)
+    assert added == 2
+    assert w[:2] == base[0] and json.loads(w[2]) == ["h3", "C"]
+    assert r[:2] == base[1]
+    assert [json.loads(x) for x in r[2:]] == [[1, ["t3", [3.0]]], [2, ["t4", [4.0]]]]
+    # merging again adds nothing
+    assert dbs.merge((w, r), extra)[2] == 0
+
+
+def _working_copy(folder, workloads, records, torn=False):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / dbs.WORKLOADS).write_text("".join(x + "\n" for x in workloads))
+    (folder / dbs.RECORDS).write_text("".join(x + "\n" for x in records) + ('[0, ["torn' if torn else ""))
+
+
+def test_pack_folds_working_copy_and_survives_a_torn_line(tmp_path):
+    d = tmp_path / "db"
+    _working_copy(d, _lines(["h1", "A"]), _lines([0, ["t1", [1.0]]], [0, ["t2", [2.0]]]), torn=True)
+    assert dbs.has_records(d)
+    assert dbs.pack(d) == 2
+    assert not (d / dbs.RECORDS).exists() and not (d / dbs.WORKLOADS).exists()
+    assert len(dbs._packed_lines(d / (dbs.RECORDS + dbs.PACKED))) == 2
+    first = dbs.digest(d)
+    # a second working copy (say, a later run that was killed) adds to it
+    _working_copy(d, _lines(["h1", "A"]), _lines([0, ["t2", [2.0]]], [0, ["t3", [3.0]]]))
+    assert dbs.pack(d) == 1
+    assert len(dbs._packed_lines(d / (dbs.RECORDS + dbs.PACKED))) == 3
+    assert dbs.digest(d) != first
+    # nothing to pack: nothing changes
+    assert dbs.pack(d) == 0
+    # deterministic compression: the same content gives the same digest
+    d2 = tmp_path / "db2"
+    _working_copy(d2, _lines(["h1", "A"]), _lines([0, ["t1", [1.0]]], [0, ["t2", [2.0]]], [0, ["t3", [3.0]]]))
+    dbs.pack(d2)
+    assert (d2 / (dbs.RECORDS + dbs.PACKED)).read_bytes() == (d / (dbs.RECORDS + dbs.PACKED)).read_bytes()
+
+
+def test_compression_is_large_on_repetitive_records(tmp_path):
+    d = tmp_path / "db"
+    trace = [["Split", ["l1", [None, 16, 4]], ["l2", "l3"]]] * 200
+    _working_copy(d, _lines(["h1", "A"]), _lines(*[[0, [trace, [i * 1e-6]]] for i in range(200)]))
+    plain = (d / dbs.RECORDS).stat().st_size
+    dbs.pack(d)
+    assert (d / (dbs.RECORDS + dbs.PACKED)).stat().st_size * 50 < plain
+
+
+def test_corrupt_packed_file_is_a_clear_error(tmp_path):
+    d = tmp_path / "db"
+    d.mkdir()
+    (d / (dbs.RECORDS + dbs.PACKED)).write_bytes(b"not xz")
+    (d / (dbs.WORKLOADS + dbs.PACKED)).write_bytes(lzma.compress(b""))
+    _working_copy(d, _lines(["h1", "A"]), _lines([0, ["t1", [1.0]]]))
+    with pytest.raises(StaleArtifactError, match="is corrupt"):
+        dbs.pack(d)
+    # the working copy is kept, not lost with the failed pack
+    assert (d / dbs.RECORDS).is_file()
