@@ -58,6 +58,32 @@ def lean_build(mod, target, _params):
         return tvm.tirx.build(mod, target=target)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity set, capped by a cgroup CPU
+    quota. os.cpu_count() (and MetaSchedule's default worker count) can see
+    every core of the host inside a container."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def so_export(mod) -> str:
+    """Export a built candidate as a shared library, linked here in the
+    parallel build workers. MetaSchedule's default exports a .tar, which the
+    runner then links (g++) before loading: serial work on the runner's side
+    for every candidate, while the GPU waits."""
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="tvm-deploy-cand-"), "candidate.so")
+    mod.export_library(path)
+    return path
+
+
 def _first_line(msg: str) -> str:
     lines = [ln.strip() for ln in str(msg).strip().splitlines() if ln.strip()]
     # TVM errors end with the useful line ("Check failed: ..."); tracebacks start with noise.
@@ -247,6 +273,7 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
         "tasks_selected": len(chosen),
         "tasks": {},
         "trials_before": total_done,
+        "cpus": usable_cpus(),
     }
     stats = {p["name"]: {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None} for p in todo}
     started = time.time()
@@ -264,7 +291,8 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
                 task_name=p["name"],
                 logger=lg,
                 rand_state=s,
-                num_threads="physical",
+                # every usable core: the evolutionary search is CPU-bound between batches
+                num_threads=usable_cpus(),
             )
             for p, lg, s in zip(todo, loggers, seeds)
         ]
@@ -298,7 +326,9 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
                     max_trials_global=global_left,
                     max_trials_per_task=profile.trials_per_task,
                     num_trials_per_iter=profile.trials_per_iter,
-                    builder=ms.builder.LocalBuilder(f_build=lean_build, timeout_sec=profile.builder_timeout_s),
+                    builder=ms.builder.LocalBuilder(
+                        max_workers=usable_cpus(), f_build=lean_build, f_export=so_export, timeout_sec=profile.builder_timeout_s
+                    ),
                     runner=_runner(target, profile),
                     database=db,
                     cost_model="xgb",
