@@ -63,6 +63,11 @@ class Profile:
     trials_per_task: int
     trials_per_iter: int
     max_tasks: int  # tune only the N heaviest tasks (0 = all)
+    # Evolutionary search: candidates per generation and generations per
+    # batch. Its mutation step (replay + GPU-code checks of every mutant) was
+    # over half of H200 tuning time at MetaSchedule's 512 x 4.
+    search_population: int
+    search_generations: int
     budget: str  # wall-clock tuning budget, e.g. "10m"; "" = unbounded
     builder_timeout_s: float
     runner_timeout_s: float
@@ -96,6 +101,8 @@ LLVM_DEFAULTS = Profile(
     trials_per_task=4,
     trials_per_iter=4,
     max_tasks=2,
+    search_population=64,
+    search_generations=2,
     budget="6m",
     builder_timeout_s=120.0,
     runner_timeout_s=60.0,
@@ -112,6 +119,8 @@ CUDA_DEFAULTS = Profile(
     trials_per_task=64,
     trials_per_iter=64,
     max_tasks=0,
+    search_population=256,
+    search_generations=3,
     budget="8m",
     builder_timeout_s=120.0,
     runner_timeout_s=60.0,
@@ -200,8 +209,14 @@ def _check_values(obj, where: str) -> None:
         for name in ("trials", "trials_per_task", "max_tasks"):
             if getattr(obj, name) < 0:
                 raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a non-negative integer")
-        if obj.trials_per_iter < 1:
-            raise ConfigError(f"invalid {where}.trials_per_iter", obj.trials_per_iter, "a positive integer")
+        for name in ("trials_per_iter", "search_population", "search_generations"):
+            if getattr(obj, name) < 1:
+                raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a positive integer")
+        if obj.search_population < obj.trials_per_iter:
+            raise ConfigError(
+                f"{where}.search_population is smaller than a batch", obj.search_population,
+                f">= trials_per_iter ({obj.trials_per_iter}): each batch is picked from the population",
+            )
         parse_duration(obj.budget, f"{where}.budget")
     elif isinstance(obj, InputSpec):
         choice("dtype", DTYPES)

@@ -84,6 +84,44 @@ def so_export(mod) -> str:
     return path
 
 
+def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
+    """MetaSchedule's LocalBuilder, but with one worker pool for the whole
+    run. LocalBuilder starts a fresh pool for every batch, and each worker
+    then imports TVM (which imports torch): seconds of every batch on 16
+    workers. TVM restarts its pools because workers leak memory after many
+    builds, so each worker here is replaced after `recycle_after` builds."""
+    from .tvm_compat import PopenPoolExecutor, StatusKind, derived_object, ms, ms_builder_worker
+
+    @derived_object
+    class PersistentBuilder(ms.builder.PyBuilder):
+        def __init__(self):
+            super().__init__()
+            self.pool = None
+
+        def build(self, build_inputs):
+            if self.pool is None:
+                self.pool = PopenPoolExecutor(
+                    max_workers=max_workers, timeout=timeout_s, maximum_process_uses=recycle_after
+                )
+            jobs = [(lean_build, so_export, b.mod, b.target, None) for b in build_inputs]
+            results = []
+            for r in self.pool.map_with_error_catching(lambda job: ms_builder_worker(*job), jobs):
+                if r.status == StatusKind.COMPLETE:
+                    results.append(ms.builder.BuilderResult(r.value, None))
+                elif r.status == StatusKind.TIMEOUT:
+                    results.append(ms.builder.BuilderResult(None, f"build timed out after {timeout_s:.0f} s"))
+                else:
+                    results.append(ms.builder.BuilderResult(None, "build failed\n" + str(r.value)))
+            return results
+
+        def close(self):
+            if self.pool is not None:
+                self.pool.shutdown()
+                self.pool = None
+
+    return PersistentBuilder()
+
+
 def _first_line(msg: str) -> str:
     lines = [ln.strip() for ln in str(msg).strip().splitlines() if ln.strip()]
     # TVM errors end with the useful line ("Check failed: ..."); tracebacks start with noise.
@@ -93,7 +131,7 @@ def _first_line(msg: str) -> str:
     return (lines[-1] if lines else "")[:300]
 
 
-def _make_deadline_search(deadline: float | None, budget: int):
+def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int):
     """An EvolutionarySearch that stops at a wall-clock deadline and after
     `budget` new trials (what is left of this task's budget)."""
     from .tvm_compat import ms
@@ -102,7 +140,9 @@ def _make_deadline_search(deadline: float | None, budget: int):
     @derived_object
     class DeadlineSearch(ms.search_strategy.PySearchStrategy):
         def __init__(self):
-            self.inner = ms.search_strategy.EvolutionarySearch()
+            self.inner = ms.search_strategy.EvolutionarySearch(
+                population_size=population, genetic_num_iters=generations
+            )
 
         def _initialize_with_tune_context(self, context):
             self.inner._initialize_with_tune_context(context)
@@ -122,7 +162,7 @@ def _make_deadline_search(deadline: float | None, budget: int):
             self.inner.notify_runner_results(measure_candidates, results)
 
         def clone(self):
-            return _make_deadline_search(deadline, budget)
+            return _make_deadline_search(deadline, budget, population, generations)
 
     return DeadlineSearch()
 
@@ -287,7 +327,9 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
                 mod=p["task"].dispatched[0],
                 target=tvm_target,
                 space_generator=_design_space(p["task"].dispatched[0], tvm_target, s)[0],
-                search_strategy=_make_deadline_search(deadline, p["left"]),
+                search_strategy=_make_deadline_search(
+                    deadline, p["left"], profile.search_population, profile.search_generations
+                ),
                 task_name=p["name"],
                 logger=lg,
                 rand_state=s,
@@ -318,28 +360,30 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
             label = f"tune b{key['inputs'][0]['shape'][0]}"
             # MetaSchedule's own profiler splits the time between search,
             # building, running and the cost model: where tuning time goes.
-            with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True) as bar, ms.Profiler() as prof:
-                ms.tune_tasks(
-                    tasks=contexts,
-                    task_weights=[float(p["task"].weight) for p in todo],
-                    work_dir=str(logs),
-                    max_trials_global=global_left,
-                    max_trials_per_task=profile.trials_per_task,
-                    num_trials_per_iter=profile.trials_per_iter,
-                    builder=ms.builder.LocalBuilder(
-                        max_workers=usable_cpus(), f_build=lean_build, f_export=so_export, timeout_sec=profile.builder_timeout_s
-                    ),
-                    runner=_runner(target, profile),
-                    database=db,
-                    cost_model="xgb",
-                    measure_callbacks=[
-                        ms.measure_callback.AddToDatabase(),
-                        ms.measure_callback.RemoveBuildArtifact(),
-                        ms.measure_callback.UpdateCostModel(),
-                        _make_progress_callback([p["name"] for p in todo], stats, failures, bar),
-                    ],
-                    task_scheduler="gradient",
-                )
+            builder = _make_builder(usable_cpus(), profile.builder_timeout_s)
+            try:
+                with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True) as bar, ms.Profiler() as prof:
+                    ms.tune_tasks(
+                        tasks=contexts,
+                        task_weights=[float(p["task"].weight) for p in todo],
+                        work_dir=str(logs),
+                        max_trials_global=global_left,
+                        max_trials_per_task=profile.trials_per_task,
+                        num_trials_per_iter=profile.trials_per_iter,
+                        builder=builder,
+                        runner=_runner(target, profile),
+                        database=db,
+                        cost_model="xgb",
+                        measure_callbacks=[
+                            ms.measure_callback.AddToDatabase(),
+                            ms.measure_callback.RemoveBuildArtifact(),
+                            ms.measure_callback.UpdateCostModel(),
+                            _make_progress_callback([p["name"] for p in todo], stats, failures, bar),
+                        ],
+                        task_scheduler="gradient",
+                    )
+            finally:
+                builder.close()
             summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
     elapsed = time.time() - started
     for p, (done, best) in zip(plan, dbs.trials_done(db, [p["task"].dispatched[0] for p in plan])):
