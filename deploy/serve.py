@@ -6,10 +6,11 @@
 Before anything is bound or loaded, the package is checked as `deploy.load`
 checks it (manifest, sha256 of every module, TVM version, GPU architecture):
 a package that fails is never loaded and the process exits with one line.
-The HTTP side then starts at once (live), loads the modules in a thread, runs
-every bucket once, and only then reports ready.
+The HTTP side then starts at once (live); the batcher thread loads the
+modules, runs every bucket once, and only then is the server ready.
 
-Dynamic batching: one thread owns the Predictor. Requests queue; the thread
+Dynamic batching: one thread owns the Predictor (every TVM call is made from
+it). Requests queue; the thread
 takes the first, waits at most `max_queue_delay_ms` (from that request's
 arrival) for more, as long as their rows fit the largest bucket, and runs the
 rows through the smallest bucket that holds them (padded), then hands each
@@ -109,14 +110,16 @@ _STOP = object()
 class Batcher:
     """The one thread that runs the Predictor (see the module docstring)."""
 
-    def __init__(self, predictor, max_queue_delay_s: float, metrics: Metrics):
-        self.predictor = predictor
+    def __init__(self, load, max_queue_delay_s: float, metrics: Metrics):
+        """`load()` returns the Predictor (loaded and warmed up); it runs in
+        the batcher's own thread, so every TVM call is made from that thread."""
+        self.predictor = None
         self.max_delay = max_queue_delay_s
         self.metrics = metrics
-        self.max_rows = predictor.max_batch
+        self.max_rows = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._carry = None  # a job taken from the queue that did not fit the last batch
-        self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
+        self._thread = threading.Thread(target=self._main, args=(load,), name="batcher", daemon=True)
         self._thread.start()
 
     def submit(self, arrays: list[np.ndarray], rows: int) -> concurrent.futures.Future:
@@ -139,6 +142,13 @@ class Batcher:
             return self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
         except queue.Empty:
             return None
+
+    def _main(self, load) -> None:
+        predictor = load()
+        if predictor is None:
+            return
+        self.predictor, self.max_rows = predictor, predictor.max_batch
+        self._loop()
 
     def _loop(self) -> None:
         while True:
@@ -208,6 +218,7 @@ class InferenceServer:
         self.metrics = Metrics(self.model)
         self.batcher: Batcher | None = None
         self.load_error: BaseException | None = None
+        self.ready = False  # set by the batcher thread once the package is loaded and warmed up
         self.loaded = threading.Event()  # set when ready or when loading failed
         self.on_load_error = lambda: None
         self.in_flight = 0
@@ -221,22 +232,16 @@ class InferenceServer:
         }
         self.app = self._app()
 
-    @property
-    def ready(self) -> bool:
-        return self.batcher is not None
-
     # -- loading ---------------------------------------------------------
 
-    def _load(self) -> None:
+    def _load(self):
+        """In the batcher's thread: the Predictor, or None if loading failed."""
         try:
             predictor = self.loader(self.folder)
             if self.cfg.warmup:
                 # First runs compile lazily loaded kernels and capture CUDA graphs.
                 for b in predictor.buckets:
                     predictor.run_bucket(b, predictor.random_inputs(b))
-            self.batcher = Batcher(predictor, self.cfg.max_queue_delay_ms / 1e3, self.metrics)
-            self.metrics.ready.labels(self.model).set(1)
-            log.info("model %s ready: buckets %s from %s", self.model, predictor.buckets, self.folder)
         except BaseException as e:  # noqa: BLE001  reported by the server's owner
             self.load_error = e
             if isinstance(e, DeployError):
@@ -244,16 +249,21 @@ class InferenceServer:
             else:
                 log.exception("loading %s failed", self.folder)
             self.on_load_error()
-        finally:
             self.loaded.set()
+            return None
+        self.ready = True
+        self.metrics.ready.labels(self.model).set(1)
+        log.info("model %s ready: buckets %s from %s", self.model, predictor.buckets, self.folder)
+        self.loaded.set()
+        return predictor
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        threading.Thread(target=self._load, name="loader", daemon=True).start()
+        self.batcher = Batcher(self._load, self.cfg.max_queue_delay_ms / 1e3, self.metrics)
         yield
         # uvicorn gets here after in-flight requests finished (or the grace ran out).
-        if self.batcher is not None:
-            await asyncio.to_thread(self.batcher.close)
+        await asyncio.to_thread(self.batcher.close)
+        self.ready = False
         self.metrics.ready.labels(self.model).set(0)
 
     # -- endpoints -------------------------------------------------------

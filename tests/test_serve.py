@@ -371,6 +371,16 @@ def test_not_ready_until_loaded(tiny_package):
         server.stop()
 
 
+def test_load_failure_stops_the_server(tiny_package):
+    def loader(folder):
+        raise RuntimeError("out of device memory")
+
+    server = serve.start(config.serve_config(port=0), tiny_package[0], wait=False, loader=loader)
+    with pytest.raises(RuntimeError, match="out of device memory"):
+        server.wait_ready(30)
+    assert not server.running
+
+
 def test_tampered_or_foreign_package_is_never_loaded(capsys, tmp_path, tiny_package, monkeypatch):
     def never(*_):
         raise AssertionError("native code was loaded")
