@@ -179,7 +179,7 @@ class ServerProcess:
         if cfg.model_name:
             argv += ["--model-name", cfg.model_name]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115  open while the server runs; closed by stop()
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float) -> None:
@@ -376,7 +376,7 @@ def _check_out(out: Path) -> None:
     if out.exists():
         try:
             artifacts.read_manifest(out, STAGE, verify=False)
-        except Exception:
+        except StaleArtifactError:
             raise ConfigError("the results folder exists and was not written by loadtest (it would be replaced)",
                               str(out), "a new folder (--out)") from None
 
@@ -407,10 +407,10 @@ def markdown(report: dict) -> str:
         "",
         f"    {report['command']}",
         "",
-        f"Each request carries {cfg['request_batch']} sample(s) as binary tensors; clients are closed-loop "
-        f"(tritonclient's asyncio HTTP client, {report['client_processes']} process(es)); each level runs "
-        f"{cfg['warmup_s']:g} s unmeasured, then {cfg['duration_s']:g} s measured. Server: max queue delay "
-        f"{cfg['serve']['max_queue_delay_ms']:g} ms, max concurrency {cfg['serve']['max_concurrency']}.",
+        (f"Each request carries {cfg['request_batch']} sample(s) as binary tensors; clients are closed-loop "
+         f"(tritonclient's asyncio HTTP client, {report['client_processes']} process(es)); each level runs "
+         f"{cfg['warmup_s']:g} s unmeasured, then {cfg['duration_s']:g} s measured. Server: max queue delay "
+         f"{cfg['serve']['max_queue_delay_ms']:g} ms, max concurrency {cfg['serve']['max_concurrency']}."),
         "",
         "## Raw module (this process, no HTTP)",
         "",
@@ -422,8 +422,8 @@ def markdown(report: dict) -> str:
                      f"{r['module_median_ms']:.3f} | {r['module_samples_per_s']:.1f} |")
     lines += [
         "",
-        f"Reference: bucket {raw['best_bucket']}, {raw['best_samples_per_s']:.1f} samples/s through run_bucket "
-        "(numpy in and out, the copies the server pays too).",
+        (f"Reference: bucket {raw['best_bucket']}, {raw['best_samples_per_s']:.1f} samples/s through run_bucket "
+         "(numpy in and out, the copies the server pays too)."),
         "",
         "## Served (HTTP, KServe v2)",
         "",
@@ -438,13 +438,14 @@ def markdown(report: dict) -> str:
             f"{lv['requests']} | {', '.join(f'{k}: {v}' for k, v in bad.items()) or 'none'} |")
     t = report["target_check"]
     if t is not None:
-        lines += ["", f"Target (concurrency {t['concurrency']}, at least {t['required_ratio']:.0%} of the raw best): "
-                      f"{_fmt(t['ratio'], '.0%')}, {'met' if t['met'] else 'NOT met'}."]
+        lines += ["", (f"Target (concurrency {t['concurrency']}, at least {t['required_ratio']:.0%} of the raw best): "
+                       f"{_fmt(t['ratio'], '.0%')}, {'met' if t['met'] else 'NOT met'}.")]
     lines += [
         "",
-        "samples/s: answered and correct samples per second of the measured window. Latency: send to answer, "
-        "as the client sees it. mean batch: rows per module run, from the server's /metrics. not ok: errors "
-        "by status, and answers that differ from the raw Predictor's output for the same input (`mismatch`).",
+        ("samples/s: answered and correct samples per second of the measured window. Latency: send to answer, "
+         "as the client sees it. mean batch: rows per module run (warm-up included), from the server's /metrics. "
+         "not ok: errors by status, and answers that differ from the raw Predictor's output for the same input "
+         "(`mismatch`)."),
         "",
     ]
     return "\n".join(lines)

@@ -67,15 +67,14 @@ class Metrics:
     in one process, as in the tests, do not share counters)."""
 
     def __init__(self, model: str):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-        from prometheus_client import disable_created_metrics
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
 
         disable_created_metrics()  # the *_created series only double every metric's size
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         p = "tvm_serve_"
         self.requests = Counter(p + "requests", "Inference requests by outcome (success, bad_request, not_found, "
-                                "too_large, overloaded, not_ready, timeout, error)", ["model", "outcome"], registry=r)
+                                "too_large, overloaded, not_ready, timeout, disconnected, error)", ["model", "outcome"], registry=r)
         self.latency = Histogram(p + "request_seconds", "Arrival to response of successful inference requests",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(p + "queue_seconds", "Enqueued to the start of its batch", ["model"],
@@ -242,7 +241,7 @@ class InferenceServer:
                 # First runs compile lazily loaded kernels and capture CUDA graphs.
                 for b in predictor.buckets:
                     predictor.run_bucket(b, predictor.random_inputs(b))
-        except BaseException as e:  # noqa: BLE001  reported by the server's owner
+        except BaseException as e:
             self.load_error = e
             if isinstance(e, DeployError):
                 log.error("loading %s failed: %s", self.folder, e)
@@ -338,6 +337,8 @@ class InferenceServer:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def infer(self, request):
+        from starlette.requests import ClientDisconnect
+
         m, label = self.metrics, self.model
         start = time.perf_counter()
         outcome = "error"
@@ -366,7 +367,10 @@ class InferenceServer:
         except DeployError as e:  # the Predictor's own input checks
             outcome = "bad_request"
             return _error(400, str(e))
-        except Exception as e:  # noqa: BLE001  one line to the client, the traceback to the log
+        except ClientDisconnect:  # nobody to answer; not the server's fault
+            outcome = "disconnected"
+            return _error(400, "the client closed the connection before sending the whole body")
+        except Exception as e:
             log.error("internal error in inference on %s", label, exc_info=e)
             return _error(500, _internal(e))
         finally:
@@ -524,7 +528,7 @@ class RunningServer:
                                         daemon=True)
         self._thread.start()
 
-    def wait_ready(self, timeout: float = 300.0) -> "RunningServer":
+    def wait_ready(self, timeout: float = 300.0) -> RunningServer:
         if not self.app.loaded.wait(timeout):
             raise TimeoutError(f"the package did not load in {timeout} s")
         if self.app.load_error is not None:

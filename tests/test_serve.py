@@ -276,6 +276,19 @@ def test_oversized_bodies_get_413(served):
     assert client(served).is_server_ready()
 
 
+def test_client_disconnect_is_not_an_error(served):
+    import socket
+
+    with socket.create_connection((served.host, served.port)) as s:
+        s.sendall(b"POST /v2/models/tiny_cnn/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000)
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while metric(served, "tvm_serve_requests_total", outcome="disconnected") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(served, "tvm_serve_requests_total", outcome="disconnected") == 1
+    assert metric(served, "tvm_serve_requests_total", outcome="error") == 0
+
+
 def test_metrics(served):
     client(served).infer(MODEL, [infer_input(rng_input(5))])
     httpx.post(served.url + f"/v2/models/{MODEL}/infer", content=b"{")
@@ -446,7 +459,11 @@ def test_sigterm_finishes_requests_in_flight(tiny_package):
         threads = [threading.Thread(target=send, args=(i,)) for i in range(len(xs))]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        in_flight = 0
+        while in_flight < len(xs) and time.monotonic() < deadline:  # all three read and queued
+            text = httpx.get(url + "/metrics").text
+            in_flight = next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                              if s.name == "tvm_serve_in_flight"), 0)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(30)
@@ -467,7 +484,7 @@ def test_sigterm_finishes_requests_in_flight(tiny_package):
 
 def test_loadtest_writes_a_report(capsys, tmp_path, tiny_package):
     out = tmp_path / "lt"
-    rc, stdout, err = run_cli(capsys, "loadtest", "--package", tiny_package[0], "--concurrency", "1,3",
+    rc, _, err = run_cli(capsys, "loadtest", "--package", tiny_package[0], "--concurrency", "1,3",
                               "--duration-s", "1", "--warmup-s", "0.3", "--raw-seconds", "0.1", "--out", out)
     assert rc == 0, err
     report = json.loads((out / "results.json").read_text())
