@@ -4,6 +4,9 @@
 # Options: TARGET=auto|llvm|cuda|cuda:sm_90  PRECISION=fp32|fp16  ACCUMULATE=fp32|fp16  BUCKETS=1,8,32
 #          TRIALS=N  BUDGET=10m  MAX_TASKS=N  WORKDIR=dir  EXTRA="--any --cli flags"
 # PYTHON=python3 uses that interpreter as it is (no venv), e.g. on the GPU machine.
+# Serving (after make tune, same MODEL/TARGET/PRECISION/WORKDIR, or PACKAGE=folder):
+#   make serve MODEL=resnet50 [HOST=0.0.0.0 PORT=8000 EXTRA="--max-queue-delay-ms 1 --max-concurrency 64"]
+#   make loadtest MODEL=resnet50 [CONCURRENCY=1,4,16,32,64 OUT=results/... EXTRA="--request-batch 8"]
 
 MODEL     ?= resnet50
 TARGET    ?=
@@ -15,6 +18,11 @@ BUDGET    ?=
 MAX_TASKS ?=
 WORKDIR   ?=
 EXTRA     ?=
+PACKAGE   ?=
+HOST      ?=
+PORT      ?=
+CONCURRENCY ?=
+OUT       ?=
 PYTEST_ARGS ?=
 
 VENV := .venv
@@ -37,7 +45,15 @@ ARGS := --model $(MODEL) \
 	$(if $(WORKDIR),--workdir $(WORKDIR)) \
 	$(EXTRA)
 
-.PHONY: tune profile bench test install clean
+# serve/loadtest find the package as the other targets find their workdir (or take PACKAGE).
+SERVE_ARGS := $(if $(PACKAGE),--package $(PACKAGE),--model $(MODEL)) \
+	$(if $(TARGET),--target $(TARGET)) \
+	$(if $(PRECISION),--precision $(PRECISION)) \
+	$(if $(WORKDIR),--workdir $(WORKDIR)) \
+	$(if $(HOST),--host $(HOST)) \
+	$(if $(PORT),--port $(PORT))
+
+.PHONY: tune profile bench serve loadtest test install clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -56,6 +72,12 @@ bench: $(DEPS)
 
 profile: $(DEPS)
 	$(PY) -m deploy profile $(ARGS)
+
+serve: $(DEPS)
+	$(PY) -m deploy serve $(SERVE_ARGS) $(EXTRA)
+
+loadtest: $(DEPS)
+	$(PY) -m deploy loadtest $(SERVE_ARGS) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY)) $(if $(OUT),--out $(OUT)) $(EXTRA)
 
 test: $(DEPS)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

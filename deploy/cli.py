@@ -4,6 +4,8 @@
   export     frontend  optimize  tune  build  validate   one stage each
   profile    per-kernel times of one bucket (after build)
   info       print a package's manifest summary
+  serve      serve a package over HTTP (Open Inference Protocol / KServe v2)
+  loadtest   throughput and latency of the server against the raw module
 
 A user error prints one line ("error: what | got ... | expected ...") and
 exits 2; a finished run prints `PASSED | <seconds>s | <command>`.
@@ -247,6 +249,85 @@ def cmd_info(args) -> int:
     return 0
 
 
+def resolve_package(args) -> Path:
+    """--package, or the package in the default workdir of -m MODEL (with
+    --target/--precision/--workdir, as the other commands find it)."""
+    from . import targets
+    from .pipeline import default_workdir
+
+    if args.package:
+        return Path(args.package)
+    if not args.model:
+        raise ConfigError("no package given", None, "--package FOLDER, or -m MODEL to use its default workdir")
+    cfg = resolve_config(args)
+    if args.workdir:
+        return Path(args.workdir) / "package"
+    target = targets.resolve(_nonempty(args.target) or "auto")
+    cfg = config_mod.apply_overrides(cfg, target.kind, precision=_nonempty(args.precision))
+    return default_workdir(cfg, target) / "package"
+
+
+def _serve_config(args, base: config_mod.ServeConfig) -> config_mod.ServeConfig:
+    return config_mod.serve_config(
+        base, host=args.host, port=args.port, model_name=args.model_name, max_queue_delay_ms=args.max_queue_delay_ms,
+        timeout_s=args.timeout_s, max_concurrency=args.max_concurrency, max_body_mb=args.max_body_mb,
+        shutdown_grace_s=args.shutdown_grace_s, warmup=False if args.no_warmup else None,
+    )
+
+
+def cmd_serve(args) -> int:
+    import dataclasses
+    import json
+
+    from . import serve
+
+    folder = resolve_package(args)
+    cfg = _serve_config(args, config_mod.ServeConfig())
+    print(f"package    {folder}\nserve      {json.dumps(dataclasses.asdict(cfg))}", flush=True)
+    return serve.run(cfg, folder)
+
+
+def cmd_loadtest(args) -> int:
+    import dataclasses
+    import json
+
+    from . import loadtest, runtime
+
+    folder = resolve_package(args)
+    cfg = config_mod.loadtest_config(
+        _serve_config(args, config_mod.LoadtestConfig().serve),
+        concurrency=config_mod.parse_int_list(args.concurrency, "--concurrency") if args.concurrency else None,
+        duration_s=args.duration_s, warmup_s=args.warmup_s, request_batch=args.request_batch,
+        client_procs=args.client_procs, raw_seconds=args.raw_seconds,
+    )
+    out = Path(args.out) if args.out else loadtest.default_out(runtime.check_package(folder))
+    print(f"package    {folder}\nloadtest   {json.dumps(dataclasses.asdict(cfg))}\nresults    {out}", flush=True)
+    report = loadtest.run(cfg, folder, out, args.command_line)
+    print(loadtest.markdown(report), end="")
+    print(f"loadtest: {out / 'results.json'}, {out / 'results.md'}")
+    return 0
+
+
+def _add_package(p: argparse.ArgumentParser, d: config_mod.ServeConfig) -> None:
+    p.add_argument("--package", help="package folder (default: the package in the workdir of --model)")
+    p.add_argument("-m", "--model", help="registry name, configs/<name>.toml, a .toml or an .onnx file")
+    p.add_argument("--config", help="config file (overrides the one found from --model)")
+    p.add_argument("--target", default="", help="auto (default), llvm, cuda, or cuda:sm_XY")
+    p.add_argument("--precision", default="", help="fp32 or fp16")
+    p.add_argument("--workdir", help="artifact folder (default artifacts/<model>/<target>-<precision>)")
+    p.set_defaults(input=None, checkpoint=None, seed=None)
+    # Defaults live in config.ServeConfig (`d`): None here means "not given".
+    p.add_argument("--host", help=f"address to listen on (default {d.host}; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, help=f"port (default {d.port}; 0 picks a free one)")
+    p.add_argument("--model-name", help="the model's name in URLs (default: the package's model name)")
+    p.add_argument("--max-queue-delay-ms", type=float, help=f"how long a batch waits for more requests (default {d.max_queue_delay_ms:g})")
+    p.add_argument("--timeout-s", type=float, help=f"per-request timeout: 504 after it (default {d.timeout_s:g})")
+    p.add_argument("--max-concurrency", type=int, help=f"inference requests in flight; more get 503 (default {d.max_concurrency})")
+    p.add_argument("--max-body-mb", type=float, help=f"largest request body; more gets 413 (default {d.max_body_mb:g})")
+    p.add_argument("--shutdown-grace-s", type=float, help=f"on SIGTERM, how long in-flight requests may take (default {d.shutdown_grace_s:g})")
+    p.add_argument("--no-warmup", action="store_true", help="report ready without running every bucket once")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="registry name, configs/<name>.toml, a .toml or an .onnx file")
     p.add_argument("--config", help="config file (overrides the one found from --model)")
@@ -292,6 +373,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", action="append", help="baseline.json of a TensorRT run measured elsewhere (repeatable)")
     p.add_argument("--out", help="results folder (default <workdir>/bench)")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("serve", help="serve a package over HTTP (Open Inference Protocol / KServe v2)")
+    _add_package(p, config_mod.ServeConfig())
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("loadtest", help="throughput and p50/p99 of the server at several concurrencies vs the raw module")
+    lt = config_mod.LoadtestConfig()
+    _add_package(p, lt.serve)
+    p.add_argument("--concurrency", help=f"comma-separated levels (default {','.join(map(str, lt.concurrency))})")
+    p.add_argument("--duration-s", type=float, help=f"measured seconds per level (default {lt.duration_s:g})")
+    p.add_argument("--warmup-s", type=float, help=f"unmeasured seconds before each level (default {lt.warmup_s:g})")
+    p.add_argument("--request-batch", type=int, help=f"samples per request (default {lt.request_batch})")
+    p.add_argument("--client-procs", type=int, help="client processes (default: one per 4 cores, at most 8)")
+    p.add_argument("--raw-seconds", type=float, help=f"seconds timing each bucket without HTTP (default {lt.raw_seconds:g})")
+    p.add_argument("--out", help="results folder (default results/<cpu|gpu>/<date>/<model>-loadtest)")
+    p.set_defaults(func=cmd_loadtest)
     p = sub.add_parser("info", help="check a package and print its manifest summary")
     p.add_argument("package")
     p.set_defaults(func=cmd_info)

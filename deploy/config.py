@@ -138,6 +138,41 @@ class Config:
         return self.cuda if target_kind == "cuda" else self.llvm
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """The serving process (`deploy serve`): one set of defaults, here."""
+
+    host: str = "127.0.0.1"  # 0.0.0.0 to listen on every interface
+    port: int = 8000  # 0 picks a free port
+    model_name: str = ""  # the name clients use; "" = the package's model name
+    # How long the first request of a batch waits for others to join it
+    # (Triton's max_queue_delay). 0 batches only what is already queued.
+    max_queue_delay_ms: float = 2.0
+    # Arrival to response, per request: 504 after it (408 if the body itself is that slow).
+    timeout_s: float = 30.0
+    # Inference requests in flight at once (reading, queued or running); more get 503.
+    max_concurrency: int = 128
+    max_body_mb: float = 64.0  # request body, after decompression; more gets 413
+    # On SIGTERM/SIGINT: stop accepting, finish what is in flight for at most this long.
+    shutdown_grace_s: float = 30.0
+    warmup: bool = True  # run every bucket once before reporting ready
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadtestConfig:
+    """`deploy loadtest`: closed-loop clients at each concurrency level."""
+
+    concurrency: tuple[int, ...] = (1, 4, 16, 32, 64)
+    duration_s: float = 10.0  # measured window per level
+    warmup_s: float = 2.0  # traffic before each window, not measured
+    request_batch: int = 1  # samples per request
+    # Client processes (the clients must not be the bottleneck); 0 = one per
+    # 4 cores, at most 8.
+    client_procs: int = 0
+    raw_seconds: float = 3.0  # timing of each bucket through Predictor.run_bucket
+    serve: ServeConfig = ServeConfig(port=0)
+
+
 # ----------------------------------------------------------------- parsing ---
 
 
@@ -228,6 +263,26 @@ def _check_values(obj, where: str) -> None:
         names = [i.name for i in obj.inputs]
         if len(set(names)) != len(names):
             raise ConfigError(f"duplicate input names in {where}.inputs", names)
+    elif isinstance(obj, ServeConfig):
+        if not 0 <= obj.port <= 65535:
+            raise ConfigError(f"invalid {where}.port", obj.port, "0 to 65535 (0: a free port)")
+        if obj.model_name and not re.fullmatch(r"[A-Za-z0-9_.-]+", obj.model_name):
+            raise ConfigError(f"invalid {where}.model_name", repr(obj.model_name), "letters, digits, '_', '.' or '-'")
+        for name in ("max_queue_delay_ms", "shutdown_grace_s"):
+            if getattr(obj, name) < 0:
+                raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a non-negative number")
+        for name in ("timeout_s", "max_body_mb", "max_concurrency"):
+            if getattr(obj, name) <= 0:
+                raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a positive number")
+    elif isinstance(obj, LoadtestConfig):
+        if not obj.concurrency or any(c < 1 for c in obj.concurrency):
+            raise ConfigError(f"invalid {where}.concurrency", list(obj.concurrency), "positive integers")
+        for name in ("duration_s", "request_batch", "raw_seconds"):
+            if getattr(obj, name) <= 0:
+                raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a positive number")
+        for name in ("warmup_s", "client_procs"):
+            if getattr(obj, name) < 0:
+                raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a non-negative number")
     elif isinstance(obj, Tolerance):
         for name in ("rtol", "atol", "max_rel_l2"):
             if getattr(obj, name) < 0:
@@ -296,6 +351,17 @@ def apply_overrides(cfg: Config, target_kind: str, **overrides) -> Config:
         table["tune_buckets"] = [b for b in table["tune_buckets"] if b in given["buckets"]] or [min(given["buckets"])]
     profile = _build(Profile, table, target_kind)
     return dataclasses.replace(cfg, **{target_kind: profile})
+
+
+def serve_config(base: ServeConfig | None = None, **overrides) -> ServeConfig:
+    """A ServeConfig from command-line values (None = not given)."""
+    return _build(ServeConfig, {k: v for k, v in overrides.items() if v is not None}, "serve",
+                  base=base or ServeConfig())
+
+
+def loadtest_config(serve: ServeConfig, **overrides) -> LoadtestConfig:
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(_build(LoadtestConfig, given, "loadtest", base=LoadtestConfig()), serve=serve)
 
 
 def parse_int_list(text: str, where: str) -> tuple[int, ...]:

@@ -53,3 +53,50 @@ class ToleranceError(DeployError):
 
 class TargetError(DeployError):
     """The requested target or device is not available here."""
+
+
+class RequestError(DeployError):
+    """An inference request the server refuses; `status` is its HTTP status.
+    Raised per request by the server: it never stops the process."""
+
+    status = 400
+    outcome = "bad_request"  # the `outcome` label of the requests metric
+
+
+class ModelNotFoundError(RequestError):
+    status = 404
+    outcome = "not_found"
+
+
+class RequestTimeoutError(RequestError):
+    """The request's body did not arrive in time (408) or no answer was ready
+    in time (504)."""
+
+    status = 504
+    outcome = "timeout"
+
+    def __init__(self, what: str, got: object | None = None, expected: object | None = None, status: int = 504):
+        super().__init__(what, got, expected)
+        self.status = status
+
+
+class PayloadTooLargeError(RequestError):
+    status = 413
+    outcome = "too_large"
+
+
+class UnsupportedEncodingError(RequestError):
+    status = 415
+    outcome = "bad_request"
+
+
+class UnavailableError(RequestError):
+    """The server cannot take the request now (model not loaded yet, or the
+    concurrency limit is reached): retry later."""
+
+    status = 503
+
+    def __init__(self, what: str, got: object | None = None, expected: object | None = None,
+                 outcome: str = "overloaded"):
+        super().__init__(what, got, expected)
+        self.outcome = outcome

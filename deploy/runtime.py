@@ -35,7 +35,9 @@ def check_package(folder: str | Path) -> dict:
     return manifest
 
 
-def _device_for(manifest: dict):
+def check_device(manifest: dict):
+    """The device a package runs on, after checking the GPU architecture
+    (no native code of the package is loaded)."""
     from .tvm_compat import tvm
 
     target = manifest["target"]
@@ -63,7 +65,7 @@ class Predictor:
 
         self.folder = Path(folder)
         self.manifest = check_package(self.folder)
-        self.device = _device_for(self.manifest)
+        self.device = check_device(self.manifest)
         self.inputs = self.manifest["inputs"]
         self.outputs = self.manifest["outputs"]
         self.buckets = sorted(int(b) for b in self.manifest["buckets"])

@@ -1,0 +1,451 @@
+"""Load test of the serving process against the raw module, in one run.
+
+1. Raw: the package's Predictor in this process, each bucket timed through
+   `Predictor.run_bucket` (numpy in, numpy out: the host-device copies the
+   server also pays) for `raw_seconds`; the best bucket's samples/s is the
+   reference. TVM's time evaluator (module only, no copies) is reported too.
+2. Served: `python -m deploy serve` in a subprocess on a free loopback port;
+   closed-loop clients (each sends its next request when the last one is
+   answered) at each concurrency level, spread over client processes so that
+   the clients are not the bottleneck. The clients are tritonclient's asyncio
+   HTTP client, the standard v2 client, sending binary tensors. Every answer
+   is compared with the raw Predictor's output for the same input.
+3. Per level: samples/s and requests/s over the measured window, latency
+   p50/p90/p99 (send to answer, as the client sees it), errors, and the
+   server's mean batch (from its /metrics) -- written as results.json and
+   results.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from . import artifacts
+from .config import LoadtestConfig, ServeConfig
+from .errors import ConfigError, StaleArtifactError
+
+log = logging.getLogger(__name__)
+
+STAGE = "loadtest"
+TARGET_CONCURRENCY, TARGET_RATIO = 32, 0.70  # the serving issue's goal on the H200
+DISTINCT_REQUESTS = 8  # distinct inputs the clients cycle through (each answer is checked)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------- raw ---
+
+
+def measure_raw(predictor, seconds: float) -> dict:
+    """Samples/s of every bucket through run_bucket, and the best."""
+    out = {}
+    for b in predictor.buckets:
+        arrays = predictor.random_inputs(b, seed=1)
+        for _ in range(2):
+            predictor.run_bucket(b, arrays)
+        times = []
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end or len(times) < 5:
+            t0 = time.perf_counter()
+            predictor.run_bucket(b, arrays)  # returns numpy: synchronized
+            times.append(time.perf_counter() - t0)
+        median = float(np.median(times))
+        module = predictor.latency(b)["median_ms"] / 1e3
+        out[str(b)] = {
+            "run_bucket_median_ms": median * 1e3,
+            "run_bucket_samples_per_s": b / median,
+            "iterations": len(times),
+            "module_median_ms": module * 1e3,
+            "module_samples_per_s": b / module,
+        }
+    best = max(out, key=lambda k: out[k]["run_bucket_samples_per_s"])
+    return {"buckets": out, "best_bucket": int(best), "best_samples_per_s": out[best]["run_bucket_samples_per_s"]}
+
+
+def _close(out: np.ndarray, ref: np.ndarray, precision: str) -> bool:
+    # Merged requests may run in another bucket (another compiled module)
+    # than the reference did: equal up to rounding, not bit for bit.
+    limit = 2e-2 if precision == "fp16" else 1e-4
+    out, ref = out.astype(np.float64), ref.astype(np.float64)
+    if out.shape != ref.shape:
+        return False
+    return bool(np.linalg.norm(out - ref) <= limit * max(np.linalg.norm(ref), 1e-30))
+
+
+# ------------------------------------------------------------------ clients ---
+
+
+def _client_part(url: str, model: str, specs: list[dict], requests: list[list[np.ndarray]],
+                 expected: list[dict], precision: str, concurrency: int, t_start: float, t_end: float) -> list:
+    """One client process: `concurrency` closed-loop clients from t_start to
+    t_end (time.monotonic, shared by the processes of one machine).
+    Returns (sent, answered, status) per request."""
+    return asyncio.run(_clients(url, model, specs, requests, expected, precision, concurrency, t_start, t_end))
+
+
+async def _clients(url, model, specs, requests, expected, precision, concurrency, t_start, t_end) -> list:
+    from tritonclient.http.aio import InferenceServerClient, InferInput
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    client = InferenceServerClient(url.removeprefix("http://"), conn_limit=concurrency)
+    prepared = []
+    for arrays in requests:
+        tensors = []
+        for spec, a in zip(specs, arrays):
+            t = InferInput(spec["name"], list(a.shape), np_to_triton_dtype(a.dtype))
+            t.set_data_from_numpy(a, binary_data=True)
+            tensors.append(t)
+        prepared.append(tensors)
+    records = []
+
+    async def one_client(k: int) -> None:
+        i = k
+        await asyncio.sleep(max(0.0, t_start - time.monotonic()))
+        while time.monotonic() < t_end:
+            j = i % len(prepared)
+            sent = time.monotonic()
+            try:
+                r = await client.infer(model, prepared[j])
+                ok = all(_close(r.as_numpy(n), ref, precision) for n, ref in expected[j].items())
+                status = "ok" if ok else "mismatch"
+            except InferenceServerException as e:
+                status = f"http {e.status()}"
+            except Exception as e:  # noqa: BLE001  counted, reported
+                status = type(e).__name__
+            records.append((sent, time.monotonic(), status))
+            i += concurrency
+
+    try:
+        await asyncio.gather(*(one_client(k) for k in range(concurrency)))
+    finally:
+        await client.close()
+    return records
+
+
+def _client_procs(cfg: LoadtestConfig) -> int:
+    if cfg.client_procs:
+        return cfg.client_procs
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+def _split(concurrency: int, procs: int) -> list[int]:
+    return [n for n in (concurrency // procs + (i < concurrency % procs) for i in range(procs)) if n]
+
+
+# ------------------------------------------------------------------- server ---
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class ServerProcess:
+    """`python -m deploy serve` in a subprocess, its log in a file."""
+
+    def __init__(self, cfg: ServeConfig, folder: Path, log_path: Path):
+        self.log_path = log_path
+        self.url = f"http://{cfg.host}:{cfg.port}"
+        argv = [sys.executable, "-m", "deploy", "serve", "--package", str(folder), "--host", cfg.host,
+                "--port", str(cfg.port), "--max-queue-delay-ms", str(cfg.max_queue_delay_ms),
+                "--timeout-s", str(cfg.timeout_s), "--max-concurrency", str(cfg.max_concurrency),
+                "--max-body-mb", str(cfg.max_body_mb), "--shutdown-grace-s", str(cfg.shutdown_grace_s)]
+        if cfg.model_name:
+            argv += ["--model-name", cfg.model_name]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+        self._log = open(log_path, "w")  # noqa: SIM115  open while the server runs; closed by stop()
+        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise StaleArtifactError("the server exited before it was ready", self._tail())
+            try:
+                if _get(self.url + "/v2/health/ready", 2.0)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the server was not ready after {timeout:g} s: {self._tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        _, body = _get(self.url + "/metrics")
+        out = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for s in family.samples:
+                if s.name.endswith(("_sum", "_count")) and "batch" in s.name:
+                    out[s.name] = s.value
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def _tail(self) -> str:
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " / ".join(lines[-3:]) or "(no output)"
+
+
+# --------------------------------------------------------------------- run ---
+
+
+def _level(concurrency: int, records: list, cfg: LoadtestConfig, t_measure: float, t_end: float,
+           before: dict, after: dict, raw_best: float) -> dict:
+    window = t_end - t_measure
+    done = [r for r in records if t_measure <= r[1] <= t_end]
+    ok = [r for r in done if r[2] == "ok"]
+    started = sorted((r[1] - r[0]) * 1e3 for r in records if r[0] >= t_measure and r[2] == "ok")
+    statuses: dict[str, int] = {}
+    for r in done:
+        statuses[r[2]] = statuses.get(r[2], 0) + 1
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def pct(q: float) -> float | None:
+        return float(np.percentile(started, q)) if started else None
+
+    batches = delta("tvm_serve_batch_rows_count")
+    samples = len(ok) * cfg.request_batch / window
+    return {
+        "concurrency": concurrency,
+        "requests": len(done),
+        "statuses": statuses,
+        "samples_per_s": samples,
+        "requests_per_s": len(ok) / window,
+        "p50_ms": pct(50),
+        "p90_ms": pct(90),
+        "p99_ms": pct(99),
+        "mean_ms": float(np.mean(started)) if started else None,
+        "mean_batch_rows": delta("tvm_serve_batch_rows_sum") / batches if batches else None,
+        "mean_batch_requests": delta("tvm_serve_batch_requests_sum") / batches if batches else None,
+        "vs_raw_best": samples / raw_best if raw_best else None,
+    }
+
+
+def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str = "") -> dict:
+    from . import runtime
+
+    folder, out = Path(folder), Path(out)
+    _check_out(out)
+    manifest = runtime.check_package(folder)
+    runtime.check_device(manifest)
+    precision = manifest.get("precision", "fp32")
+    predictor = runtime.load(folder, warn_unvalidated=False)
+    log.info("raw: timing every bucket through run_bucket for %g s", cfg.raw_seconds)
+    raw = measure_raw(predictor, cfg.raw_seconds)
+    requests = [predictor.random_inputs(cfg.request_batch, seed=100 + k) for k in range(DISTINCT_REQUESTS)]
+    expected = [predictor(*r) for r in requests]
+    del predictor
+
+    serve_cfg = dataclasses.replace(cfg.serve, port=cfg.serve.port or _free_port(cfg.serve.host))
+    procs = _client_procs(cfg)
+    levels = []
+    with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
+        server = ServerProcess(serve_cfg, folder, Path(tmp) / "server.log")
+        pool = None
+        try:
+            server.wait_ready(600)
+            model = json.loads(_get(server.url + "/v2/models/" + (serve_cfg.model_name or manifest["model"]))[1])
+            if procs > 1:
+                import multiprocessing
+
+                pool = multiprocessing.get_context("spawn").Pool(procs, initializer=_import_clients)
+                pool.map(time.sleep, [0.5] * procs, chunksize=1)
+            for c in cfg.concurrency:
+                parts = _split(c, procs)
+                before = server.metrics()
+                t_start = time.monotonic() + 0.5
+                t_measure, t_end = t_start + cfg.warmup_s, t_start + cfg.warmup_s + cfg.duration_s
+                args = [(server.url, model["name"], manifest["inputs"], requests, expected, precision, n,
+                         t_start, t_end) for n in parts]
+                log.info("concurrency %d: %d client(s) in %d process(es) for %g + %g s", c, c, len(parts),
+                         cfg.warmup_s, cfg.duration_s)
+                if pool is None:
+                    records = _client_part(*args[0])
+                else:
+                    records = [r for part in pool.starmap(_client_part, args) for r in part]
+                after = server.metrics()
+                levels.append(_level(c, records, cfg, t_measure, t_end, before, after, raw["best_samples_per_s"]))
+                log.info("concurrency %d: %.1f samples/s, p50 %s ms, p99 %s ms", c, levels[-1]["samples_per_s"],
+                         _fmt(levels[-1]["p50_ms"]), _fmt(levels[-1]["p99_ms"]))
+        finally:
+            if pool is not None:
+                pool.terminate()
+            rc = server.stop()
+            server_log = server.log_path.read_text(errors="replace")
+        if rc != 0:
+            log.warning("the server exited with status %s", rc)
+    report = {
+        "model": manifest["model"],
+        "package": str(folder),
+        "target": manifest["target"],
+        "gpu": manifest.get("gpu"),
+        "precision": precision,
+        "buckets": sorted(int(b) for b in manifest["buckets"]),
+        "date": _dt.date.today().isoformat(),
+        "command": command,
+        "environment": environment(),
+        "config": dataclasses.asdict(cfg),
+        "client_processes": procs,
+        "server_exit_status": rc,
+        "raw": raw,
+        "levels": levels,
+        "target_check": _target(levels, raw),
+    }
+    write(report, out, server_log)
+    return report
+
+
+def _import_clients() -> None:
+    import tritonclient.http.aio  # noqa: F401  before the first level's clock starts
+
+
+def _target(levels: list[dict], raw: dict) -> dict | None:
+    level = next((lv for lv in levels if lv["concurrency"] == TARGET_CONCURRENCY), None)
+    if level is None:
+        return None
+    ratio = level["vs_raw_best"]
+    return {"concurrency": TARGET_CONCURRENCY, "required_ratio": TARGET_RATIO, "ratio": ratio,
+            "met": ratio is not None and ratio >= TARGET_RATIO}
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    from .tvm_compat import versions
+
+    env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           **versions()}
+    for dist in ("uvicorn", "starlette", "tritonclient", "prometheus_client", "pydantic", "uvloop", "httptools"):
+        try:
+            env[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            env[dist] = None
+    return env
+
+
+def default_out(manifest: dict) -> Path:
+    """results/<cpu | gpu>/<date>/<model>-loadtest, as the committed results are laid out."""
+    if manifest["target"]["kind"] == "cuda":
+        gpu = (manifest.get("gpu") or {}).get("name") or manifest["target"].get("arch", "gpu")
+        machine = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
+    else:
+        machine = "cpu"
+    return REPO_ROOT / "results" / machine / _dt.date.today().isoformat() / f"{manifest['model']}-loadtest"
+
+
+def _check_out(out: Path) -> None:
+    if out.exists():
+        try:
+            artifacts.read_manifest(out, STAGE, verify=False)
+        except StaleArtifactError:
+            raise ConfigError("the results folder exists and was not written by loadtest (it would be replaced)",
+                              str(out), "a new folder (--out)") from None
+
+
+def write(report: dict, folder: Path, server_log: str = "") -> None:
+    """results.json, results.md and the server's log; an existing folder is
+    replaced only if an earlier load test wrote it."""
+    _check_out(folder)
+    with artifacts.staged_dir(folder) as tmp:
+        artifacts.write_json_atomic(tmp / "results.json", report)
+        (tmp / "results.md").write_text(markdown(report))
+        (tmp / "server.log").write_text(server_log)
+        artifacts.write_manifest(tmp, STAGE, {"model": report["model"]})
+
+
+def _fmt(v, spec: str = ".2f") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def markdown(report: dict) -> str:
+    raw, cfg = report["raw"], report["config"]
+    target = report["target"]
+    where = (report["gpu"] or {}).get("name") if target["kind"] == "cuda" else f"CPU ({report['environment']['cpus']} cores)"
+    lines = [
+        f"# Load test: {report['model']}, {target['kind']} {report['precision']}, {report['date']}",
+        "",
+        f"Package `{report['package']}` (buckets {report['buckets']}) on {where}. Command:",
+        "",
+        f"    {report['command']}",
+        "",
+        (f"Each request carries {cfg['request_batch']} sample(s) as binary tensors; clients are closed-loop "
+         f"(tritonclient's asyncio HTTP client, {report['client_processes']} process(es)); each level runs "
+         f"{cfg['warmup_s']:g} s unmeasured, then {cfg['duration_s']:g} s measured. Server: max queue delay "
+         f"{cfg['serve']['max_queue_delay_ms']:g} ms, max concurrency {cfg['serve']['max_concurrency']}."),
+        "",
+        "## Raw module (this process, no HTTP)",
+        "",
+        "| bucket | run_bucket p50 (ms) | samples/s | module only p50 (ms) | samples/s |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for b, r in raw["buckets"].items():
+        lines.append(f"| {b} | {r['run_bucket_median_ms']:.3f} | {r['run_bucket_samples_per_s']:.1f} | "
+                     f"{r['module_median_ms']:.3f} | {r['module_samples_per_s']:.1f} |")
+    lines += [
+        "",
+        (f"Reference: bucket {raw['best_bucket']}, {raw['best_samples_per_s']:.1f} samples/s through run_bucket "
+         "(numpy in and out, the copies the server pays too)."),
+        "",
+        "## Served (HTTP, KServe v2)",
+        "",
+        "| concurrency | samples/s | vs raw | p50 (ms) | p90 (ms) | p99 (ms) | mean batch (rows) | requests | not ok |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for lv in report["levels"]:
+        bad = {k: v for k, v in lv["statuses"].items() if k != "ok"}
+        lines.append(
+            f"| {lv['concurrency']} | {lv['samples_per_s']:.1f} | {_fmt(lv['vs_raw_best'], '.0%')} | "
+            f"{_fmt(lv['p50_ms'])} | {_fmt(lv['p90_ms'])} | {_fmt(lv['p99_ms'])} | {_fmt(lv['mean_batch_rows'], '.1f')} | "
+            f"{lv['requests']} | {', '.join(f'{k}: {v}' for k, v in bad.items()) or 'none'} |")
+    t = report["target_check"]
+    if t is not None:
+        lines += ["", (f"Target (concurrency {t['concurrency']}, at least {t['required_ratio']:.0%} of the raw best): "
+                       f"{_fmt(t['ratio'], '.0%')}, {'met' if t['met'] else 'NOT met'}.")]
+    lines += [
+        "",
+        ("samples/s: answered and correct samples per second of the measured window. Latency: send to answer, "
+         "as the client sees it. mean batch: rows per module run (warm-up included), from the server's /metrics. "
+         "not ok: errors by status, and answers that differ from the raw Predictor's output for the same input "
+         "(`mismatch`)."),
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,573 @@
+"""Serve a package over HTTP with the Open Inference Protocol (KServe v2).
+
+    serve.run(ServeConfig(...), "artifacts/.../package")     # blocks; SIGTERM drains
+    server = serve.start(ServeConfig(port=0), folder)        # in a thread; server.url
+
+Before anything is bound or loaded, the package is checked as `deploy.load`
+checks it (manifest, sha256 of every module, TVM version, GPU architecture):
+a package that fails is never loaded and the process exits with one line.
+The HTTP side then starts at once (live); the batcher thread loads the
+modules, runs every bucket once, and only then is the server ready.
+
+Dynamic batching: one thread owns the Predictor (every TVM call is made from
+it). Requests queue; the thread
+takes the first, waits at most `max_queue_delay_ms` (from that request's
+arrival) for more, as long as their rows fit the largest bucket, and runs the
+rows through the smallest bucket that holds them (padded), then hands each
+request its own rows. A request larger than the largest bucket runs alone,
+split across buckets by the Predictor.
+
+Libraries: Starlette (routing, requests, responses) on uvicorn (HTTP/1.1,
+graceful shutdown), prometheus_client (metrics), pydantic and tritonclient's
+datatype tables through `deploy.protocol`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import queue
+import socket
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from . import protocol
+from .config import ServeConfig
+from .errors import (
+    DeployError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    RequestError,
+    RequestTimeoutError,
+    UnavailableError,
+    UnsupportedEncodingError,
+)
+
+log = logging.getLogger(__name__)
+
+MODEL_VERSION = "1"  # a package is one version of one model
+SERVER_NAME = "tvm-deploy"
+# Seconds; fine enough for GPU batches of a millisecond, wide enough for CPU ones of seconds.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+# ------------------------------------------------------------------ metrics ---
+
+
+class Metrics:
+    """Prometheus metrics of one server, in a registry of its own (two servers
+    in one process, as in the tests, do not share counters)."""
+
+    def __init__(self, model: str):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+
+        disable_created_metrics()  # the *_created series only double every metric's size
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        p = "tvm_serve_"
+        self.requests = Counter(p + "requests", "Inference requests by outcome (success, bad_request, not_found, "
+                                "too_large, overloaded, not_ready, timeout, disconnected, error)", ["model", "outcome"], registry=r)
+        self.latency = Histogram(p + "request_seconds", "Arrival to response of successful inference requests",
+                                 ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(p + "queue_seconds", "Enqueued to the start of its batch", ["model"],
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.compute = Histogram(p + "compute_seconds", "One batch through the module (copies included)",
+                                 ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_rows = Histogram(p + "batch_rows", "Samples per batch, before padding", ["model"],
+                                    buckets=ROW_BUCKETS, registry=r)
+        self.batch_requests = Histogram(p + "batch_requests", "Requests merged into one batch", ["model"],
+                                        buckets=ROW_BUCKETS, registry=r)
+        self.bucket_runs = Counter(p + "bucket_runs", "Module runs per batch bucket", ["model", "bucket"], registry=r)
+        self.padded_rows = Counter(p + "padded_rows", "Padding rows run to fill a bucket", ["model"], registry=r)
+        self.in_flight = Gauge(p + "in_flight", "Inference requests being read, queued or run", ["model"], registry=r)
+        self.ready = Gauge(p + "ready", "1 once the package is loaded and warmed up", ["model"], registry=r)
+        self.model = model
+
+
+# ------------------------------------------------------------------ batcher ---
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    arrays: list[np.ndarray]
+    rows: int
+    future: concurrent.futures.Future
+    enqueued: float
+
+
+_STOP = object()
+
+
+class Batcher:
+    """The one thread that runs the Predictor (see the module docstring)."""
+
+    def __init__(self, load, max_queue_delay_s: float, metrics: Metrics):
+        """`load()` returns the Predictor (loaded and warmed up); it runs in
+        the batcher's own thread, so every TVM call is made from that thread."""
+        self.predictor = None
+        self.max_delay = max_queue_delay_s
+        self.metrics = metrics
+        self.max_rows = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._carry = None  # a job taken from the queue that did not fit the last batch
+        self._thread = threading.Thread(target=self._main, args=(load,), name="batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, arrays: list[np.ndarray], rows: int) -> concurrent.futures.Future:
+        job = _Job(arrays, rows, concurrent.futures.Future(), time.perf_counter())
+        self._queue.put(job)
+        return job.future
+
+    def close(self) -> None:
+        """Run everything already queued, then stop the thread."""
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    def _next(self, timeout: float | None):
+        if self._carry is not None:
+            job, self._carry = self._carry, None
+            return job
+        try:
+            if timeout is None:
+                return self._queue.get()
+            return self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _main(self, load) -> None:
+        predictor = load()
+        if predictor is None:
+            return
+        self.predictor, self.max_rows = predictor, predictor.max_batch
+        self._loop()
+
+    def _loop(self) -> None:
+        while True:
+            first = self._next(None)
+            if first is _STOP:
+                return
+            # A job whose request timed out while queued was cancelled: skip it.
+            if not first.future.set_running_or_notify_cancel():
+                continue
+            jobs, rows = [first], first.rows
+            deadline = first.enqueued + self.max_delay
+            while rows < self.max_rows:
+                job = self._next(deadline - time.perf_counter())
+                if job is None:
+                    break
+                if job is _STOP or rows + job.rows > self.max_rows:
+                    self._carry = job
+                    break
+                if job.future.set_running_or_notify_cancel():
+                    jobs.append(job)
+                    rows += job.rows
+            self._run(jobs, rows)
+
+    def _run(self, jobs: list[_Job], rows: int) -> None:
+        m, label = self.metrics, self.metrics.model
+        start = time.perf_counter()
+        for j in jobs:
+            m.queue.labels(label).observe(start - j.enqueued)
+        try:
+            n_inputs = len(jobs[0].arrays)
+            arrays = [jobs[0].arrays[i] if len(jobs) == 1 else np.concatenate([j.arrays[i] for j in jobs])
+                      for i in range(n_inputs)]
+            out = self.predictor(*arrays)  # pads to the bucket, or splits a request over the largest
+        except BaseException as e:  # noqa: BLE001  every waiting request gets the error, the thread lives on
+            for j in jobs:
+                j.future.set_exception(e)
+            return
+        m.compute.labels(label).observe(time.perf_counter() - start)
+        m.batch_rows.labels(label).observe(rows)
+        m.batch_requests.labels(label).observe(len(jobs))
+        if rows <= self.max_rows:
+            bucket = self.predictor.bucket_for(rows)
+            m.bucket_runs.labels(label, str(bucket)).inc()
+            m.padded_rows.labels(label).inc(bucket - rows)
+        else:
+            m.bucket_runs.labels(label, "split").inc()
+        begin = 0
+        for j in jobs:
+            j.future.set_result({k: v[begin : begin + j.rows] for k, v in out.items()})
+            begin += j.rows
+
+
+# ------------------------------------------------------------------- server ---
+
+
+class InferenceServer:
+    """The Starlette application and the state behind it."""
+
+    def __init__(self, cfg: ServeConfig, folder: str | Path, manifest: dict, loader=None):
+        from . import runtime
+
+        self.cfg = cfg
+        self.folder = Path(folder)
+        self.manifest = manifest
+        self.model = cfg.model_name or manifest["model"]
+        self.loader = loader or runtime.load
+        self.metrics = Metrics(self.model)
+        self.batcher: Batcher | None = None
+        self.load_error: BaseException | None = None
+        self.ready = False  # set by the batcher thread once the package is loaded and warmed up
+        self.loaded = threading.Event()  # set when ready or when loading failed
+        self.on_load_error = lambda: None
+        self.in_flight = 0
+        self.max_body = int(cfg.max_body_mb * 1024 * 1024)
+        self.model_metadata = {
+            "name": self.model,
+            "versions": [MODEL_VERSION],
+            "platform": "tvm",
+            "inputs": protocol.tensor_metadata(manifest["inputs"]),
+            "outputs": protocol.tensor_metadata(manifest["outputs"]),
+        }
+        self.app = self._app()
+
+    # -- loading ---------------------------------------------------------
+
+    def _load(self):
+        """In the batcher's thread: the Predictor, or None if loading failed."""
+        try:
+            predictor = self.loader(self.folder)
+            if self.cfg.warmup:
+                # First runs compile lazily loaded kernels and capture CUDA graphs.
+                for b in predictor.buckets:
+                    predictor.run_bucket(b, predictor.random_inputs(b))
+        except BaseException as e:
+            self.load_error = e
+            if isinstance(e, DeployError):
+                log.error("loading %s failed: %s", self.folder, e)
+            else:
+                log.exception("loading %s failed", self.folder)
+            self.on_load_error()
+            self.loaded.set()
+            return None
+        self.ready = True
+        self.metrics.ready.labels(self.model).set(1)
+        log.info("model %s ready: buckets %s from %s", self.model, predictor.buckets, self.folder)
+        self.loaded.set()
+        return predictor
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self.batcher = Batcher(self._load, self.cfg.max_queue_delay_ms / 1e3, self.metrics)
+        yield
+        # uvicorn gets here after in-flight requests finished (or the grace ran out).
+        await asyncio.to_thread(self.batcher.close)
+        self.ready = False
+        self.metrics.ready.labels(self.model).set(0)
+
+    # -- endpoints -------------------------------------------------------
+
+    def _app(self):
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.routing import Route
+
+        model = "/v2/models/{name}"
+        version = "/v2/models/{name}/versions/{version}"
+        routes = [
+            Route("/v2/health/live", self.live),
+            Route("/v2/health/ready", self.server_ready),
+            Route("/v2", self.server_metadata),
+            Route(model, self.model_meta),
+            Route(version, self.model_meta),
+            Route(model + "/ready", self.model_ready),
+            Route(version + "/ready", self.model_ready),
+            Route(model + "/infer", self.infer, methods=["POST"]),
+            Route(version + "/infer", self.infer, methods=["POST"]),
+            Route("/metrics", self.prometheus),
+        ]
+
+        async def http_error(request, exc: HTTPException):
+            return _error(exc.status_code, f"{exc.detail} | got {request.method} {request.url.path}")
+
+        async def internal_error(request, exc: Exception):
+            log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+            return _error(500, _internal(exc))
+
+        return Starlette(routes=routes, lifespan=self.lifespan,
+                         exception_handlers={HTTPException: http_error, Exception: internal_error})
+
+    async def live(self, request):
+        return _json({"live": True})
+
+    async def server_ready(self, request):
+        # The protocol says a 4xx means "not ready"; 503 is what KServe itself
+        # answers and what load balancers expect. Clients only test for 200.
+        return _json({"ready": self.ready}, 200 if self.ready else 503)
+
+    async def server_metadata(self, request):
+        return _json({"name": SERVER_NAME, "version": _version(), "extensions": protocol.EXTENSIONS})
+
+    def _check_model(self, request) -> None:
+        name = request.path_params["name"]
+        if name != self.model:
+            raise ModelNotFoundError("unknown model", repr(name), repr(self.model))
+        version = request.path_params.get("version")
+        if version is not None and version != MODEL_VERSION:
+            raise ModelNotFoundError(f"unknown version of model '{name}'", repr(version), repr(MODEL_VERSION))
+
+    async def model_meta(self, request):
+        try:
+            self._check_model(request)
+        except RequestError as e:
+            return _error(e.status, str(e))
+        return _json(self.model_metadata)
+
+    async def model_ready(self, request):
+        try:
+            self._check_model(request)
+        except RequestError as e:
+            return _error(e.status, str(e))
+        return _json({"name": self.model, "ready": self.ready}, 200 if self.ready else 503)
+
+    async def prometheus(self, request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.responses import Response
+
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def infer(self, request):
+        from starlette.requests import ClientDisconnect
+
+        m, label = self.metrics, self.model
+        start = time.perf_counter()
+        outcome = "error"
+        try:
+            self._check_model(request)
+            if not self.ready:
+                raise UnavailableError(f"model '{self.model}' is not ready yet", None, "GET /v2/health/ready to be 200",
+                                       outcome="not_ready")
+            if self.in_flight >= self.cfg.max_concurrency:
+                raise UnavailableError("too many requests in flight", self.in_flight,
+                                       f"at most {self.cfg.max_concurrency} (--max-concurrency); retry later")
+            self.in_flight += 1
+            m.in_flight.labels(label).inc()
+            try:
+                response = await self._infer(request, start)
+            finally:
+                self.in_flight -= 1
+                m.in_flight.labels(label).dec()
+            outcome = "success"
+            m.latency.labels(label).observe(time.perf_counter() - start)
+            return response
+        except RequestError as e:
+            outcome = e.outcome
+            headers = {"Retry-After": "1"} if e.status == 503 else None
+            return _error(e.status, str(e), headers)
+        except DeployError as e:  # the Predictor's own input checks
+            outcome = "bad_request"
+            return _error(400, str(e))
+        except ClientDisconnect:  # nobody to answer; not the server's fault
+            outcome = "disconnected"
+            return _error(400, "the client closed the connection before sending the whole body")
+        except Exception as e:
+            log.error("internal error in inference on %s", label, exc_info=e)
+            return _error(500, _internal(e))
+        finally:
+            m.requests.labels(label, outcome).inc()
+
+    async def _infer(self, request, start: float):
+        from starlette.responses import Response
+
+        timeout = self.cfg.timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                body = await self._read_body(request)
+        except TimeoutError:
+            raise RequestTimeoutError("the request body did not arrive in time", None,
+                                      f"within {timeout:g} s (--timeout-s)", status=408) from None
+        req = protocol.decode(body, request.headers.get(protocol.HEADER_LENGTH),
+                              self.manifest["inputs"], self.manifest["outputs"])
+        if req.timeout_s is not None:
+            timeout = min(timeout, req.timeout_s)
+        future = self.batcher.submit(req.arrays, req.batch)
+        try:
+            # On timeout wait_for cancels the future: a queued request is then
+            # dropped by the batcher; one already running finishes unseen.
+            result = await asyncio.wait_for(asyncio.wrap_future(future), timeout - (time.perf_counter() - start))
+        except TimeoutError:
+            raise RequestTimeoutError("no answer in time", f"more than {timeout:g} s",
+                                      f"at most {timeout:g} s (--timeout-s or the request's timeout)") from None
+        body, header_length = protocol.encode(self.model, MODEL_VERSION, req.id,
+                                              [(name, result[name], binary) for name, binary in req.outputs])
+        if header_length is None:
+            return Response(body, media_type="application/json")
+        return Response(body, media_type="application/octet-stream",
+                        headers={protocol.HEADER_LENGTH: str(header_length)})
+
+    async def _read_body(self, request) -> bytes:
+        limit = self.max_body
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError("request body is too large", f"{int(declared)} bytes",
+                                       f"at most {limit} (--max-body-mb {self.cfg.max_body_mb:g})")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError("request body is too large", f"more than {limit} bytes",
+                                           f"at most {limit} (--max-body-mb {self.cfg.max_body_mb:g})")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding in ("", "identity"):
+            return body
+        if encoding not in ("gzip", "deflate"):
+            raise UnsupportedEncodingError("unsupported Content-Encoding", encoding, "gzip, deflate or none")
+        # tritonclient's "deflate" is zlib-wrapped; gzip has its own header.
+        d = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding == "gzip" else zlib.MAX_WBITS)
+        try:
+            out = d.decompress(body, limit + 1)
+        except zlib.error as e:
+            raise RequestError(f"request body is not valid {encoding}", str(e)) from None
+        if len(out) > limit or d.unconsumed_tail:
+            raise PayloadTooLargeError("decompressed request body is too large", f"more than {limit} bytes",
+                                       f"at most {limit} (--max-body-mb {self.cfg.max_body_mb:g})")
+        return out
+
+
+def _version() -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(SERVER_NAME)
+    except md.PackageNotFoundError:
+        return "unknown"
+
+
+def _json(data, status: int = 200):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(data, status)
+
+
+def _error(status: int, message: str, headers: dict | None = None):
+    """The protocol's error body: {"error": "<one line>"}."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": message}, status, headers=headers)
+
+
+def _internal(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"internal error | {type(e).__name__}: {first}" if first else f"internal error | {type(e).__name__}"
+
+
+# -------------------------------------------------------------- lifecycle ---
+
+
+def check(folder: str | Path) -> dict:
+    """Everything checked before any native code is loaded: the manifest, the
+    sha256 of every file, the TVM version, and the GPU architecture."""
+    from . import runtime
+
+    manifest = runtime.check_package(folder)
+    runtime.check_device(manifest)
+    return manifest
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        from .errors import ConfigError
+
+        raise ConfigError(f"cannot listen on {host}:{port}", e.strerror, "a free port (--port) and a local address (--host)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_server(app: InferenceServer):
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises SIGTERM/SIGINT once it has drained, so the
+            # process dies of the signal; a server that drained cleanly exits 0.
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    config = uvicorn.Config(
+        app.app,
+        log_config=None,  # keep the project's logging
+        access_log=False,  # one line per request is the metrics' job
+        timeout_graceful_shutdown=app.cfg.shutdown_grace_s,
+        lifespan="on",
+    )
+    return _Server(config)
+
+
+class RunningServer:
+    """A server running in a thread of this process (tests, notebooks)."""
+
+    def __init__(self, app: InferenceServer, sock: socket.socket):
+        self.app = app
+        self.host, self.port = sock.getsockname()[:2]
+        self.url = f"http://{self.host if ':' not in self.host else f'[{self.host}]'}:{self.port}"
+        self._server = _uvicorn_server(app)
+        app.on_load_error = lambda: setattr(self._server, "should_exit", True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="uvicorn",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float = 300.0) -> RunningServer:
+        if not self.app.loaded.wait(timeout):
+            raise TimeoutError(f"the package did not load in {timeout} s")
+        if self.app.load_error is not None:
+            self.stop()
+            raise self.app.load_error
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """As on SIGTERM: stop accepting, finish in-flight requests, stop."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+def start(cfg: ServeConfig, folder: str | Path, wait: bool = True, loader=None) -> RunningServer:
+    """Check the package, listen, and load it, in a thread of this process."""
+    manifest = check(folder)
+    server = RunningServer(InferenceServer(cfg, folder, manifest, loader), _bind(cfg.host, cfg.port))
+    return server.wait_ready() if wait else server
+
+
+def run(cfg: ServeConfig, folder: str | Path, on_listening=None) -> int:
+    """Serve until SIGTERM or SIGINT, then drain; the exit status (0, or 1
+    when the package could not be loaded)."""
+    manifest = check(folder)
+    app = InferenceServer(cfg, folder, manifest)
+    sock = _bind(cfg.host, cfg.port)
+    server = _uvicorn_server(app)
+    app.on_load_error = lambda: setattr(server, "should_exit", True)
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s (model '%s') on http://%s:%d", folder, app.model, host, port)
+    if on_listening is not None:
+        on_listening(host, port)
+    server.run(sockets=[sock])
+    if app.load_error is not None:
+        if isinstance(app.load_error, DeployError):
+            raise app.load_error
+        return 1
+    return 0
