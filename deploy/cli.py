@@ -249,6 +249,20 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_pack_databases(args) -> int:
+    """Fold working copies left by killed tuning runs into the compressed
+    database files, for every database under a root."""
+    from . import database
+
+    root = Path(args.root)
+    if not root.is_dir():
+        raise ConfigError("tuning database root not found", str(root), "an existing folder (e.g. tuning_logs)")
+    for key in sorted(root.rglob(database.KEY_FILE)):
+        added = database.pack(key.parent)
+        print(f"{key.parent}: {added} record(s) folded in" if added else f"{key.parent}: packed")
+    return 0
+
+
 def resolve_package(args) -> Path:
     """--package, or the package in the default workdir of -m MODEL (with
     --target/--precision/--workdir, as the other commands find it)."""
@@ -387,6 +401,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--raw-seconds", type=float, help=f"seconds timing each bucket without HTTP (default {lt.raw_seconds:g})")
     p.add_argument("--out", help="results folder (default results/<cpu|gpu>/<date>/<model>-loadtest)")
     p.set_defaults(func=cmd_loadtest)
+    p = sub.add_parser("pack-databases", help="fold tuning working copies left by killed runs into the .xz files")
+    p.add_argument("root", nargs="?", default="tuning_logs")
+    p.set_defaults(func=cmd_pack_databases)
     p = sub.add_parser("info", help="check a package and print its manifest summary")
     p.add_argument("package")
     p.set_defaults(func=cmd_info)

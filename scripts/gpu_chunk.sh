@@ -10,19 +10,12 @@
 #   e.g. bash scripts/gpu_chunk.sh MODEL=resnet50 TARGET=cuda BUDGET=3m
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ -f /tmp/device-bundle/env.sh ] && source /tmp/device-bundle/env.sh
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
-for c in /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-13; do
-  [ -z "${CUDA_PATH:-}" ] && [ -d "$c/include" ] && export CUDA_PATH=$c
-done
-DB_ROOT=${DB_ROOT:-/tmp/tuning_logs}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$DB_ROOT" "$OUT"
-cp -rn tuning_logs/. "$DB_ROOT"/ 2>/dev/null || true
-WORKDIR=${WORKDIR:-/tmp/ws}
+source scripts/gpu_env.sh
 # Leave time to pack the results before the device command's 10-minute limit.
 timeout -k 30 --signal=INT "${CHUNK_SECONDS:-540}" make tune PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "$@" 2>&1 | tee "$OUT/run.log"
 rc=${PIPESTATUS[0]}
+# A run killed past its grace period leaves its records in a working copy: fold it in.
+python3 -m deploy pack-databases "$DB_ROOT" > /dev/null
 tar -czf "$OUT/tuning_logs.tgz" -C "$DB_ROOT" .
 # The small, reviewable outputs: summaries, manifests, reports, failure reasons.
 tar -czf "$OUT/reports.tgz" -C "$WORKDIR" --ignore-failed-read \

@@ -73,3 +73,15 @@ def test_corrupt_packed_file_is_a_clear_error(tmp_path):
         dbs.pack(d)
     # the working copy is kept, not lost with the failed pack
     assert (d / dbs.RECORDS).is_file()
+
+
+def test_pack_databases_command(tmp_path, capsys):
+    from deploy.cli import main
+
+    d = tmp_path / "root" / "m" / "t" / "fp16-nhwc-b1"
+    _working_copy(d, _lines(["h1", "A"]), _lines([0, ["t1", [1.0]]]))
+    (d / dbs.KEY_FILE).write_text("{}")
+    assert main(["pack-databases", str(tmp_path / "root")]) == 0
+    assert "1 record(s) folded in" in capsys.readouterr().out
+    assert not (d / dbs.RECORDS).exists() and (d / (dbs.RECORDS + dbs.PACKED)).is_file()
+    assert main(["pack-databases", str(tmp_path / "missing")]) == 2

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The latency table on the GPU machine: build the package from the committed
+# tuning databases (no tuning: TRIALS=0), then `make bench` with the same
+# variables; results (json, md, png) and logs land in $OUT.
+#
+#   bash scripts/gpu_bench.sh <make variables...>
+#   e.g. bash scripts/gpu_bench.sh MODEL=resnet50 TARGET=cuda BUCKETS=1 PRECISION=fp16
+#        BENCH_EXTRA="--runners tvm,torch-compile --iters 500" bash scripts/gpu_bench.sh ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu_env.sh
+make tune PYTHON=python3 WORKDIR="$WORKDIR" TRIALS=0 EXTRA="--db-root $DB_ROOT" "$@" 2>&1 | tee "$OUT/build.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -ne 0 ] && exit "$rc"
+make bench PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT --out $OUT/bench ${BENCH_EXTRA:-}" "$@" 2>&1 | tee "$OUT/bench.log"
+exit "${PIPESTATUS[0]}"
