@@ -181,10 +181,46 @@ def has_records(folder: Path) -> bool:
     return any((folder / n).is_file() for n in (RECORDS, RECORDS + PACKED))
 
 
-def _expand(folder: Path, dest: Path) -> None:
-    for name in (WORKLOADS, RECORDS):
-        lines = _packed_lines(folder / (name + PACKED))
-        (dest / name).write_text("".join(ln + "\n" for ln in lines))
+def _all_lines(folder: Path) -> tuple[list[str], list[str]]:
+    """Every workload and record: the compressed files plus any working copy."""
+    base = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
+    work = [folder / WORKLOADS, folder / RECORDS]
+    if not work[1].is_file():
+        return base
+    extra = tuple([ln for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else [] for p in work)
+    try:
+        workloads, records, _ = merge(base, extra)
+    except (json.JSONDecodeError, IndexError):  # a torn line being written: count what is packed
+        return base
+    return workloads, records
+
+
+def _mean_secs(rec: list) -> float:
+    secs = [float(x) for x in (rec[1] if len(rec) > 1 and rec[1] else [])]
+    mean = sum(secs) / len(secs) if secs else float("inf")
+    return mean if mean < FAILED_SECS else float("inf")
+
+
+def _best_per_workload(records: list[str], top_k: int) -> list[str]:
+    """The `top_k` fastest records of each workload (failed ones last), in
+    their original order. MetaSchedule parses every record it is given
+    (~20 ms each, with their layout maps), so a build gets only the best one
+    and a tuning run only what its search seeds from."""
+    by_wl: dict[int, list[tuple[float, int]]] = {}
+    for i, ln in enumerate(records):
+        wi, rec = json.loads(ln)
+        by_wl.setdefault(wi, []).append((_mean_secs(rec), i))
+    keep = sorted(i for items in by_wl.values() for _, i in sorted(items)[:top_k])
+    return [records[i] for i in keep]
+
+
+def _expand(folder: Path, dest: Path, top_k: int | None = None) -> None:
+    workloads = _packed_lines(folder / (WORKLOADS + PACKED))
+    records = _packed_lines(folder / (RECORDS + PACKED))
+    if top_k is not None:
+        records = _best_per_workload(records, top_k)
+    (dest / WORKLOADS).write_text("".join(ln + "\n" for ln in workloads))
+    (dest / RECORDS).write_text("".join(ln + "\n" for ln in records))
 
 
 def _json_database(folder: Path):
@@ -198,24 +234,30 @@ def _json_database(folder: Path):
     )
 
 
-def open_for_tuning(folder: Path, key: dict):
-    """The database to tune into: the working copy, expanded from the
-    compressed files (after folding in any copy a killed run left). Call
-    `pack(folder)` when tuning ends."""
+# The evolutionary search seeds each generation with up to 20% of its
+# population from the best records of the task (51 of 256): 64 covers it.
+SEED_RECORDS = 64
+
+
+def open_for_tuning(folder: Path, key: dict, seed_records: int = SEED_RECORDS):
+    """The database to tune into: a working copy holding every workload and
+    the best `seed_records` records of each (after folding in any copy a
+    killed run left). New records are appended to it; call `pack(folder)`
+    when tuning ends, which adds them to the full compressed files."""
     folder = Path(folder)
     check_key(folder, key)
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / KEY_FILE).is_file():
         artifacts.write_json_atomic(folder / KEY_FILE, key)
     pack(folder)
-    _expand(folder, folder)
+    _expand(folder, folder, seed_records)
     return _json_database(folder)
 
 
 @contextlib.contextmanager
 def open_readonly(folder: Path, key: dict):
-    """Yield the database's records (a JSONDatabase over a temporary
-    expansion), or None when it has none."""
+    """Yield a JSONDatabase with the best record of each workload (what a
+    build applies), or None when the database has no records."""
     folder = Path(folder)
     check_key(folder, key)
     if (folder / RECORDS).is_file():
@@ -224,7 +266,7 @@ def open_readonly(folder: Path, key: dict):
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="tvm-deploy-db-") as tmp:
-        _expand(folder, Path(tmp))
+        _expand(folder, Path(tmp), top_k=1)
         yield _json_database(Path(tmp))
 
 
@@ -236,22 +278,23 @@ def digest(folder: Path) -> str:
     return artifacts.sha256_bytes("/".join(parts).encode())
 
 
-def trials_done(db, task_mods: list) -> list[tuple[int, float | None]]:
+def trials_done(folder: Path, task_mods: list) -> list[tuple[int, float | None]]:
     """For each task: (records in the database, best latency in seconds or
-    None). The records are read once for all tasks."""
-    records = db.get_all_tuning_records()
+    None), over every record (compressed files and working copy), not only
+    those a tuning run was given. Workloads are matched by structural hash,
+    as MetaSchedule's database matches them."""
+    from .tvm_compat import ms
+
+    workloads, records = _all_lines(Path(folder))
+    shash_of = [json.loads(ln)[0] for ln in workloads]
+    stats: dict[str, list] = {}
+    for ln in records:
+        wi, rec = json.loads(ln)
+        st = stats.setdefault(shash_of[wi], [0, float("inf")])
+        st[0] += 1
+        st[1] = min(st[1], _mean_secs(rec))
     out = []
     for mod in task_mods:
-        if not db.has_workload(mod):
-            out.append((0, None))
-            continue
-        wkl = db.commit_workload(mod)
-        n = sum(1 for rec in records if rec.workload.same_as(wkl))
-        top = db.get_top_k(wkl, 1)
-        best = None
-        if top:
-            secs = [float(x) for x in top[0].run_secs]
-            if secs and min(secs) < FAILED_SECS:
-                best = sum(secs) / len(secs)
-        out.append((n, best))
+        n, best = stats.get(ms.database.Workload(mod).as_json()[0], (0, float("inf")))
+        out.append((n, None if best == float("inf") else best))
     return out

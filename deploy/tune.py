@@ -302,7 +302,7 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
     ranked = sorted(all_tasks, key=lambda t: flops[t.task_name] * t.weight, reverse=True)
     chosen = ranked[: profile.max_tasks] if profile.max_tasks else ranked
     plan = []
-    for t, (done, best) in zip(chosen, dbs.trials_done(db, [t.dispatched[0] for t in chosen])):
+    for t, (done, best) in zip(chosen, dbs.trials_done(db_dir, [t.dispatched[0] for t in chosen])):
         plan.append({"task": t, "name": t.task_name, "done": done, "best_s": best, "left": max(0, profile.trials_per_task - done)})
     total_done = sum(p["done"] for p in plan)
     todo = [p for p in plan if p["left"] > 0]
@@ -386,7 +386,7 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
                 builder.close()
             summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
     elapsed = time.time() - started
-    for p, (done, best) in zip(plan, dbs.trials_done(db, [p["task"].dispatched[0] for p in plan])):
+    for p, (done, best) in zip(plan, dbs.trials_done(db_dir, [p["task"].dispatched[0] for p in plan])):
         s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None})
         summary["tasks"][p["name"]] = {
             "weight": int(p["task"].weight),

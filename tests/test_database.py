@@ -85,3 +85,15 @@ def test_pack_databases_command(tmp_path, capsys):
     assert "1 record(s) folded in" in capsys.readouterr().out
     assert not (d / dbs.RECORDS).exists() and (d / (dbs.RECORDS + dbs.PACKED)).is_file()
     assert main(["pack-databases", str(tmp_path / "missing")]) == 2
+
+
+def test_best_records_per_workload_for_builds_and_search_seeds():
+    recs = _lines(
+        [0, ["a", [3.0]]], [1, ["b", [1.0]]], [0, ["c", [1e10]]],  # 1e10: a failed candidate
+        [0, ["d", [1.0, 2.0]]], [1, ["e", [0.5]]], [0, ["f", [2.0]]],
+    )
+    best1 = [json.loads(x)[1][0] for x in dbs._best_per_workload(recs, 1)]
+    assert best1 == ["d", "e"]  # d: mean 1.5 beats f (2.0) and a (3.0); kept in file order
+    best2 = [json.loads(x)[1][0] for x in dbs._best_per_workload(recs, 2)]
+    assert best2 == ["b", "d", "e", "f"]
+    assert len(dbs._best_per_workload(recs, 10)) == 6  # the failed one too, ranked last
