@@ -285,7 +285,7 @@ def _serve_config(args, base: config_mod.ServeConfig) -> config_mod.ServeConfig:
     return config_mod.serve_config(
         base, host=args.host, port=args.port, model_name=args.model_name, max_queue_delay_ms=args.max_queue_delay_ms,
         timeout_s=args.timeout_s, max_concurrency=args.max_concurrency, max_body_mb=args.max_body_mb,
-        shutdown_grace_s=args.shutdown_grace_s, warmup=False if args.no_warmup else None,
+        max_inflight_mb=args.max_inflight_mb, shutdown_grace_s=args.shutdown_grace_s, warmup=False if args.no_warmup else None,
     )
 
 
@@ -338,6 +338,8 @@ def _add_package(p: argparse.ArgumentParser, d: config_mod.ServeConfig) -> None:
     p.add_argument("--timeout-s", type=float, help=f"per-request timeout: 504 after it (default {d.timeout_s:g})")
     p.add_argument("--max-concurrency", type=int, help=f"inference requests in flight; more get 503 (default {d.max_concurrency})")
     p.add_argument("--max-body-mb", type=float, help=f"largest request body; more gets 413 (default {d.max_body_mb:g})")
+    p.add_argument("--max-inflight-mb", type=float,
+                   help=f"request bodies held at once, in total; more gets 503 (default {d.max_inflight_mb:g})")
     p.add_argument("--shutdown-grace-s", type=float, help=f"on SIGTERM, how long in-flight requests may take (default {d.shutdown_grace_s:g})")
     p.add_argument("--no-warmup", action="store_true", help="report ready without running every bucket once")
 
