@@ -432,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted (finished stages and measured tuning records are kept)", file=sys.stderr)
         return 130
+    if rc:  # e.g. serve, when loading the package failed with a bug (its traceback is in the log above)
+        print(f"error: {args.command} failed | got exit status {rc} | expected 0 (the log above says why)",
+              file=sys.stderr)
+        print(f"FAILED | {time.time() - t0:.1f}s | {command}", file=sys.stderr)
+        return rc
     print(f"PASSED | {time.time() - t0:.1f}s | {command}")
     return rc
 
