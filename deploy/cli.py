@@ -285,7 +285,7 @@ def _serve_config(args, base: config_mod.ServeConfig) -> config_mod.ServeConfig:
     return config_mod.serve_config(
         base, host=args.host, port=args.port, model_name=args.model_name, max_queue_delay_ms=args.max_queue_delay_ms,
         timeout_s=args.timeout_s, max_concurrency=args.max_concurrency, max_body_mb=args.max_body_mb,
-        shutdown_grace_s=args.shutdown_grace_s, warmup=False if args.no_warmup else None,
+        max_inflight_mb=args.max_inflight_mb, shutdown_grace_s=args.shutdown_grace_s, warmup=False if args.no_warmup else None,
     )
 
 
@@ -305,7 +305,7 @@ def cmd_loadtest(args) -> int:
     import dataclasses
     import json
 
-    from . import loadtest, runtime
+    from . import artifacts, loadtest, runtime
 
     folder = resolve_package(args)
     cfg = config_mod.loadtest_config(
@@ -314,7 +314,9 @@ def cmd_loadtest(args) -> int:
         duration_s=args.duration_s, warmup_s=args.warmup_s, request_batch=args.request_batch,
         client_procs=args.client_procs, raw_seconds=args.raw_seconds,
     )
-    out = Path(args.out) if args.out else loadtest.default_out(runtime.check_package(folder))
+    # loadtest.run checks the package (every module's sha256): only its name here.
+    out = Path(args.out) if args.out else loadtest.default_out(
+        artifacts.read_manifest(folder, runtime.PACKAGE_STAGE, verify=False))
     print(f"package    {folder}\nloadtest   {json.dumps(dataclasses.asdict(cfg))}\nresults    {out}", flush=True)
     report = loadtest.run(cfg, folder, out, args.command_line)
     print(loadtest.markdown(report), end="")
@@ -338,6 +340,8 @@ def _add_package(p: argparse.ArgumentParser, d: config_mod.ServeConfig) -> None:
     p.add_argument("--timeout-s", type=float, help=f"per-request timeout: 504 after it (default {d.timeout_s:g})")
     p.add_argument("--max-concurrency", type=int, help=f"inference requests in flight; more get 503 (default {d.max_concurrency})")
     p.add_argument("--max-body-mb", type=float, help=f"largest request body; more gets 413 (default {d.max_body_mb:g})")
+    p.add_argument("--max-inflight-mb", type=float,
+                   help=f"request bodies held at once, in total; more gets 503 (default {d.max_inflight_mb:g})")
     p.add_argument("--shutdown-grace-s", type=float, help=f"on SIGTERM, how long in-flight requests may take (default {d.shutdown_grace_s:g})")
     p.add_argument("--no-warmup", action="store_true", help="report ready without running every bucket once")
 
@@ -430,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted (finished stages and measured tuning records are kept)", file=sys.stderr)
         return 130
+    if rc:  # e.g. serve, when loading the package failed with a bug (its traceback is in the log above)
+        print(f"error: {args.command} failed | got exit status {rc} | expected 0 (the log above says why)",
+              file=sys.stderr)
+        print(f"FAILED | {time.time() - t0:.1f}s | {command}", file=sys.stderr)
+        return rc
     print(f"PASSED | {time.time() - t0:.1f}s | {command}")
     return rc
 

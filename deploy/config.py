@@ -153,6 +153,9 @@ class ServeConfig:
     # Inference requests in flight at once (reading, queued or running); more get 503.
     max_concurrency: int = 128
     max_body_mb: float = 64.0  # request body, after decompression; more gets 413
+    # Request bodies held at once (being read, queued or run), in total;
+    # more gets 503. Bounds the server's memory when large requests pile up.
+    max_inflight_mb: float = 1024.0
     # On SIGTERM/SIGINT: stop accepting, finish what is in flight for at most this long.
     shutdown_grace_s: float = 30.0
     warmup: bool = True  # run every bucket once before reporting ready
@@ -271,9 +274,12 @@ def _check_values(obj, where: str) -> None:
         for name in ("max_queue_delay_ms", "shutdown_grace_s"):
             if getattr(obj, name) < 0:
                 raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a non-negative number")
-        for name in ("timeout_s", "max_body_mb", "max_concurrency"):
+        for name in ("timeout_s", "max_body_mb", "max_inflight_mb", "max_concurrency"):
             if getattr(obj, name) <= 0:
                 raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a positive number")
+        if obj.max_inflight_mb < obj.max_body_mb:
+            raise ConfigError(f"invalid {where}.max_inflight_mb (one largest body would never fit)",
+                              obj.max_inflight_mb, f">= max_body_mb ({obj.max_body_mb:g})")
     elif isinstance(obj, LoadtestConfig):
         if not obj.concurrency or any(c < 1 for c in obj.concurrency):
             raise ConfigError(f"invalid {where}.concurrency", list(obj.concurrency), "positive integers")

@@ -4,14 +4,18 @@
    `Predictor.run_bucket` (numpy in, numpy out: the host-device copies the
    server also pays) for `raw_seconds`; the best bucket's samples/s is the
    reference. TVM's time evaluator (module only, no copies) is reported too.
-2. Served: `python -m deploy serve` in a subprocess on a free loopback port;
+2. Served: `python -m deploy serve` in a subprocess on a free loopback port
+   (port 0: the server picks it and logs it);
    closed-loop clients (each sends its next request when the last one is
    answered) at each concurrency level, spread over client processes so that
    the clients are not the bottleneck. The clients are tritonclient's asyncio
    HTTP client, the standard v2 client, sending binary tensors. Every answer
    is compared with the raw Predictor's output for the same input.
+   Each level's clock starts once every client process has built its
+   requests (a barrier), so start-up is not measured.
 3. Per level: samples/s and requests/s over the measured window, latency
-   p50/p90/p99 (send to answer, as the client sees it), errors, and the
+   p50/p90/p99 (send to answer, as the client sees it) over every answer,
+   errors included, and over the correct ones alone, the errors, and the
    server's mean batch (from its /metrics) -- written as results.json and
    results.md.
 """
@@ -26,8 +30,9 @@ import logging
 import math
 import os
 import platform
+import queue
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -93,14 +98,19 @@ def _close(out: np.ndarray, ref: np.ndarray, precision: str) -> bool:
 
 
 def _client_part(url: str, model: str, specs: list[dict], requests: list[list[np.ndarray]],
-                 expected: list[dict], precision: str, concurrency: int, t_start: float, t_end: float) -> list:
-    """One client process: `concurrency` closed-loop clients from t_start to
-    t_end (time.monotonic, shared by the processes of one machine).
-    Returns (sent, answered, status) per request."""
-    return asyncio.run(_clients(url, model, specs, requests, expected, precision, concurrency, t_start, t_end))
+                 expected: list[dict], precision: str, concurrency: int, warmup_s: float, duration_s: float,
+                 sync=None) -> tuple[float, list]:
+    """One client process: `concurrency` closed-loop clients for `warmup_s`
+    + `duration_s` seconds. `sync`, with several processes: (ready, go)
+    queues; the process says it is ready once its requests are built, and
+    gets the common start time (time.monotonic, shared by the processes of
+    one machine). Returns (start, [(sent, answered, status) per request])."""
+    return asyncio.run(_clients(url, model, specs, requests, expected, precision, concurrency, warmup_s,
+                                duration_s, sync))
 
 
-async def _clients(url, model, specs, requests, expected, precision, concurrency, t_start, t_end) -> list:
+async def _clients(url, model, specs, requests, expected, precision, concurrency, warmup_s, duration_s,
+                   sync) -> tuple[float, list]:
     from tritonclient.http.aio import InferenceServerClient, InferInput
     from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
@@ -113,6 +123,13 @@ async def _clients(url, model, specs, requests, expected, precision, concurrency
             t.set_data_from_numpy(a, binary_data=True)
             tensors.append(t)
         prepared.append(tensors)
+    if sync is None:
+        t_start = time.monotonic() + 0.1
+    else:
+        ready, go = sync
+        ready.put(os.getpid())
+        t_start = await asyncio.to_thread(go.get, True, 300)
+    t_end = t_start + warmup_s + duration_s
     records = []
 
     async def one_client(k: int) -> None:
@@ -123,20 +140,22 @@ async def _clients(url, model, specs, requests, expected, precision, concurrency
             sent = time.monotonic()
             try:
                 r = await client.infer(model, prepared[j])
+            except InferenceServerException as e:
+                answered, status = time.monotonic(), f"http {e.status()}"
+            except Exception as e:  # noqa: BLE001  counted, reported
+                answered, status = time.monotonic(), type(e).__name__
+            else:
+                answered = time.monotonic()  # before the check: it is the client's work, not the server's
                 ok = all(_close(r.as_numpy(n), ref, precision) for n, ref in expected[j].items())
                 status = "ok" if ok else "mismatch"
-            except InferenceServerException as e:
-                status = f"http {e.status()}"
-            except Exception as e:  # noqa: BLE001  counted, reported
-                status = type(e).__name__
-            records.append((sent, time.monotonic(), status))
+            records.append((sent, answered, status))
             i += concurrency
 
     try:
         await asyncio.gather(*(one_client(k) for k in range(concurrency)))
     finally:
         await client.close()
-    return records
+    return t_start, records
 
 
 def _client_procs(cfg: LoadtestConfig) -> int:
@@ -152,12 +171,6 @@ def _split(concurrency: int, procs: int) -> list[int]:
 # ------------------------------------------------------------------- server ---
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -167,17 +180,24 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 class ServerProcess:
-    """`python -m deploy serve` in a subprocess, its log in a file."""
+    """`python -m deploy serve` in a subprocess, its log in a file. With port
+    0 the server binds a free port itself and logs it (no race with another
+    process taking a port found free here)."""
 
     def __init__(self, cfg: ServeConfig, folder: Path, log_path: Path):
+        from .serve import url
+
         self.log_path = log_path
-        self.url = f"http://{cfg.host}:{cfg.port}"
+        self.url = url(cfg.host, cfg.port) if cfg.port else None  # known once the server logs it
         argv = [sys.executable, "-m", "deploy", "serve", "--package", str(folder), "--host", cfg.host,
                 "--port", str(cfg.port), "--max-queue-delay-ms", str(cfg.max_queue_delay_ms),
                 "--timeout-s", str(cfg.timeout_s), "--max-concurrency", str(cfg.max_concurrency),
-                "--max-body-mb", str(cfg.max_body_mb), "--shutdown-grace-s", str(cfg.shutdown_grace_s)]
+                "--max-body-mb", str(cfg.max_body_mb), "--max-inflight-mb", str(cfg.max_inflight_mb),
+                "--shutdown-grace-s", str(cfg.shutdown_grace_s)]
         if cfg.model_name:
             argv += ["--model-name", cfg.model_name]
+        if not cfg.warmup:
+            argv.append("--no-warmup")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
         self._log = open(log_path, "w")  # noqa: SIM115  open while the server runs; closed by stop()
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -187,8 +207,11 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise StaleArtifactError("the server exited before it was ready", self._tail())
+            if self.url is None:
+                self._log.flush()
+                self.url = listening_url(self.log_path.read_text(errors="replace"))
             try:
-                if _get(self.url + "/v2/health/ready", 2.0)[0] == 200:
+                if self.url is not None and _get(self.url + "/v2/health/ready", 2.0)[0] == 200:
                     return
             except OSError:
                 pass
@@ -223,6 +246,12 @@ class ServerProcess:
         return " / ".join(lines[-3:]) or "(no output)"
 
 
+def listening_url(log: str) -> str | None:
+    """The URL in serve's "serving ... on http://HOST:PORT" log line."""
+    m = re.search(r"serving .* on (http://\S+)$", log, re.MULTILINE)
+    return m.group(1) if m else None
+
+
 # --------------------------------------------------------------------- run ---
 
 
@@ -231,16 +260,20 @@ def _level(concurrency: int, records: list, cfg: LoadtestConfig, t_measure: floa
     window = t_end - t_measure
     done = [r for r in records if t_measure <= r[1] <= t_end]
     ok = [r for r in done if r[2] == "ok"]
-    started = sorted((r[1] - r[0]) * 1e3 for r in records if r[0] >= t_measure and r[2] == "ok")
     statuses: dict[str, int] = {}
     for r in done:
         statuses[r[2]] = statuses.get(r[2], 0) + 1
+    # Latency of the requests sent in the window: of every answer, errors
+    # included (a server that sheds load fast must not look fast), and of
+    # the correct ones alone.
+    every = [(r[1] - r[0]) * 1e3 for r in records if r[0] >= t_measure]
+    correct = [(r[1] - r[0]) * 1e3 for r in records if r[0] >= t_measure and r[2] == "ok"]
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    def pct(q: float) -> float | None:
-        return float(np.percentile(started, q)) if started else None
+    def pct(values: list[float], q: float) -> float | None:
+        return float(np.percentile(values, q)) if values else None
 
     batches = delta("tvm_serve_batch_rows_count")
     samples = len(ok) * cfg.request_batch / window
@@ -250,10 +283,14 @@ def _level(concurrency: int, records: list, cfg: LoadtestConfig, t_measure: floa
         "statuses": statuses,
         "samples_per_s": samples,
         "requests_per_s": len(ok) / window,
-        "p50_ms": pct(50),
-        "p90_ms": pct(90),
-        "p99_ms": pct(99),
-        "mean_ms": float(np.mean(started)) if started else None,
+        "p50_ms": pct(every, 50),
+        "p90_ms": pct(every, 90),
+        "p99_ms": pct(every, 99),
+        "mean_ms": float(np.mean(every)) if every else None,
+        "ok_p50_ms": pct(correct, 50),
+        "ok_p90_ms": pct(correct, 90),
+        "ok_p99_ms": pct(correct, 99),
+        "ok_mean_ms": float(np.mean(correct)) if correct else None,
         "mean_batch_rows": delta("tvm_serve_batch_rows_sum") / batches if batches else None,
         "mean_batch_requests": delta("tvm_serve_batch_requests_sum") / batches if batches else None,
         "vs_raw_best": samples / raw_best if raw_best else None,
@@ -268,40 +305,41 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
     manifest = runtime.check_package(folder)
     runtime.check_device(manifest)
     precision = manifest.get("precision", "fp32")
-    predictor = runtime.load(folder, warn_unvalidated=False)
+    predictor = runtime.load(folder, warn_unvalidated=False, manifest=manifest)  # checked just above
     log.info("raw: timing every bucket through run_bucket for %g s", cfg.raw_seconds)
     raw = measure_raw(predictor, cfg.raw_seconds)
     requests = [predictor.random_inputs(cfg.request_batch, seed=100 + k) for k in range(DISTINCT_REQUESTS)]
     expected = [predictor(*r) for r in requests]
     del predictor
 
-    serve_cfg = dataclasses.replace(cfg.serve, port=cfg.serve.port or _free_port(cfg.serve.host))
+    serve_cfg = cfg.serve
     procs = _client_procs(cfg)
     levels = []
     with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
         server = ServerProcess(serve_cfg, folder, Path(tmp) / "server.log")
-        pool = None
+        pool = manager = None
         try:
             server.wait_ready(600)
             model = json.loads(_get(server.url + "/v2/models/" + (serve_cfg.model_name or manifest["model"]))[1])
             if procs > 1:
                 import multiprocessing
 
-                pool = multiprocessing.get_context("spawn").Pool(procs, initializer=_import_clients)
-                pool.map(time.sleep, [0.5] * procs, chunksize=1)
+                ctx = multiprocessing.get_context("spawn")
+                pool = ctx.Pool(procs, initializer=_import_clients)
+                manager = ctx.Manager()
+                ready, go = manager.Queue(), manager.Queue()
             for c in cfg.concurrency:
                 parts = _split(c, procs)
                 before = server.metrics()
-                t_start = time.monotonic() + 0.5
-                t_measure, t_end = t_start + cfg.warmup_s, t_start + cfg.warmup_s + cfg.duration_s
                 args = [(server.url, model["name"], manifest["inputs"], requests, expected, precision, n,
-                         t_start, t_end) for n in parts]
+                         cfg.warmup_s, cfg.duration_s) for n in parts]
                 log.info("concurrency %d: %d client(s) in %d process(es) for %g + %g s", c, c, len(parts),
                          cfg.warmup_s, cfg.duration_s)
                 if pool is None:
-                    records = _client_part(*args[0])
+                    t_start, records = _client_part(*args[0])
                 else:
-                    records = [r for part in pool.starmap(_client_part, args) for r in part]
+                    t_start, records = _run_parts(pool, args, ready, go)
+                t_measure, t_end = t_start + cfg.warmup_s, t_start + cfg.warmup_s + cfg.duration_s
                 after = server.metrics()
                 levels.append(_level(c, records, cfg, t_measure, t_end, before, after, raw["best_samples_per_s"]))
                 log.info("concurrency %d: %.1f samples/s, p50 %s ms, p99 %s ms", c, levels[-1]["samples_per_s"],
@@ -309,6 +347,8 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
         finally:
             if pool is not None:
                 pool.terminate()
+            if manager is not None:
+                manager.shutdown()
             rc = server.stop()
             server_log = server.log_path.read_text(errors="replace")
         if rc != 0:
@@ -332,6 +372,28 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
     }
     write(report, out, server_log)
     return report
+
+
+def _run_parts(pool, args: list[tuple], ready, go) -> tuple[float, list]:
+    """Every client process at once: the clock starts when all of them have
+    their requests ready (unpickled and built), not when they were sent."""
+    pending = pool.starmap_async(_client_part, [(*a, (ready, go)) for a in args])
+    deadline, waiting = time.monotonic() + 300, len(args)
+    while waiting:
+        try:
+            ready.get(timeout=0.5)
+            waiting -= 1
+        except queue.Empty:
+            if pending.ready():
+                pending.get()  # a client process failed: raises its exception
+                raise RuntimeError("a client process ended before it was ready") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError("the load test's client processes were not ready in 300 s") from None
+    t_start = time.monotonic() + 0.1
+    for _ in args:
+        go.put(t_start)
+    parts = pending.get()
+    return t_start, [r for _, part in parts for r in part]
 
 
 def _import_clients() -> None:
@@ -427,14 +489,16 @@ def markdown(report: dict) -> str:
         "",
         "## Served (HTTP, KServe v2)",
         "",
-        "| concurrency | samples/s | vs raw | p50 (ms) | p90 (ms) | p99 (ms) | mean batch (rows) | requests | not ok |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ("| concurrency | samples/s | vs raw | p50 (ms) | p90 (ms) | p99 (ms) | ok p50 (ms) | ok p99 (ms) "
+         "| mean batch (rows) | requests | not ok |"),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for lv in report["levels"]:
         bad = {k: v for k, v in lv["statuses"].items() if k != "ok"}
         lines.append(
             f"| {lv['concurrency']} | {lv['samples_per_s']:.1f} | {_fmt(lv['vs_raw_best'], '.0%')} | "
-            f"{_fmt(lv['p50_ms'])} | {_fmt(lv['p90_ms'])} | {_fmt(lv['p99_ms'])} | {_fmt(lv['mean_batch_rows'], '.1f')} | "
+            f"{_fmt(lv['p50_ms'])} | {_fmt(lv['p90_ms'])} | {_fmt(lv['p99_ms'])} | "
+            f"{_fmt(lv.get('ok_p50_ms'))} | {_fmt(lv.get('ok_p99_ms'))} | {_fmt(lv['mean_batch_rows'], '.1f')} | "
             f"{lv['requests']} | {', '.join(f'{k}: {v}' for k, v in bad.items()) or 'none'} |")
     t = report["target_check"]
     if t is not None:
@@ -443,9 +507,11 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         ("samples/s: answered and correct samples per second of the measured window. Latency: send to answer, "
-         "as the client sees it. mean batch: rows per module run (warm-up included), from the server's /metrics. "
-         "not ok: errors by status, and answers that differ from the raw Predictor's output for the same input "
-         "(`mismatch`)."),
+         "as the client sees it, of the requests sent in the window: p50/p90/p99 over every answer, errors "
+         "included (an overloaded server answering 503 at once lowers them: read them next to `not ok`); "
+         "ok p50/p99 over the correct answers alone. mean batch: rows per batch (warm-up included), from the "
+         "server's /metrics. not ok: errors by status, and answers that differ from the raw Predictor's output "
+         "for the same input (`mismatch`)."),
         "",
     ]
     return "\n".join(lines)

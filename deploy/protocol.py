@@ -8,7 +8,13 @@ standard v2 client's own tables, so the server and the clients cannot disagree.
 What is: checking a request against the package's manifest, and slicing the
 binary part of a body (`Inference-Header-Content-Length` bytes of JSON, then
 each binary tensor in the order of the JSON's tensors, raw little-endian,
-row-major), about 100 lines.
+row-major), about 150 lines.
+
+Unknown keys: the request's top level ignores keys it does not know (the
+protocol is extensible, and clients add their own: KServe's sends
+`model_name`, which must then name the URL's model); inside a tensor they are
+refused, where a misspelled key ("paramters") would change the meaning.
+`parameters` may be null anywhere.
 
 Every problem with a request raises `RequestError` (HTTP 400) with a
 "what | got | expected" message.
@@ -31,28 +37,34 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ["binary_tensor_data"]
 
 
-class _Strict(BaseModel):
-    # Unknown keys are refused, as in the project's configs: a misspelled
-    # "paramters" should not be ignored silently.
+class _Tensor(BaseModel):
+    # Unknown keys in a tensor are refused, as in the project's configs: a
+    # misspelled "paramters" should not be ignored silently.
     model_config = ConfigDict(extra="forbid")
 
 
-class RequestInput(_Strict):
+class RequestInput(_Tensor):
     name: str
     shape: list[StrictInt]
     datatype: str
-    parameters: dict[str, Any] = {}
+    parameters: dict[str, Any] | None = None
     data: list[Any] | None = None  # row-major, flat or nested
 
 
-class RequestOutput(_Strict):
+class RequestOutput(_Tensor):
     name: str
-    parameters: dict[str, Any] = {}
+    parameters: dict[str, Any] | None = None
 
 
-class InferenceRequest(_Strict):
+class InferenceRequest(BaseModel):
+    # The top level ignores unknown keys: the protocol's extensions and
+    # other clients' fields (see the module docstring).
+    model_config = ConfigDict(extra="ignore")
+
     id: str | None = None
-    parameters: dict[str, Any] = {}
+    model_name: str | None = None  # KServe's client sends it; must be the URL's model
+    model_version: str | None = None
+    parameters: dict[str, Any] | None = None
     inputs: list[RequestInput]
     outputs: list[RequestOutput] | None = None
 
@@ -94,29 +106,68 @@ def parse_header(text: bytes) -> InferenceRequest:
                            "a KServe v2 inference request ({inputs: [{name, shape, datatype, data}]})") from None
 
 
-# JSON numbers numpy may turn into each manifest dtype: ints are fine for a
-# float input, floats are not for an int input, only true/false for BOOL.
-_JSON_KINDS = {"f": "fiu", "i": "iu", "u": "iu", "b": "b"}
+# Python types of the JSON values each manifest dtype kind takes: ints are
+# fine for a float input, floats are not for an int input, booleans only for
+# BOOL (numpy would read true as 1).
+_JSON_TYPES = {"f": {int, float}, "i": {int}, "u": {int}, "b": {bool}}
+
+
+def _value_types(data: list) -> set[type]:
+    """The types of the leaves of nested lists (at C speed for flat ones)."""
+    types = set(map(type, data))
+    if list in types:
+        types.discard(list)
+        for x in data:
+            if type(x) is list:
+                types |= _value_types(x)
+    return types
+
+
+def _limits(dtype: np.dtype) -> tuple[float, float] | tuple[int, int]:
+    if dtype.kind == "f":
+        return float(np.finfo(dtype).min), float(np.finfo(dtype).max)
+    return int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)
+
+
+def _range(dtype: np.dtype) -> str:
+    low, high = _limits(dtype)
+    return f"values in [{low:g}, {high:g}] for {datatype(dtype.name)}" if dtype.kind == "f" else \
+        f"values in [{low}, {high}] for {datatype(dtype.name)}"
 
 
 def _from_json(name: str, data: list, dtype: np.dtype, shape: list[int]) -> np.ndarray:
+    types = _value_types(data)
+    wrong = types - _JSON_TYPES.get(dtype.kind, set())
+    if wrong:
+        raise RequestError(f"input '{name}' data has values of the wrong kind",
+                           ", ".join(sorted(t.__name__ for t in wrong)),
+                           "true or false" if dtype.kind == "b" else f"numbers that fit {datatype(dtype.name)}")
     try:
-        raw = np.asarray(data)
+        with np.errstate(over="raise"):
+            a = np.asarray(data, dtype=dtype)
+    except (OverflowError, FloatingPointError):  # an int out of range / a float beyond the dtype's max
+        low, high = _limits(dtype)
+        bad = next(v for v in np.asarray(data, dtype=object).ravel() if not low <= v <= high)
+        got = str(bad) if len(str(bad)) <= 24 else f"{bad:.6g}"
+        raise RequestError(f"input '{name}' has a value out of range", got, _range(dtype)) from None
     except (ValueError, TypeError):
         raise RequestError(f"input '{name}' data is not a rectangular array of numbers", "ragged or mixed lists",
                            f"{math.prod(shape)} numbers, flat or nested") from None
-    if raw.size and raw.dtype.kind not in _JSON_KINDS.get(dtype.kind, ""):
-        raise RequestError(f"input '{name}' data has values of the wrong kind", f"{raw.dtype.kind!r} ({raw.dtype})",
-                           f"numbers that fit {datatype(dtype.name)}")
-    if raw.size != math.prod(shape):
-        raise RequestError(f"input '{name}' data does not match its shape", f"{raw.size} values",
+    if dtype.kind == "f" and not np.isfinite(a).all():  # NaN, Infinity or 1e400: not JSON numbers
+        bad = a.ravel()[np.flatnonzero(~np.isfinite(a.ravel()))[0]]
+        raise RequestError(f"input '{name}' has a value that is not a finite number", str(bad),
+                           "finite numbers (binary data for NaN or infinity)")
+    if a.size != math.prod(shape):
+        raise RequestError(f"input '{name}' data does not match its shape", f"{a.size} values",
                            f"{math.prod(shape)} for shape {shape}")
-    return raw.astype(dtype).reshape(shape)
+    return a.reshape(shape)
 
 
-def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: list[dict]) -> Decoded:
+def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: list[dict],
+           model: str | None = None, version: str | None = None) -> Decoded:
     """A request body (and its Inference-Header-Content-Length, if any) ->
-    arrays checked against the manifest's inputs."""
+    arrays checked against the manifest's inputs. `model` and `version`, the
+    URL's, are what the body's `model_name`/`model_version` must say if given."""
     binary = memoryview(b"")
     if header_length is not None:
         try:
@@ -128,6 +179,11 @@ def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: 
         binary = memoryview(body)[n:]
         body = body[:n]
     req = parse_header(body)
+    if model is not None and req.model_name and req.model_name != model:
+        raise RequestError("model_name in the body is not the URL's model", repr(req.model_name), repr(model))
+    if version is not None and req.model_version and req.model_version != version:
+        raise RequestError("model_version in the body is not the URL's version", repr(req.model_version),
+                           repr(version))
     specs = {s["name"]: s for s in inputs}
     given: dict[str, np.ndarray] = {}
     offset = 0
@@ -142,18 +198,20 @@ def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: 
             raise RequestError(f"input '{t.name}' has the wrong datatype", t.datatype, want)
         if len(t.shape) != len(spec["shape"]) + 1 or list(t.shape[1:]) != list(spec["shape"]) or t.shape[0] < 1:
             raise RequestError(f"input '{t.name}' has the wrong shape", t.shape, ["N >= 1", *spec["shape"]])
-        if "shared_memory_region" in t.parameters:
+        params = t.parameters or {}
+        if "shared_memory_region" in params:
             raise RequestError("shared-memory tensors are not supported", t.name, "data or binary_data_size")
         dtype = np.dtype(triton_to_np_dtype(want)).newbyteorder("<")
-        size = t.parameters.get("binary_data_size")
+        size = params.get("binary_data_size")
         if size is not None:
             if t.data is not None:
                 raise RequestError(f"input '{t.name}' has data twice", "both 'data' and binary_data_size",
                                    "one of them")
             nbytes = math.prod(t.shape) * dtype.itemsize
-            if size != nbytes or isinstance(size, bool):
+            # An int, not 8.0: a float offset would fail later, as a 500.
+            if not isinstance(size, int) or isinstance(size, bool) or size != nbytes:
                 raise RequestError(f"input '{t.name}' binary_data_size does not match its shape and datatype",
-                                   size, nbytes)
+                                   repr(size), f"the integer {nbytes}")
             if offset + size > len(binary):
                 raise RequestError("the binary part of the body is shorter than the inputs' binary_data_size",
                                    f"{len(binary)} bytes", f"at least {offset + size}")
@@ -174,12 +232,13 @@ def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: 
     batches = {a.shape[0] for a in given.values()}
     if len(batches) != 1:
         raise RequestError("inputs disagree on the batch size", sorted(batches), "one batch size")
+    params = req.parameters or {}
     return Decoded(
         arrays=[given[n] for n in specs],
         batch=batches.pop(),
-        outputs=_wanted_outputs(req, outputs),
+        outputs=_wanted_outputs(req, params, outputs),
         id=req.id,
-        timeout_s=_timeout(req.parameters),
+        timeout_s=_timeout(params),
     )
 
 
@@ -190,10 +249,10 @@ def _flag(params: dict, key: str, default: bool) -> bool:
     return value
 
 
-def _wanted_outputs(req: InferenceRequest, outputs: list[dict]) -> list[tuple[str, bool]]:
+def _wanted_outputs(req: InferenceRequest, params: dict, outputs: list[dict]) -> list[tuple[str, bool]]:
     # tritonclient asks for binary outputs with binary_data_output when it
     # names no outputs, and with binary_data per output when it does.
-    default = _flag(req.parameters, "binary_data_output", False)
+    default = _flag(params, "binary_data_output", False)
     names = [o["name"] for o in outputs]
     if not req.outputs:
         return [(n, default) for n in names]
@@ -201,7 +260,7 @@ def _wanted_outputs(req: InferenceRequest, outputs: list[dict]) -> list[tuple[st
     for o in req.outputs:
         if o.name not in names:
             raise RequestError("unknown output name", repr(o.name), "one of " + ", ".join(map(repr, names)))
-        out.append((o.name, _flag(o.parameters, "binary_data", default)))
+        out.append((o.name, _flag(o.parameters or {}, "binary_data", default)))
     return out
 
 
@@ -217,7 +276,8 @@ def _timeout(params: dict) -> float | None:
 def encode(model: str, version: str, request_id: str | None,
            outputs: list[tuple[str, np.ndarray, bool]]) -> tuple[bytes, int | None]:
     """(body, header length or None): `$inference_response`, each output as
-    JSON data or, when asked, binary after the JSON."""
+    JSON data or, when asked, binary after the JSON. In JSON data, NaN and
+    infinities are null (binary outputs keep them)."""
     tensors, blobs = [], []
     for name, a, binary in outputs:
         t: dict[str, Any] = {"name": name, "datatype": np_to_triton_dtype(a.dtype), "shape": list(a.shape)}
@@ -227,12 +287,16 @@ def encode(model: str, version: str, request_id: str | None,
             blobs.append(raw)
         else:
             t["data"] = a.ravel().tolist()
+            if a.dtype.kind == "f" and not np.isfinite(a).all():
+                # JSON has no NaN or Infinity (json.dumps would write both,
+                # which strict parsers refuse): null, as JavaScript writes them.
+                t["data"] = [v if math.isfinite(v) else None for v in t["data"]]
         tensors.append(t)
     response: dict[str, Any] = {"model_name": model, "model_version": version}
     if request_id is not None:
         response["id"] = request_id
     response["outputs"] = tensors
-    header = json.dumps(response, separators=(",", ":")).encode()
+    header = json.dumps(response, separators=(",", ":"), allow_nan=False).encode()
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)

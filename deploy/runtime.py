@@ -29,8 +29,10 @@ def check_package(folder: str | Path) -> dict:
     built = manifest.get("versions", {})
     if built.get("tvm") != have["tvm"]:
         raise StaleArtifactError("package was built with another TVM version", built.get("tvm"), have["tvm"])
+    verified = manifest.get("files", {})  # read_manifest just hashed these: no second pass over the modules
     for b in manifest["buckets"].values():
-        if artifacts.sha256_file(folder / b["file"]) != b["sha256"]:
+        digest = verified.get(b["file"]) or artifacts.sha256_file(folder / b["file"])
+        if digest != b["sha256"]:
             raise StaleArtifactError(f"module {b['file']} does not match its manifest sha256", str(folder))
     return manifest
 
@@ -60,11 +62,13 @@ def check_device(manifest: dict):
 
 
 class Predictor:
-    def __init__(self, folder: str | Path, warn_unvalidated: bool = True):
+    def __init__(self, folder: str | Path, warn_unvalidated: bool = True, manifest: dict | None = None):
+        """`manifest`: what `check_package(folder)` returned, when the caller
+        checked the package already (each module is then hashed once)."""
         from .tvm_compat import VirtualMachine, load_module
 
         self.folder = Path(folder)
-        self.manifest = check_package(self.folder)
+        self.manifest = manifest if manifest is not None else check_package(self.folder)
         self.device = check_device(self.manifest)
         self.inputs = self.manifest["inputs"]
         self.outputs = self.manifest["outputs"]
@@ -85,6 +89,16 @@ class Predictor:
             if b >= batch:
                 return b
         return self.buckets[-1]
+
+    def plan(self, batch: int) -> list[tuple[int, int]]:
+        """(bucket, rows) per module run for a batch: the smallest bucket that
+        holds it (padded), or pieces of the largest bucket and a last one."""
+        pieces, start = [], 0
+        while start < batch:
+            n = min(batch - start, self.max_batch)
+            pieces.append((self.bucket_for(n), n))
+            start += n
+        return pieces
 
     def check_inputs(self, *args, **kwargs) -> list[np.ndarray]:
         """Inputs (positional in manifest order, or by name) -> arrays, checked."""
@@ -128,12 +142,9 @@ class Predictor:
 
     def __call__(self, *args, **kwargs) -> dict[str, np.ndarray]:
         arrays = self.check_inputs(*args, **kwargs)
-        batch = arrays[0].shape[0]
         pieces: list[list[np.ndarray]] = []
         start = 0
-        while start < batch:
-            n = min(batch - start, self.max_batch)
-            bucket = self.bucket_for(n)
+        for bucket, n in self.plan(arrays[0].shape[0]):
             chunk = [a[start : start + n] for a in arrays]
             if n < bucket:
                 chunk = [np.concatenate([c, np.zeros((bucket - n, *c.shape[1:]), c.dtype)]) for c in chunk]
@@ -197,6 +208,6 @@ def random_inputs(specs, batch: int | None, seed: int = 0) -> list[np.ndarray]:
     return out
 
 
-def load(folder: str | Path, warn_unvalidated: bool = True) -> Predictor:
-    """Load a package folder written by the build stage."""
-    return Predictor(folder, warn_unvalidated)
+def load(folder: str | Path, warn_unvalidated: bool = True, manifest: dict | None = None) -> Predictor:
+    """Load a package folder written by the build stage (`manifest`: see Predictor)."""
+    return Predictor(folder, warn_unvalidated, manifest)

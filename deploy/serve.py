@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 
 MODEL_VERSION = "1"  # a package is one version of one model
 SERVER_NAME = "tvm-deploy"
+# Bodies (and answers) larger than this are decoded (encoded) in a worker
+# thread: parsing megabytes of JSON on the event loop would hold up every
+# other request, health checks included.
+OFFLOAD_BYTES = 256 * 1024
 # Seconds; fine enough for GPU batches of a millisecond, wide enough for CPU ones of seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -74,18 +78,20 @@ class Metrics:
         ProcessCollector(registry=r)
         p = "tvm_serve_"
         self.requests = Counter(p + "requests", "Inference requests by outcome (success, bad_request, not_found, "
-                                "too_large, overloaded, not_ready, timeout, disconnected, error)", ["model", "outcome"], registry=r)
+                                "too_large, overloaded, not_ready, timeout, disconnected, shutdown, error)",
+                                ["model", "outcome"], registry=r)
         self.latency = Histogram(p + "request_seconds", "Arrival to response of successful inference requests",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(p + "queue_seconds", "Enqueued to the start of its batch", ["model"],
                                buckets=LATENCY_BUCKETS, registry=r)
-        self.compute = Histogram(p + "compute_seconds", "One batch through the module (copies included)",
+        self.compute = Histogram(p + "compute_seconds", "One batch through the module(s) (copies included)",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_rows = Histogram(p + "batch_rows", "Samples per batch, before padding", ["model"],
                                     buckets=ROW_BUCKETS, registry=r)
         self.batch_requests = Histogram(p + "batch_requests", "Requests merged into one batch", ["model"],
                                         buckets=ROW_BUCKETS, registry=r)
-        self.bucket_runs = Counter(p + "bucket_runs", "Module runs per batch bucket", ["model", "bucket"], registry=r)
+        self.bucket_runs = Counter(p + "bucket_runs", "Module runs per batch bucket (a split request counts "
+                                   "each piece)", ["model", "bucket"], registry=r)
         self.padded_rows = Counter(p + "padded_rows", "Padding rows run to fill a bucket", ["model"], registry=r)
         self.in_flight = Gauge(p + "in_flight", "Inference requests being read, queued or run", ["model"], registry=r)
         self.ready = Gauge(p + "ready", "1 once the package is loaded and warmed up", ["model"], registry=r)
@@ -126,10 +132,12 @@ class Batcher:
         self._queue.put(job)
         return job.future
 
-    def close(self) -> None:
-        """Run everything already queued, then stop the thread."""
+    def close(self, timeout: float | None = None) -> None:
+        """Run everything already queued, then stop the thread; wait for it
+        at most `timeout` seconds (it is a daemon: one still loading or
+        running dies with the process)."""
         self._queue.put(_STOP)
-        self._thread.join()
+        self._thread.join(timeout)
 
     def _next(self, timeout: float | None):
         if self._carry is not None:
@@ -188,12 +196,9 @@ class Batcher:
         m.compute.labels(label).observe(time.perf_counter() - start)
         m.batch_rows.labels(label).observe(rows)
         m.batch_requests.labels(label).observe(len(jobs))
-        if rows <= self.max_rows:
-            bucket = self.predictor.bucket_for(rows)
+        for bucket, n in self.predictor.plan(rows):  # one piece, or the pieces of a split request
             m.bucket_runs.labels(label, str(bucket)).inc()
-            m.padded_rows.labels(label).inc(bucket - rows)
-        else:
-            m.bucket_runs.labels(label, "split").inc()
+            m.padded_rows.labels(label).inc(bucket - n)
         begin = 0
         for j in jobs:
             j.future.set_result({k: v[begin : begin + j.rows] for k, v in out.items()})
@@ -213,15 +218,20 @@ class InferenceServer:
         self.folder = Path(folder)
         self.manifest = manifest
         self.model = cfg.model_name or manifest["model"]
-        self.loader = loader or runtime.load
+        # The manifest was checked (every module hashed) before the server was built.
+        self.loader = loader or (lambda f: runtime.load(f, manifest=manifest))
         self.metrics = Metrics(self.model)
         self.batcher: Batcher | None = None
         self.load_error: BaseException | None = None
         self.ready = False  # set by the batcher thread once the package is loaded and warmed up
-        self.loaded = threading.Event()  # set when ready or when loading failed
+        self.loaded = threading.Event()  # set when ready, when loading failed, or when stopped while loading
+        self.stopping = threading.Event()  # set when the server begins to shut down
+        self.stop_requested = None  # time.monotonic() of that moment
         self.on_load_error = lambda: None
         self.in_flight = 0
+        self.in_flight_bytes = 0  # request bodies being read, queued or run, as received (or decompressed)
         self.max_body = int(cfg.max_body_mb * 1024 * 1024)
+        self.max_in_flight_bytes = int(cfg.max_inflight_mb * 1024 * 1024)
         self.model_metadata = {
             "name": self.model,
             "versions": [MODEL_VERSION],
@@ -233,14 +243,28 @@ class InferenceServer:
 
     # -- loading ---------------------------------------------------------
 
+    def begin_stop(self) -> None:
+        """The server stops accepting: loading and warm-up stop at the next
+        bucket, and the shutdown grace starts counting."""
+        if self.stop_requested is None:
+            self.stop_requested = time.monotonic()
+        self.stopping.set()
+
     def _load(self):
-        """In the batcher's thread: the Predictor, or None if loading failed."""
+        """In the batcher's thread: the Predictor, or None if loading failed
+        or the server was stopped first."""
         try:
             predictor = self.loader(self.folder)
             if self.cfg.warmup:
                 # First runs compile lazily loaded kernels and capture CUDA graphs.
                 for b in predictor.buckets:
+                    if self.stopping.is_set():
+                        break
                     predictor.run_bucket(b, predictor.random_inputs(b))
+            if self.stopping.is_set():
+                log.info("stopped while loading %s", self.folder)
+                self.loaded.set()
+                return None
         except BaseException as e:
             self.load_error = e
             if isinstance(e, DeployError):
@@ -260,10 +284,14 @@ class InferenceServer:
     async def lifespan(self, app):
         self.batcher = Batcher(self._load, self.cfg.max_queue_delay_ms / 1e3, self.metrics)
         yield
-        # uvicorn gets here after in-flight requests finished (or the grace ran out).
-        await asyncio.to_thread(self.batcher.close)
+        # uvicorn gets here after in-flight requests finished (or the grace
+        # ran out). The batcher may still be loading or warming up: wait for
+        # it only what is left of the grace.
+        self.begin_stop()
         self.ready = False
         self.metrics.ready.labels(self.model).set(0)
+        left = self.cfg.shutdown_grace_s - (time.monotonic() - self.stop_requested)
+        await asyncio.to_thread(self.batcher.close, max(left, 0.0))
 
     # -- endpoints -------------------------------------------------------
 
@@ -352,11 +380,16 @@ class InferenceServer:
                                        f"at most {self.cfg.max_concurrency} (--max-concurrency); retry later")
             self.in_flight += 1
             m.in_flight.labels(label).inc()
+            reserved = [0]  # body bytes this request holds in in_flight_bytes
             try:
-                response = await self._infer(request, start)
+                response = await self._infer(request, start, reserved)
             finally:
                 self.in_flight -= 1
+                self.in_flight_bytes -= reserved[0]
                 m.in_flight.labels(label).dec()
+            if response is None:  # the client left while its request waited
+                outcome = "disconnected"
+                return _error(499, "the client closed the connection before the answer")
             outcome = "success"
             m.latency.labels(label).observe(time.perf_counter() - start)
             return response
@@ -370,53 +403,83 @@ class InferenceServer:
         except ClientDisconnect:  # nobody to answer; not the server's fault
             outcome = "disconnected"
             return _error(400, "the client closed the connection before sending the whole body")
+        except asyncio.CancelledError:  # uvicorn cancels what is left when the shutdown grace ends
+            outcome = "shutdown"
+            raise
         except Exception as e:
             log.error("internal error in inference on %s", label, exc_info=e)
             return _error(500, _internal(e))
         finally:
             m.requests.labels(label, outcome).inc()
 
-    async def _infer(self, request, start: float):
+    async def _infer(self, request, start: float, reserved: list[int]):
+        """The response, or None if the client disconnected while waiting."""
         from starlette.responses import Response
 
         timeout = self.cfg.timeout_s
         try:
             async with asyncio.timeout(timeout):
-                body = await self._read_body(request)
+                body = await self._read_body(request, reserved)
         except TimeoutError:
             raise RequestTimeoutError("the request body did not arrive in time", None,
                                       f"within {timeout:g} s (--timeout-s)", status=408) from None
-        req = protocol.decode(body, request.headers.get(protocol.HEADER_LENGTH),
-                              self.manifest["inputs"], self.manifest["outputs"])
+        args = (body, request.headers.get(protocol.HEADER_LENGTH), self.manifest["inputs"], self.manifest["outputs"],
+                self.model, request.path_params.get("version", MODEL_VERSION))
+        req = await asyncio.to_thread(protocol.decode, *args) if len(body) > OFFLOAD_BYTES else protocol.decode(*args)
         if req.timeout_s is not None:
             timeout = min(timeout, req.timeout_s)
-        future = self.batcher.submit(req.arrays, req.batch)
+        answer = asyncio.wrap_future(self.batcher.submit(req.arrays, req.batch))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            # On timeout wait_for cancels the future: a queued request is then
-            # dropped by the batcher; one already running finishes unseen.
-            result = await asyncio.wait_for(asyncio.wrap_future(future), timeout - (time.perf_counter() - start))
-        except TimeoutError:
+            done, _ = await asyncio.wait({answer, gone}, timeout=max(timeout - (time.perf_counter() - start), 0.0),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            # A request still queued is then dropped by the batcher; one
+            # already running finishes unseen.
+            answer.cancel()
+        if answer not in done:
+            if gone in done:
+                return None
             raise RequestTimeoutError("no answer in time", f"more than {timeout:g} s",
-                                      f"at most {timeout:g} s (--timeout-s or the request's timeout)") from None
-        body, header_length = protocol.encode(self.model, MODEL_VERSION, req.id,
-                                              [(name, result[name], binary) for name, binary in req.outputs])
+                                      f"at most {timeout:g} s (--timeout-s or the request's timeout)")
+        result = answer.result()
+        outputs = [(name, result[name], binary) for name, binary in req.outputs]
+        args = (self.model, MODEL_VERSION, req.id, outputs)
+        if sum(a.nbytes for _, a, _ in outputs) > OFFLOAD_BYTES:
+            body, header_length = await asyncio.to_thread(protocol.encode, *args)
+        else:
+            body, header_length = protocol.encode(*args)
         if header_length is None:
             return Response(body, media_type="application/json")
         return Response(body, media_type="application/octet-stream",
                         headers={protocol.HEADER_LENGTH: str(header_length)})
 
-    async def _read_body(self, request) -> bytes:
+    def _reserve(self, reserved: list[int], size: int) -> None:
+        """Count `size` body bytes of this request (in total) against --max-inflight-mb."""
+        extra = size - reserved[0]
+        if extra > 0 and self.in_flight_bytes + extra > self.max_in_flight_bytes:
+            raise UnavailableError("too many request bytes in flight", f"{self.in_flight_bytes + extra} bytes",
+                                   f"at most {self.max_in_flight_bytes} (--max-inflight-mb "
+                                   f"{self.cfg.max_inflight_mb:g}); retry later")
+        self.in_flight_bytes += extra
+        reserved[0] = size
+
+    async def _read_body(self, request, reserved: list[int]) -> bytes:
         limit = self.max_body
+        too_large = f"at most {limit} (--max-body-mb {self.cfg.max_body_mb:g})"
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLargeError("request body is too large", f"{int(declared)} bytes",
-                                       f"at most {limit} (--max-body-mb {self.cfg.max_body_mb:g})")
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                raise PayloadTooLargeError("request body is too large", f"{int(declared)} bytes", too_large)
+            self._reserve(reserved, int(declared))
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise PayloadTooLargeError("request body is too large", f"more than {limit} bytes",
-                                           f"at most {limit} (--max-body-mb {self.cfg.max_body_mb:g})")
+                raise PayloadTooLargeError("request body is too large", f"more than {limit} bytes", too_large)
+            if size > reserved[0]:
+                self._reserve(reserved, size)
             chunks.append(chunk)
         body = b"".join(chunks)
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
@@ -427,13 +490,28 @@ class InferenceServer:
         # tritonclient's "deflate" is zlib-wrapped; gzip has its own header.
         d = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding == "gzip" else zlib.MAX_WBITS)
         try:
-            out = d.decompress(body, limit + 1)
+            if len(body) > OFFLOAD_BYTES // 8:  # compressed: it may grow 10x or more
+                out = await asyncio.to_thread(d.decompress, body, limit + 1)
+            else:
+                out = d.decompress(body, limit + 1)
         except zlib.error as e:
             raise RequestError(f"request body is not valid {encoding}", str(e)) from None
         if len(out) > limit or d.unconsumed_tail:
             raise PayloadTooLargeError("decompressed request body is too large", f"more than {limit} bytes",
-                                       f"at most {limit} (--max-body-mb {self.cfg.max_body_mb:g})")
+                                       too_large)
+        self._reserve(reserved, max(len(out), reserved[0]))
         return out
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client closes the connection (the body is read:
+    the server's next message is the disconnect)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # cannot tell: then never report a disconnect
+        log.debug("cannot watch for the client's disconnect", exc_info=True)
+        await asyncio.Future()
 
 
 def _version() -> str:
@@ -476,6 +554,10 @@ def check(folder: str | Path) -> dict:
     return manifest
 
 
+def url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -495,6 +577,10 @@ def _uvicorn_server(app: InferenceServer):
     import uvicorn
 
     class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.begin_stop()  # before uvicorn waits for connections: a loading batcher stops at once
+            await super().shutdown(sockets)
+
         @contextlib.contextmanager
         def capture_signals(self):
             # uvicorn re-raises SIGTERM/SIGINT once it has drained, so the
@@ -521,7 +607,7 @@ class RunningServer:
     def __init__(self, app: InferenceServer, sock: socket.socket):
         self.app = app
         self.host, self.port = sock.getsockname()[:2]
-        self.url = f"http://{self.host if ':' not in self.host else f'[{self.host}]'}:{self.port}"
+        self.url = url(self.host, self.port)
         self._server = _uvicorn_server(app)
         app.on_load_error = lambda: setattr(self._server, "should_exit", True)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="uvicorn",
@@ -562,7 +648,8 @@ def run(cfg: ServeConfig, folder: str | Path, on_listening=None) -> int:
     server = _uvicorn_server(app)
     app.on_load_error = lambda: setattr(server, "should_exit", True)
     host, port = sock.getsockname()[:2]
-    log.info("serving %s (model '%s') on http://%s:%d", folder, app.model, host, port)
+    # The load test (and the tests) read the port from this line when --port is 0.
+    log.info("serving %s (model '%s') on %s", folder, app.model, url(host, port))
     if on_listening is not None:
         on_listening(host, port)
     server.run(sockets=[sock])
