@@ -243,6 +243,17 @@ def _quiet_console() -> None:
             lg.disabled = False
 
 
+def _drop_unnamed_handlers() -> None:
+    """MetaSchedule's logging config names the handlers its logger already
+    has, and fails on one without a name ('NoneType' has no 'format'). pytest
+    attaches its unnamed capture handler to every non-propagating logger, which
+    MetaSchedule's is after one run: a second run in a later test failed."""
+    lg = logging.getLogger("tvm.s_tir.meta_schedule")
+    for h in list(lg.handlers):
+        if h.get_name() is None:
+            lg.removeHandler(h)
+
+
 def _runner(target: TargetInfo, profile: Profile):
     from .tvm_compat import ms
 
@@ -319,6 +330,7 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
     started = time.time()
     if todo and global_left > 0 and (deadline is None or time.time() < deadline):
         logs = work / "logs" / db_dir.name
+        _drop_unnamed_handlers()
         loggers = ms.logging.get_loggers_from_work_dir(str(logs), [p["name"] for p in todo])
         _quiet_console()
         seeds = ms.utils.fork_seed(seed, n=len(todo))
