@@ -146,12 +146,8 @@ class Process:
 
 
 def _spawn(cmd: list[str], log_path: Path | None, env: dict | None = None) -> Process:
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    try:
+    with open(log_path or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    finally:
-        if log_path:
-            out.close()
     return Process(p, log_path)
 
 
@@ -430,7 +426,10 @@ def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, 
     out, ("lost", why): the session was lost, or ("mismatch", ServerDevice)."""
     from tvm import rpc
     from tvm.error import RPCError, RPCSessionTimeoutError
-    from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common, run_evaluator_common
+    from tvm.s_tir.meta_schedule.runner.utils import (
+        alloc_argument_common,
+        run_evaluator_common,
+    )
 
     address = f"{host}:{port}"
     try:
@@ -458,7 +457,7 @@ def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, 
     finally:
         try:
             sess.remove(remote)
-        except Exception:
+        except Exception:  # noqa: S110  (a lost session has nothing left to clean up)
             pass
 
 
@@ -466,7 +465,7 @@ def _warm() -> None:
     """What `_measure` imports, loaded before a server is requested: the
     server gives up on a match key not used within ~5 s, and a fresh worker
     process takes about that long to import TVM."""
-    import tvm.rpc  # noqa: F401
+    import tvm.rpc
     import tvm.s_tir.meta_schedule.runner.utils  # noqa: F401
 
 

@@ -31,9 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deploy import config, export, frontend, optimize, rpc, targets, tune  # noqa: E402
-from deploy import database as dbs  # noqa: E402
-from deploy.pipeline import REPO_ROOT  # noqa: E402
+from deploy import config, export, frontend, optimize, rpc, targets, tune
+from deploy import database as dbs
+from deploy.pipeline import REPO_ROOT
+
+log = logging.getLogger("rpc_check")
 
 
 def free_port() -> int:
@@ -123,9 +125,9 @@ def remeasure(db_dir: Path, key: dict, target, profile, opt, pool, rounds: int) 
 
 def markdown(report: dict) -> str:
     lines = [f"# Tuning through RPC vs locally: {report['model']} on {report['device']}", "",
-             f"{report['trials']} trials per mode over the {report['max_tasks']} heaviest tasks; "
-             f"{report['gpus']} GPU(s) / servers under `all`. Same database key locally and through RPC: "
-             f"{report['same_database_key']}.", "",
+             (f"{report['trials']} trials per mode over the {report['max_tasks']} heaviest tasks; "
+              f"{report['gpus']} GPU(s) / servers under `all`. Same database key locally and through RPC: "
+              f"{report['same_database_key']}."), "",
              "| mode | servers | trials | valid | seconds | trials/min | measuring s | building s | vs one |",
              "|---|---|---|---|---|---|---|---|---|"]
     base = next((m["trials_per_minute"] for m in report["modes"] if m["mode"] == "one"), None)
@@ -138,7 +140,7 @@ def markdown(report: dict) -> str:
     lines += ["", f"Same kernels (best of each task in the `one` run), {report['rounds']} alternating rounds, median us:", "",
               "| kernel | local | RPC | RPC/local |", "|---|---|---|---|"]
     for k, v in report["same_kernels"].items():
-        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        f = lambda x: "-" if x is None else f"{x:.2f}"
         lines.append(f"| {k} | {f(v['local_us'])} | {f(v['rpc_us'])} | {f(v['ratio'])} |")
     return "\n".join(lines) + "\n"
 
@@ -181,7 +183,7 @@ def main() -> int:
         rpc.wait_for_servers(pool, n)
         remote_target = rpc.resolve_target(args.target, one)
         same_key = remote_target.key() == target.key()
-        logging.info("rpc_check: target through RPC %s the local one", "is" if same_key else "DIFFERS FROM")
+        log.info("rpc_check: target through RPC %s the local one", "is" if same_key else "DIFFERS FROM")
         modes = []
         for name in args.modes.split(","):
             p = {"local": None, "one": one, "all": pool}[name]

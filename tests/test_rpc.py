@@ -66,9 +66,8 @@ class Procs:
         count = self.folder / f"{key}-{len(self.procs)}.count"
         cmd = [sys.executable, str(FAULT_SERVER), "--tracker", f"127.0.0.1:{self.port}", "--key", key,
                "--port", str(free_port()), "--fault", fault, "--at", str(at), "--count-file", str(count)]
-        log = open(self.folder / f"{key}-{len(self.procs)}.log", "ab")
-        p = rpc.Process(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), None)
-        log.close()
+        with open(self.folder / f"{key}-{len(self.procs)}.log", "ab") as log:
+            p = rpc.Process(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), None)
         self.procs.append(p)
         return p, count
 
