@@ -7,6 +7,11 @@
 # Serving (after make tune, same MODEL/TARGET/PRECISION/WORKDIR, or PACKAGE=folder):
 #   make serve MODEL=resnet50 [HOST=0.0.0.0 PORT=8000 EXTRA="--max-queue-delay-ms 1 --max-concurrency 64"]
 #   make loadtest MODEL=resnet50 [CONCURRENCY=1,4,16,32,64 OUT=results/... EXTRA="--request-batch 8"]
+# Tuning on a pool of GPUs through TVM's RPC tracker (README "Tuning on a pool of GPUs"):
+#   make rpc-tracker HOST=0.0.0.0 PORT=9190                                  once, on the build host
+#   make rpc-server TRACKER=hostA:9190 RPC_KEY=h200 GPU=0 HOST=0.0.0.0       once per GPU, on its host
+#   make tune MODEL=resnet50 TRACKER=hostA:9190 RPC_KEY=h200                 builds here, measures there
+#   make rpc-status TRACKER=hostA:9190 RPC_KEY=h200                          the servers and their GPUs
 
 MODEL     ?= resnet50
 TARGET    ?=
@@ -23,6 +28,9 @@ HOST      ?=
 PORT      ?=
 CONCURRENCY ?=
 OUT       ?=
+TRACKER   ?=
+RPC_KEY   ?=
+GPU       ?=
 PYTEST_ARGS ?=
 
 VENV := .venv
@@ -53,7 +61,9 @@ SERVE_ARGS := $(if $(PACKAGE),--package $(PACKAGE),--model $(MODEL)) \
 	$(if $(HOST),--host $(HOST)) \
 	$(if $(PORT),--port $(PORT))
 
-.PHONY: tune profile bench serve loadtest test install clean
+RPC_ARGS := $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY))
+
+.PHONY: tune profile bench serve loadtest rpc-tracker rpc-server rpc-status test install clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -65,7 +75,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 install: $(DEPS)
 
 tune: $(DEPS)
-	$(PY) -m deploy run $(ARGS)
+	$(PY) -m deploy run $(ARGS) $(RPC_ARGS)
 
 bench: $(DEPS)
 	$(PY) -m deploy bench $(ARGS)
@@ -78,6 +88,16 @@ serve: $(DEPS)
 
 loadtest: $(DEPS)
 	$(PY) -m deploy loadtest $(SERVE_ARGS) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY)) $(if $(OUT),--out $(OUT)) $(EXTRA)
+
+rpc-tracker: $(DEPS)
+	$(PY) -m deploy rpc-tracker $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
+
+rpc-server: $(DEPS)
+	$(PY) -m deploy rpc-server $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--key $(RPC_KEY)) \
+		$(if $(GPU),--gpu $(GPU)) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(EXTRA)
+
+rpc-status: $(DEPS)
+	$(PY) -m deploy rpc-status $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY))
 
 test: $(DEPS)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

@@ -6,6 +6,9 @@
   info       print a package's manifest summary
   serve      serve a package over HTTP (Open Inference Protocol / KServe v2)
   loadtest   throughput and latency of the server against the raw module
+  rpc-tracker, rpc-server, rpc-status
+             TVM's RPC tracker and servers, to tune on a pool of GPUs
+             (`run`/`tune --tracker HOST:PORT --rpc-key KEY`)
 
 A user error prints one line ("error: what | got ... | expected ...") and
 exits 2; a finished run prints `PASSED | <seconds>s | <command>`.
@@ -96,7 +99,15 @@ def prepare(args):
     from .pipeline import DEFAULT_DB_ROOT, default_workdir
 
     cfg = resolve_config(args)
-    target = targets.resolve(_nonempty(args.target) or "auto")
+    pool = config_mod.rpc_pool(getattr(args, "tracker", None), getattr(args, "rpc_key", None))
+    if pool is not None:
+        from . import rpc
+
+        # Measured on the pool: `auto`/`cuda` is the pool's GPU, read from it.
+        target = rpc.resolve_target(_nonempty(args.target) or "auto", pool)
+    else:
+        target = targets.resolve(_nonempty(args.target) or "auto")
+    args.pool = pool
     buckets = config_mod.parse_int_list(args.buckets, "--buckets") if _nonempty(args.buckets) else None
     tune_buckets = config_mod.parse_int_list(args.tune_buckets, "--tune-buckets") if _nonempty(args.tune_buckets) else None
     cfg = config_mod.apply_overrides(
@@ -117,13 +128,22 @@ def prepare(args):
     return cfg, target, workdir, db_root
 
 
+def _check_pool(args, target, profile) -> None:
+    """Before any work: every server of the pool has the target's device."""
+    if args.pool is not None and profile.trials > 0 and profile.tune_buckets:
+        from . import rpc
+
+        rpc.check_pool(args.pool, target)
+
+
 def cmd_run(args) -> int:
     from . import pipeline
 
     cfg, target, workdir, db_root = prepare(args)
     profile = cfg.profile(target.kind)
-    print(pipeline.describe(cfg, target, workdir, db_root, profile.budget), flush=True)
-    summary = pipeline.run(cfg, target, workdir, db_root, dump_ir=args.dump_ir)
+    print(pipeline.describe(cfg, target, workdir, db_root, profile.budget, args.pool), flush=True)
+    _check_pool(args, target, profile)
+    summary = pipeline.run(cfg, target, workdir, db_root, dump_ir=args.dump_ir, pool=args.pool)
     print(pipeline.format_summary(summary), flush=True)
     return 0
 
@@ -149,7 +169,7 @@ def cmd_stage(args) -> int:
     elif stage == "tune":
         ex = export.load(ws.export)
         a = tune.run(profile, target, optimize.load(ws.optimize), cfg.model.name, ex.inputs, db_root, ws.tune,
-                     config_mod.parse_duration(profile.budget), cfg.model.seed)
+                     config_mod.parse_duration(profile.budget), cfg.model.seed, args.pool)
         print(f"tune: databases {', '.join(map(str, a.databases.values()))}")
         for reason, n in tune.failure_reasons(a.folder):
             print(f"  {n:5d} x {reason}")
@@ -367,16 +387,64 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dump-ir", action="store_true", help="write the IR after each optimization phase")
 
 
+def _add_pool(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tracker", help="HOST:PORT of a TVM RPC tracker: measure candidates on its servers (with --rpc-key)")
+    p.add_argument("--rpc-key", help="the key the RPC servers registered under (one server per GPU)")
+
+
+def cmd_rpc_tracker(args) -> int:
+    import os
+
+    from . import rpc
+
+    rpc.check_port_free(args.host, args.port, "RPC tracker")
+    cmd = rpc.tracker_command(args.host, args.port)
+    print(f"rpc-tracker {args.host}:{args.port}: {shlex.join(cmd)}", flush=True)
+    os.execv(cmd[0], cmd)  # the tracker is TVM's; Ctrl-C stops it
+
+
+def cmd_rpc_server(args) -> int:
+    import os
+
+    from . import rpc
+
+    pool = config_mod.rpc_pool(args.tracker, args.key)
+    if pool is None:
+        raise ConfigError("rpc-server needs --tracker and --key")
+    rpc.check_server_address(args.host, pool.host)
+    rpc.connect(pool).close()  # the tracker is up (TVM's server would retry for a minute, then die)
+    cmd = rpc.server_command(pool.address, pool.key, args.host, args.port, args.port_end or args.port + 100, args.custom_addr)
+    gpu = f"CUDA_VISIBLE_DEVICES={args.gpu} " if args.gpu is not None else ""
+    print(f"rpc-server under key '{pool.key}' at tracker {pool.address}: {gpu}{shlex.join(cmd)}", flush=True)
+    os.execve(cmd[0], cmd, rpc.server_env(args.gpu))
+
+
+def cmd_rpc_status(args) -> int:
+    from . import rpc
+
+    pool = config_mod.rpc_pool(args.tracker, args.rpc_key)
+    if pool is None:
+        raise ConfigError("rpc-status needs --tracker and --rpc-key")
+    found = rpc.probe_pool(pool)
+    print(f"tracker    {pool.address}, key '{pool.key}': {len(found)} server(s)")
+    for f in sorted(found, key=lambda f: f.address):
+        print(f"server     {f.address}  {f.describe()}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tvm-deploy", description=__doc__.split("\n")[0])
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run every stage (make tune)")
     _add_common(p)
+    _add_pool(p)
     p.set_defaults(func=cmd_run)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"run the {stage} stage alone")
         _add_common(p)
+        if stage == "tune":
+            _add_pool(p)
         if stage == "profile":
             p.add_argument("--bucket", type=int, help="bucket to profile (default: the first tuned bucket)")
             p.add_argument("--iters", type=int, default=20)
@@ -408,6 +476,26 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pack-databases", help="fold tuning working copies left by killed runs into the .xz files")
     p.add_argument("root", nargs="?", default="tuning_logs")
     p.set_defaults(func=cmd_pack_databases)
+    p = sub.add_parser("rpc-tracker", help="start TVM's RPC tracker (foreground)")
+    p.add_argument("--host", default=config_mod.RPC_HOST,
+                   help=f"address to listen on (default {config_mod.RPC_HOST}; 0.0.0.0 for servers on other hosts)")
+    p.add_argument("--port", type=int, default=config_mod.RPC_TRACKER_PORT, help=f"port (default {config_mod.RPC_TRACKER_PORT})")
+    p.set_defaults(func=cmd_rpc_tracker)
+    p = sub.add_parser("rpc-server", help="start TVM's RPC server for one GPU, registered with a tracker (foreground)")
+    p.add_argument("--tracker", required=True, help="HOST:PORT of the tracker")
+    p.add_argument("--key", required=True, help="the key to register under (the same for every GPU of one model)")
+    p.add_argument("--gpu", help="the GPU this server measures on (sets CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--host", default=config_mod.RPC_HOST,
+                   help=f"address to listen on (default {config_mod.RPC_HOST}; 0.0.0.0 when the tracker is on another host)")
+    p.add_argument("--port", type=int, default=config_mod.RPC_SERVER_PORT,
+                   help=f"first port to try (default {config_mod.RPC_SERVER_PORT}); the next free one up to --port-end is taken")
+    p.add_argument("--port-end", type=int, help="last port to try, exclusive (default --port + 100)")
+    p.add_argument("--custom-addr", help="the address to register with the tracker, if not the one it sees")
+    p.set_defaults(func=cmd_rpc_server)
+    p = sub.add_parser("rpc-status", help="the RPC servers registered under a key, and their devices")
+    p.add_argument("--tracker", required=True, help="HOST:PORT of the tracker")
+    p.add_argument("--rpc-key", required=True)
+    p.set_defaults(func=cmd_rpc_status)
     p = sub.add_parser("info", help="check a package and print its manifest summary")
     p.add_argument("package")
     p.set_defaults(func=cmd_info)

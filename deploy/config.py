@@ -176,6 +176,34 @@ class LoadtestConfig:
     serve: ServeConfig = ServeConfig(port=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class RPCPool:
+    """Where tuning candidates are measured instead of this machine: every
+    server registered with TVM's RPC tracker at `host:port` under `key`
+    (one server per GPU)."""
+
+    host: str
+    port: int
+    key: str
+    # Servers one candidate is tried on when its session is lost (the server
+    # died or hung) before the candidate counts as failed.
+    attempts: int = 3
+    # How long to wait for a free server, and for every server to answer the
+    # device check when a run starts.
+    wait_s: float = 60.0
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+# Where `deploy rpc-tracker` / `rpc-server` listen unless told otherwise: TVM's
+# ports, on loopback (an RPC server runs any code it is sent; see README).
+RPC_HOST = "127.0.0.1"
+RPC_TRACKER_PORT = 9190
+RPC_SERVER_PORT = 9090
+
+
 # ----------------------------------------------------------------- parsing ---
 
 
@@ -378,6 +406,29 @@ def parse_int_list(text: str, where: str) -> tuple[int, ...]:
     if not values:
         raise ConfigError(f"invalid {where}", repr(text), "at least one integer")
     return values
+
+
+def parse_address(text: str, where: str = "--tracker") -> tuple[str, int]:
+    """'host:port' ('[::1]:9190' for IPv6) -> (host, port)."""
+    text = (text or "").strip()
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"invalid {where}", repr(text), "HOST:PORT, e.g. 10.0.0.1:9190")
+    return host, int(port)
+
+
+def rpc_pool(tracker: str | None, key: str | None) -> RPCPool | None:
+    """The pool named by --tracker and --rpc-key (both or neither)."""
+    if not tracker and not key:
+        return None
+    if not tracker or not key:
+        given, missing = ("--tracker", "--rpc-key") if tracker else ("--rpc-key", "--tracker")
+        raise ConfigError(f"{given} needs {missing}", None, "--tracker HOST:PORT --rpc-key KEY (TRACKER= RPC_KEY= for make)")
+    host, port = parse_address(tracker)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", key):
+        raise ConfigError("invalid --rpc-key", repr(key), "letters, digits, '_', '.' or '-'")
+    return RPCPool(host, port, key)
 
 
 def to_dict(obj) -> dict:

@@ -55,6 +55,15 @@ class TargetError(DeployError):
     """The requested target or device is not available here."""
 
 
+class RPCPoolError(DeployError):
+    """The RPC tracker or the servers under the key cannot be used: unreachable,
+    no server registered, or every server lost during a run."""
+
+
+class DeviceMismatchError(RPCPoolError):
+    """An RPC server's device is not the one the tuning database is for."""
+
+
 class RequestError(DeployError):
     """An inference request the server refuses; `status` is its HTTP status.
     Raised per request by the server: it never stops the process."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import artifacts, build, export, frontend, optimize, tune, validate
 from . import database as dbs
-from .config import Config, Profile, parse_duration, to_dict
+from .config import Config, Profile, RPCPool, parse_duration, to_dict
 from .targets import TargetInfo
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def default_workdir(cfg: Config, target: TargetInfo) -> Path:
     return DEFAULT_ARTIFACTS / cfg.model.name / f"{target.slug}-{profile.precision}"
 
 
-def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budget: str) -> str:
+def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budget: str, pool: RPCPool | None = None) -> str:
     profile = cfg.profile(target.kind)
     lines = [
         f"model      {cfg.model.name} (source {cfg.model.source}, seed {cfg.model.seed}"
@@ -53,6 +53,8 @@ def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budg
         f"workdir    {workdir}",
         f"databases  {db_root}",
     ]
+    if pool is not None:
+        lines.append(f"measure on RPC servers under key '{pool.key}' at tracker {pool.address}")
     return "\n".join(lines)
 
 
@@ -77,6 +79,7 @@ def run(
     budget: str | None = None,
     dump_ir: bool = False,
     compare_untuned: bool = True,
+    pool: RPCPool | None = None,
 ) -> dict:
     profile = cfg.profile(target.kind)
     budget = profile.budget if budget is None else budget
@@ -96,12 +99,12 @@ def run(
     opt = timed("optimize", optimize.run, profile, target, front, ws.optimize, dump_ir=dump_ir)
     tune_summary = None
     if profile.trials > 0 and profile.tune_buckets:
-        if not target.has_device:
+        if not target.has_device and pool is None:
             log.warning("tune: skipped, no %s device here to measure candidates on (existing databases are still used)", target.kind)
         else:
             tuned = timed(
                 "tune", tune.run, profile, target, opt, cfg.model.name, exported.inputs, db_root, ws.tune, budget_s,
-                cfg.model.seed,
+                cfg.model.seed, pool,
             )
             tune_summary = json.loads((tuned.folder / "summary.json").read_text())
     keys, existing = existing_databases(cfg, profile, target, exported.inputs, db_root)
@@ -180,6 +183,13 @@ def format_summary(summary: dict) -> str:
                     f"           {split['Total']:.0f} s tuning: build {build_s:.0f} s, run {run_s:.0f} s, "
                     f"search and cost model {split['Total'] - build_s - run_s:.0f} s"
                     + (f", {s['trials_per_minute']} trials/min" if s.get("trials_per_minute") else "")
+                )
+            r = s.get("rpc")
+            if r:
+                per = ", ".join(f"{a} {v['measured']}" for a, v in sorted(r["servers"].items()))
+                lines.append(
+                    f"           measured on {len(r['servers'])} RPC server(s) under key '{r['key']}' ({per})"
+                    + (f"; {r['lost_sessions']} lost session(s), re-measured elsewhere" if r["lost_sessions"] else "")
                 )
     v = summary.get("validation")
     lines.append(

@@ -76,14 +76,35 @@ def _llvm() -> TargetInfo:
     return TargetInfo("llvm", json.dumps(spec, sort_keys=True), cpu, "cpu", True)
 
 
-def _cuda_here(dev) -> TargetInfo:
+def cuda_from_device(dev, has_device: bool = True) -> TargetInfo:
+    """The target of a CUDA device, local or remote (an RPC session's
+    `cuda(0)`). It reads what `Target.from_device` reads (TVM's
+    `backend/cuda._detect_target_from_device`), which refuses remote devices:
+    one function for both, so a GPU tuned through RPC gets the target string,
+    and so the database, that a run on that GPU's own host gets."""
     from .tvm_compat import Target
 
-    target = Target.from_device(dev)
+    target = Target({
+        "kind": "cuda",
+        "max_shared_memory_per_block": dev.max_shared_memory_per_block,
+        "max_threads_per_block": dev.max_threads_per_block,
+        "thread_warp_size": dev.warp_size,
+        "arch": "sm_" + dev.compute_version.replace(".", ""),
+    })
     spec = {k: v for k, v in dict(target.export()).items() if k not in ("host", "tag")}
     spec["keys"] = list(spec.get("keys", ()))
     arch = str(spec.get("arch", "sm_" + dev.compute_version.replace(".", "")))
-    return TargetInfo("cuda", json.dumps(spec, sort_keys=True, default=str), arch, dev.device_name, True)
+    return TargetInfo("cuda", json.dumps(spec, sort_keys=True, default=str), arch, dev.device_name, has_device)
+
+
+def _cuda_here(dev) -> TargetInfo:
+    return cuda_from_device(dev, True)
+
+
+def local_cuda_matches(arch: str, device_name: str) -> bool:
+    """Whether this machine's first GPU is that architecture and model."""
+    dev = _cuda_device()
+    return dev is not None and dev.device_name == device_name and "sm_" + dev.compute_version.replace(".", "") == arch
 
 
 def resolve(text: str) -> TargetInfo:

@@ -9,7 +9,9 @@ committed, because tuning is the expensive part. A run:
   - stops cleanly at a wall-clock deadline: each task ends at its next
     candidate batch after the deadline, in-flight measurements are kept;
   - records every failed candidate's reason (build or run), which
-    MetaSchedule's own logs only count.
+    MetaSchedule's own logs only count;
+  - measures on this machine's device, or on a pool of RPC servers through
+    TVM's tracker (`deploy/rpc.py`; same database, one server per GPU).
 JSONDatabase appends one line per measured candidate, so a killed run loses
 nothing already measured; a line cut short by the kill is dropped on the
 next open.
@@ -21,13 +23,15 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
 from . import artifacts
 from . import database as dbs
-from .config import InputSpec, Profile
+from .config import InputSpec, Profile, RPCPool
 from .errors import TargetError
+from .rpc import LOST
 from .optimize import OptimizeArtifact
 from .targets import TargetInfo
 
@@ -131,9 +135,10 @@ def _first_line(msg: str) -> str:
     return (lines[-1] if lines else "")[:300]
 
 
-def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int):
-    """An EvolutionarySearch that stops at a wall-clock deadline and after
-    `budget` new trials (what is left of this task's budget)."""
+def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int, stop=None):
+    """An EvolutionarySearch that stops at a wall-clock deadline, after
+    `budget` new trials (what is left of this task's budget), or once the
+    `stop` event is set (the RPC pool is gone)."""
     from .tvm_compat import ms
     from .tvm_compat import derived_object
 
@@ -156,13 +161,15 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
         def generate_measure_candidates(self):
             if deadline is not None and time.time() >= deadline:
                 return None
+            if stop is not None and stop.is_set():
+                return None
             return self.inner.generate_measure_candidates()
 
         def notify_runner_results(self, measure_candidates, results):
             self.inner.notify_runner_results(measure_candidates, results)
 
         def clone(self):
-            return _make_deadline_search(deadline, budget, population, generations)
+            return _make_deadline_search(deadline, budget, population, generations, stop)
 
     return DeadlineSearch()
 
@@ -209,6 +216,9 @@ def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, 
             s = stats[name]
             with open(failures_path, "a") as f:
                 for b, r in zip(builder_results, runner_results):
+                    if r.error_msg and str(r.error_msg).startswith(LOST):
+                        s["not_measured"] += 1  # the RPC pool was lost: not run, not recorded
+                        continue
                     s["candidates"] += 1
                     if b.error_msg:
                         s["build_errors"] += 1
@@ -243,14 +253,35 @@ def _quiet_console() -> None:
             lg.disabled = False
 
 
-def _runner(target: TargetInfo, profile: Profile):
+def _evaluator_config(target: TargetInfo):
     from .tvm_compat import ms
 
     if target.kind == "cuda":
-        cfg = ms.runner.EvaluatorConfig(number=10, repeat=1, min_repeat_ms=20, enable_cpu_cache_flush=False)
-    else:
-        cfg = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40, enable_cpu_cache_flush=False)
-    return ms.runner.LocalRunner(timeout_sec=profile.runner_timeout_s, evaluator_config=cfg)
+        return ms.runner.EvaluatorConfig(number=10, repeat=1, min_repeat_ms=20, enable_cpu_cache_flush=False)
+    return ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40, enable_cpu_cache_flush=False)
+
+
+def _drop_unnamed_handlers() -> None:
+    """MetaSchedule's logging config names the handlers its logger already
+    has, and fails on one without a name ('NoneType' has no 'format'). pytest
+    attaches its unnamed capture handler to every non-propagating logger, which
+    MetaSchedule's is after one run: a second run in a later test failed."""
+    lg = logging.getLogger("tvm.s_tir.meta_schedule")
+    for h in list(lg.handlers):
+        if h.get_name() is None:
+            lg.removeHandler(h)
+
+
+def _runner(target: TargetInfo, profile: Profile, pool: RPCPool | None = None, n_servers: int = 0, stop=None):
+    """This machine's device (MetaSchedule's LocalRunner), or the RPC pool,
+    with the same evaluator settings: kernel times compare across the two."""
+    from .tvm_compat import ms
+
+    if pool is not None:
+        from . import rpc
+
+        return rpc.make_runner(pool, target, n_servers, _evaluator_config(target), profile.runner_timeout_s, stop)
+    return ms.runner.LocalRunner(timeout_sec=profile.runner_timeout_s, evaluator_config=_evaluator_config(target))
 
 
 def task_flops(task) -> float:
@@ -278,20 +309,23 @@ def tune_bucket(
     deadline: float | None,
     work: Path,
     seed: int = 0,
+    pool: RPCPool | None = None,
+    n_servers: int = 0,
 ) -> dict:
     """Tune one bucket's module into the database at `db_dir`; returns a
     summary. The database's working copy is packed however the run ends
-    (deadline, Ctrl-C, an error)."""
+    (deadline, Ctrl-C, an error, the RPC pool lost). With `pool`, candidates
+    are measured on its `n_servers` servers (checked by `rpc.check_pool`)."""
     db = dbs.open_for_tuning(db_dir, key)
     try:
-        summary = _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed)
+        summary = _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed, pool, n_servers)
     finally:
         dbs.pack(db_dir)
     summary["database_digest"] = dbs.digest(db_dir)
     return summary
 
 
-def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> dict:
+def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed, pool=None, n_servers=0) -> dict:
     from tqdm.auto import tqdm
 
     from .tvm_compat import ms
@@ -315,10 +349,12 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
         "trials_before": total_done,
         "cpus": usable_cpus(),
     }
-    stats = {p["name"]: {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None} for p in todo}
+    stats = {p["name"]: {"candidates": 0, "build_errors": 0, "run_errors": 0, "not_measured": 0, "best_s": None} for p in todo}
+    stop = threading.Event()  # set by the RPC runner when its pool is lost
     started = time.time()
     if todo and global_left > 0 and (deadline is None or time.time() < deadline):
         logs = work / "logs" / db_dir.name
+        _drop_unnamed_handlers()
         loggers = ms.logging.get_loggers_from_work_dir(str(logs), [p["name"] for p in todo])
         _quiet_console()
         seeds = ms.utils.fork_seed(seed, n=len(todo))
@@ -328,7 +364,8 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
                 target=tvm_target,
                 space_generator=_design_space(p["task"].dispatched[0], tvm_target, s)[0],
                 search_strategy=_make_deadline_search(
-                    deadline, p["left"], profile.search_population, profile.search_generations
+                    deadline, p["left"], profile.search_population, profile.search_generations,
+                    stop,
                 ),
                 task_name=p["name"],
                 logger=lg,
@@ -361,6 +398,8 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
             # MetaSchedule's own profiler splits the time between search,
             # building, running and the cost model: where tuning time goes.
             builder = _make_builder(usable_cpus(), profile.builder_timeout_s)
+            runner = _runner(target, profile, pool, n_servers, stop)
+            measurer = getattr(runner, "measurer", None)  # the RPC pool's state
             try:
                 with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True) as bar, ms.Profiler() as prof:
                     ms.tune_tasks(
@@ -371,11 +410,11 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
                         max_trials_per_task=profile.trials_per_task,
                         num_trials_per_iter=profile.trials_per_iter,
                         builder=builder,
-                        runner=_runner(target, profile),
+                        runner=runner,
                         database=db,
                         cost_model="xgb",
                         measure_callbacks=[
-                            ms.measure_callback.AddToDatabase(),
+                            ms.measure_callback.AddToDatabase() if measurer is None else measurer.add_to_database(),
                             ms.measure_callback.RemoveBuildArtifact(),
                             ms.measure_callback.UpdateCostModel(),
                             _make_progress_callback([p["name"] for p in todo], stats, failures, bar),
@@ -384,10 +423,17 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
                     )
             finally:
                 builder.close()
+                if measurer is not None:
+                    measurer.close()
             summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
+            if measurer is not None:
+                summary["rpc"] = measurer.stats
+                if measurer.fatal is not None:
+                    log.error("tune: %s", measurer.fatal)
+                    raise measurer.fatal
     elapsed = time.time() - started
     for p, (done, best) in zip(plan, dbs.trials_done(db_dir, [p["task"].dispatched[0] for p in plan])):
-        s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None})
+        s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "not_measured": 0, "best_s": None})
         summary["tasks"][p["name"]] = {
             "weight": int(p["task"].weight),
             "flops": flops[p["name"]],
@@ -395,6 +441,7 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed) -> d
             "new_trials": s["candidates"],
             "build_errors": s["build_errors"],
             "run_errors": s["run_errors"],
+            "not_measured": s["not_measured"],
             "best_us_before_run": None if p["best_s"] is None else p["best_s"] * 1e6,
             "best_us": None if best is None else best * 1e6,
         }
@@ -421,11 +468,20 @@ def run(
     folder: Path,
     budget_s: float | None,
     seed: int = 0,
+    pool: RPCPool | None = None,
 ) -> TuneArtifact:
-    if not target.has_device:
+    """Tune every tuned bucket. Candidates are measured on this machine's
+    device, or with `pool` on the RPC servers under its key, whose devices
+    must all match `target` (checked first)."""
+    n_servers = 0
+    if pool is not None:
+        from . import rpc
+
+        n_servers = len(rpc.check_pool(pool, target))
+    elif not target.has_device:
         raise TargetError(
             f"cannot tune for {target.kind} {target.arch} here: candidates are measured on the device", "no device",
-            "the machine with that GPU (databases made there are used by a cross-compiling build)",
+            "the machine with that GPU, or a pool of them through an RPC tracker (--tracker, --rpc-key)",
         )
     deadline = None if budget_s is None else time.time() + budget_s
     with artifacts.staged_dir(folder) as tmp:
@@ -433,7 +489,9 @@ def run(
         for bucket in profile.tune_buckets:
             key = dbs.database_key(model, inputs, bucket, profile, target)
             db_dir = dbs.database_dir(db_root, key, target)
-            summaries[str(bucket)] = tune_bucket(opt.load_module(bucket), db_dir, key, target, profile, deadline, tmp, seed)
+            summaries[str(bucket)] = tune_bucket(
+                opt.load_module(bucket), db_dir, key, target, profile, deadline, tmp, seed, pool, n_servers
+            )
             folders[str(bucket)] = str(db_dir)
         # Logs are bulky; keep them out of the manifest's hashed files.
         files = [f for f in ("failures.jsonl",) if (tmp / f).is_file()]
@@ -442,7 +500,8 @@ def run(
         artifacts.write_manifest(
             tmp,
             STAGE,
-            {"databases": folders, "target": target.key(), "profile": dataclasses.asdict(profile), "budget_s": budget_s},
+            {"databases": folders, "target": target.key(), "profile": dataclasses.asdict(profile), "budget_s": budget_s,
+             "rpc": None if pool is None else {"tracker": pool.address, "key": pool.key, "servers": n_servers}},
             files=files,
         )
     return load(folder)

@@ -57,7 +57,7 @@ from tvm.s_tir.analysis import estimate_tir_flops  # noqa: E402,F401
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # noqa: E402,F401
 # MetaSchedule's build-worker entry (build + export one candidate) and TVM's process pool.
 from tvm.s_tir.meta_schedule.builder.local_builder import _worker_func as ms_builder_worker  # noqa: E402,F401
-from tvm.support.popen_pool import PopenPoolExecutor, StatusKind  # noqa: E402,F401
+from tvm.support.popen_pool import PopenPoolExecutor, PopenWorker, StatusKind  # noqa: E402,F401
 
 
 def register_tensor_intrinsics() -> None:

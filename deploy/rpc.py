@@ -1,0 +1,688 @@
+"""Tuning candidates measured on a pool of devices through TVM's RPC tracker.
+
+TVM's own distributed engine does the distribution: a tracker
+(`python -m tvm.exec.rpc_tracker`) and one RPC server per GPU
+(`python -m tvm.exec.rpc_server --tracker H:P --key K`, with
+CUDA_VISIBLE_DEVICES naming its GPU). The tracker hands each session to a
+free server under the key. This module starts those processes, checks the
+servers' devices against the tuning database's target, and measures
+candidates on them; building stays local (tune.py's parallel builder).
+
+Why not MetaSchedule's RPCRunner: it records a lost session (a server that
+died or hung) as a failed candidate, run time 1e10 s, which goes into the
+database as if the schedule were bad, and the candidate is never measured.
+Here each candidate runs in a session of its own, in a worker process that is
+killed if the session outlasts its time-out; then:
+  - the server raised (kernel or load error) or it ended the session at its
+    own time-out (too slow): a genuine failure, recorded as MetaSchedule does;
+  - the session was lost (connection refused or closed, no answer in time):
+    the candidate is retried on another server (`RPCPool.attempts` servers in
+    all; after that it counts as failed), and a server that did not answer
+    is never used again in this run. The tracker itself drops a server that
+    died;
+  - no server left under the key (or the tracker gone, or a server with
+    another device): tuning stops at the end of the current batch, the
+    candidates that could not be measured are not recorded, and the run ends
+    with one line (`RPCPoolError`). What was measured is in the database.
+
+Device check. CUDA: the server's `cuda(0)` must exist and have the target's
+architecture and GPU name (its target string is read from the device the way
+a local run reads it, so the database is the same). llvm: the server's LLVM
+CPU name must be the target's `mcpu` (core count and triple are not checked:
+they do not change the generated code's correctness, only its speed).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .config import RPCPool
+from .errors import ConfigError, DeviceMismatchError, RPCPoolError, TargetError
+from .targets import TargetInfo
+
+log = logging.getLogger(__name__)
+
+# Prefix of the error of a candidate that could not be measured because the
+# pool was lost: such results are not written to the database.
+LOST = "rpc-lost: "
+# Session time-out is the runner time-out; a session with no answer this much
+# later (connect, upload, and the server's own time-out reply) is a hung server.
+HANG_GRACE_S = 10.0
+
+
+# ------------------------------------------------------------- processes ---
+
+
+def tracker_command(host: str, port: int) -> list[str]:
+    # --port-end port+1: TVM would otherwise bind the next free port silently.
+    return [sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", host, "--port", str(port), "--port-end", str(port + 1)]
+
+
+def server_command(tracker: str, key: str, host: str, port: int, port_end: int, custom_addr: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", tracker, "--key", key,
+           "--host", host, "--port", str(port), "--port-end", str(port_end)]
+    return cmd + (["--custom-addr", custom_addr] if custom_addr else [])
+
+
+def server_env(gpu: str | None) -> dict:
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return env
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen for the {what} at {host}:{port}", e.strerror, "a free port on an address of this host") from None
+
+
+def check_server_address(host: str, tracker_host: str) -> None:
+    """A server bound to loopback registers the address the tracker sees it
+    from, where nothing listens, unless the tracker is on loopback too."""
+    loop = host in ("127.0.0.1", "localhost", "::1")
+    if loop and tracker_host not in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(
+            "an RPC server on loopback cannot be reached through a tracker on another address", f"--host {host}",
+            "--host 0.0.0.0 (or this host's address) with a remote tracker",
+        )
+
+
+@dataclasses.dataclass
+class Process:
+    """A tracker or server started in a process group of its own."""
+
+    popen: subprocess.Popen
+    log_path: Path | None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM to the group (the server's session and pool workers too),
+        SIGKILL after `timeout`."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            self.signal(signal.SIGCONT)  # a stopped (hung) process acts on SIGTERM only once continued
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal(signal.SIGKILL)  # children that outlived their parent
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log_tail(self, n: int = 5) -> str:
+        if not self.log_path or not self.log_path.is_file():
+            return ""
+        return " / ".join(ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def _spawn(cmd: list[str], log_path: Path | None, env: dict | None = None) -> Process:
+    with open(log_path or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    return Process(p, log_path)
+
+
+def start_tracker(host: str, port: int, log_path: Path | None = None, wait_s: float = 60.0) -> Process:
+    """Start a tracker and wait until it answers."""
+    check_port_free(host, port, "RPC tracker")
+    proc = _spawn(tracker_command(host, port), log_path)
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            Tracker(host if host not in ("0.0.0.0", "::") else "127.0.0.1", port, timeout=2.0).close()
+            return proc
+        except RPCPoolError:
+            if not proc.alive() or time.time() > deadline:
+                proc.stop()
+                raise RPCPoolError("the RPC tracker did not start", proc.log_tail() or f"{host}:{port}") from None
+            time.sleep(0.3)
+
+
+def start_server(pool: RPCPool, host: str = "127.0.0.1", port: int = 9090, port_end: int | None = None,
+                 gpu: str | None = None, log_path: Path | None = None, custom_addr: str | None = None) -> Process:
+    """Start an RPC server registering with the pool's tracker (it is listed
+    a few seconds later: see `wait_for_servers`)."""
+    check_server_address(host, pool.host)
+    return _spawn(server_command(pool.address, pool.key, host, port, port_end or port + 100, custom_addr), log_path, server_env(gpu))
+
+
+def wait_for_servers(pool: RPCPool, n: int, wait_s: float = 90.0) -> list[str]:
+    """Wait until `n` servers are registered under the key; their addresses."""
+    deadline = time.time() + wait_s
+    while True:
+        with Tracker(pool.host, pool.port) as t:
+            found = t.servers(pool.key)
+        if len(found) >= n or time.time() > deadline:
+            if len(found) < n:
+                raise RPCPoolError(f"only {len(found)} RPC server(s) registered under key '{pool.key}'", found, f"{n}")
+            return found
+        time.sleep(0.3)
+
+
+# --------------------------------------------------------------- tracker ---
+
+
+class Tracker:
+    """A connection to TVM's tracker (its JSON protocol, as tvm.rpc's
+    TrackerSession speaks it), with time-outs: TVM's client retries an
+    unreachable tracker for 60 s and waits for a free server forever."""
+
+    def __init__(self, host: str, port: int, timeout: float = 10.0):
+        from tvm.rpc import base
+
+        self.host, self.port, self._base = host, port, base
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+            self.sock.sendall(struct.pack("<i", base.RPC_TRACKER_MAGIC))
+            magic = struct.unpack("<i", base.recvall(self.sock, 4))[0]
+        except (OSError, RuntimeError) as e:
+            raise RPCPoolError("cannot reach the RPC tracker", f"{host}:{port} ({_reason(e)})",
+                               "a running tracker (make rpc-tracker HOST=... PORT=...)") from None
+        if magic != base.RPC_TRACKER_MAGIC:
+            self.close()
+            raise RPCPoolError("not a TVM RPC tracker", f"{host}:{port}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def summary(self) -> dict:
+        b = self._base
+        b.sendjson(self.sock, [b.TrackerCode.SUMMARY])
+        code, value = b.recvjson(self.sock)
+        if code != b.TrackerCode.SUCCESS:
+            raise RPCPoolError("the RPC tracker refused a summary", value)
+        return value
+
+    def servers(self, key: str) -> list[str]:
+        """Addresses (host:port) of the servers registered under `key`, free or busy."""
+        return sorted(f"{h}:{p}" for h, p in (s["addr"] for s in self.summary()["server_info"] if s["key"] == "server:" + key))
+
+    def request(self, key: str, wait_s: float, alive=None, poll_s: float = 1.0) -> tuple[str, int, str]:
+        """A free server under `key`: (host, port, match key) to connect to.
+        While waiting, `alive()` is called every `poll_s`; it raises to give up."""
+        b = self._base
+        b.sendjson(self.sock, [b.TrackerCode.REQUEST, key, "", 1])
+        deadline = time.time() + wait_s
+        while True:
+            ready, _, _ = select.select([self.sock], [], [], poll_s)
+            if ready:
+                code, value = b.recvjson(self.sock)
+                if code != b.TrackerCode.SUCCESS:
+                    raise RPCPoolError("the RPC tracker refused a request", value)
+                host, port, matchkey = value
+                return host, int(port), matchkey
+            if alive is not None:
+                alive()
+            if time.time() > deadline:
+                raise RPCPoolError(f"no RPC server under key '{key}' became free within {wait_s:.0f} s",
+                                   f"{self.host}:{self.port}")
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[-1] if text else type(e).__name__)[:200]
+
+
+def connect(pool: RPCPool) -> Tracker:
+    return Tracker(pool.host, pool.port)
+
+
+def servers_or_fail(pool: RPCPool) -> list[str]:
+    with connect(pool) as t:
+        found = t.servers(pool.key)
+    if not found:
+        raise RPCPoolError(f"no RPC server registered under key '{pool.key}'", f"tracker {pool.address}",
+                           f"servers started with --key {pool.key} (make rpc-server TRACKER={pool.address} RPC_KEY={pool.key})")
+    return found
+
+
+# ---------------------------------------------------------------- devices ---
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerDevice:
+    address: str
+    cuda: bool  # whether its cuda(0) exists
+    name: str  # GPU name, or "cpu"
+    arch: str  # sm_XY of its GPU, or its LLVM CPU name
+
+    def describe(self) -> str:
+        return f"{self.name} {self.arch}" if self.cuda else f"cpu {self.arch} (no CUDA GPU)"
+
+
+def probe(sess, address: str) -> ServerDevice:
+    """What device a session's server has."""
+    dev = sess.cuda(0)
+    if dev.exist:
+        return ServerDevice(address, True, dev.device_name, "sm_" + dev.compute_version.replace(".", ""))
+    return ServerDevice(address, False, "cpu", sess.get_function("target.llvm_get_system_cpu")())
+
+
+def mismatch(found: ServerDevice, target: TargetInfo) -> str | None:
+    """Why a server cannot measure for `target`, or None."""
+    if target.kind == "cuda":
+        if not found.cuda:
+            return "no CUDA GPU"
+        if found.arch != target.arch.rstrip("a") or (target.device_name and found.name != target.device_name):
+            return "another GPU"
+        return None
+    if found.arch != target.arch:
+        return "another CPU"
+    return None
+
+
+def _mismatch_error(found: ServerDevice, target: TargetInfo, pool: RPCPool, why: str) -> DeviceMismatchError:
+    want = f"{target.device_name or 'a GPU'} {target.arch}" if target.kind == "cuda" else f"cpu {target.arch}"
+    return DeviceMismatchError(f"RPC server {found.address} under key '{pool.key}' has {why}, refused",
+                               found.describe(), f"{want} (the tuning database's target)")
+
+
+def _open(pool: RPCPool, tracker: Tracker, timeout_s: float):
+    """A session on a free server, and that server's address."""
+    from tvm import rpc
+
+    host, port, matchkey = tracker.request(pool.key, pool.wait_s)
+    try:
+        return rpc.connect(host, port, matchkey, session_timeout=timeout_s), f"{host}:{port}"
+    except Exception as e:  # TVM raises InternalError for a refused connection
+        raise RPCPoolError(f"cannot connect to the RPC server {host}:{port}", _reason(e)) from None
+
+
+def probe_pool(pool: RPCPool) -> list[ServerDevice]:
+    """Every server under the key, each in a session held until all are
+    probed (a server serves one session at a time, so the tracker hands out
+    each once). A server that does not answer within `pool.wait_s` fails."""
+    addresses = servers_or_fail(pool)
+    sessions, found = [], []
+    box: dict = {}
+
+    def work():
+        try:
+            with connect(pool) as t:
+                for _ in addresses:
+                    sess, addr = _open(pool, t, pool.wait_s + 30)
+                    sessions.append(sess)
+                    found.append(probe(sess, addr))
+        except Exception as e:  # handed to the caller's thread
+            box["error"] = e
+
+    # A hung server would block a connect forever; TVM's RPC calls release
+    # the GIL, so a thread can be given up on.
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    th.join(pool.wait_s + 15)
+    sessions.clear()
+    if "error" in box:
+        raise box["error"]
+    if th.is_alive():
+        raise RPCPoolError(f"RPC servers under key '{pool.key}' did not all answer within {pool.wait_s + 15:.0f} s",
+                           f"{len(found)} of {len(addresses)} answered", "servers that are up and not busy with another run")
+    return found
+
+
+def check_pool(pool: RPCPool, target: TargetInfo) -> list[ServerDevice]:
+    """Every server's device matches `target`, or DeviceMismatchError."""
+    found = probe_pool(pool)
+    for f in found:
+        why = mismatch(f, target)
+        if why:
+            raise _mismatch_error(f, target, pool, why)
+    log.info("rpc: %d server(s) under key '%s' at %s: %s", len(found), pool.key, pool.address,
+             ", ".join(f"{f.address} ({f.describe()})" for f in found))
+    return found
+
+
+def resolve_target(text: str, pool: RPCPool) -> TargetInfo:
+    """The target to tune for when measuring on the pool: `auto` is the
+    pool's GPU if its servers have one (its target read from the remote
+    device, as a local run reads it), else the llvm CPU target of this
+    machine; `cuda` must find a GPU there; `cuda:sm_XY` must match it."""
+    from . import targets
+
+    text = (text or "auto").strip().lower()
+    if text in ("llvm", "cpu"):
+        return targets.resolve(text)
+    if text not in ("auto", "cuda") and not text.startswith("cuda:"):
+        return targets.resolve(text)  # raises the unknown-target error
+    servers_or_fail(pool)
+    box: dict = {}
+
+    def work():
+        try:
+            with connect(pool) as t:
+                sess, addr = _open(pool, t, pool.wait_s + 30)
+                found = probe(sess, addr)
+                box["found"] = found
+                if found.cuda:
+                    local = targets.local_cuda_matches(found.arch, found.name)
+                    box["info"] = targets.cuda_from_device(sess.cuda(0), has_device=local)
+        except Exception as e:
+            box["error"] = e
+
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    th.join(pool.wait_s + 15)
+    if "error" in box:
+        raise box["error"]
+    if "found" not in box:
+        raise RPCPoolError(f"no RPC server under key '{pool.key}' answered within {pool.wait_s + 15:.0f} s", pool.address)
+    found = box["found"]
+    if text == "auto" and not found.cuda:
+        return targets.resolve("llvm")
+    if not found.cuda:
+        raise TargetError(f"TARGET={text} but the RPC server {found.address} under key '{pool.key}' has no CUDA GPU",
+                          found.describe(), "servers on GPUs (CUDA_VISIBLE_DEVICES), or TARGET=llvm")
+    info = box["info"]
+    if text.startswith("cuda:") and text.split(":", 1)[1].rstrip("a") != info.arch:
+        raise DeviceMismatchError(f"RPC server {found.address} under key '{pool.key}' has another GPU, refused",
+                                  found.describe(), text)
+    return info
+
+
+# ----------------------------------------------------------------- runner ---
+
+
+def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, args_info, evaluator_config,
+             target_kind, target_arch, target_device):
+    """One candidate in one session (in a pool worker process). Returns
+    ("ok", run_secs), ("error", why): the server raised or timed the session
+    out, ("lost", why): the session was lost, or ("mismatch", ServerDevice)."""
+    from tvm import rpc
+    from tvm.error import RPCError, RPCSessionTimeoutError
+    from tvm.s_tir.meta_schedule.runner.utils import (
+        alloc_argument_common,
+        run_evaluator_common,
+    )
+
+    address = f"{host}:{port}"
+    try:
+        sess = rpc.connect(host, port, matchkey, session_timeout=session_timeout)
+    except Exception as e:
+        return "lost", f"connect to {address}: {_reason(e)}"
+    remote = os.path.basename(artifact_path)
+    try:
+        found = probe(sess, address)
+        info = TargetInfo(target_kind, "{}", target_arch, target_device, False)
+        if mismatch(found, info):
+            return "mismatch", found
+        dev = sess.device(device_type, 0)
+        sess.upload(artifact_path, remote)
+        mod = sess.load_module(remote)
+        fill = sess.get_function("tvm.contrib.random.random_fill_for_measure")
+        args = alloc_argument_common(fill, dev, args_info, 1)
+        return "ok", run_evaluator_common(mod, dev, evaluator_config, args)
+    except RPCSessionTimeoutError:
+        return "error", f"RPC session on {address} timed out after {session_timeout:g} s"
+    except RPCError as e:  # raised on the server: the candidate's fault
+        return "error", f"on {address}: {e}"
+    except Exception as e:  # connection closed or reset: the server's fault
+        return "lost", f"session on {address}: {_reason(e)}"
+    finally:
+        try:
+            sess.remove(remote)
+        except Exception:  # noqa: S110  (a lost session has nothing left to clean up)
+            pass
+
+
+def _warm() -> None:
+    """What `_measure` imports, loaded before a server is requested: the
+    server gives up on a match key not used within ~5 s, and a fresh worker
+    process takes about that long to import TVM."""
+    import tvm.rpc
+    import tvm.s_tir.meta_schedule.runner.utils  # noqa: F401
+
+
+class _PoolLost(Exception):
+    """Nothing left to measure on (every server gone, the tracker gone, or a
+    server with another device)."""
+
+
+class Measurer:
+    """Dispatches candidates to the pool's servers: one dispatcher thread
+    per server, each with a worker process of its own (killed and replaced
+    when a session outlasts its time-out), each session through the tracker."""
+
+    def __init__(self, pool: RPCPool, target: TargetInfo, n_servers: int, evaluator_config, timeout_s: float,
+                 stop: threading.Event | None = None):
+        self.pool, self.target, self.cfg, self.timeout_s = pool, target, evaluator_config, timeout_s
+        self.n = max(1, n_servers)
+        self.workers: list = []
+        self.dispatch = concurrent.futures.ThreadPoolExecutor(max_workers=self.n, thread_name_prefix="rpc-dispatch")
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.stop = stop if stop is not None else threading.Event()
+        self.fatal: Exception | None = None
+        self.hung: set[str] = set()
+        self.stats = {"tracker": pool.address, "key": pool.key, "servers": {}, "retried": 0, "lost_sessions": 0,
+                      "hung": [], "not_measured": 0}
+
+    # --- bookkeeping
+    def _count(self, address: str, what: str) -> None:
+        with self.lock:
+            s = self.stats["servers"].setdefault(address, {"measured": 0, "failed": 0, "lost": 0})
+            s[what] += 1
+
+    def _fail(self, error: Exception) -> None:
+        with self.lock:
+            if self.fatal is None:
+                self.fatal = error
+        self.stop.set()
+
+    def _tracker(self) -> Tracker:
+        t = getattr(self.local, "tracker", None)
+        if t is None:
+            try:
+                t = self.local.tracker = connect(self.pool)
+            except RPCPoolError as e:
+                raise _PoolLost(e) from None
+        return t
+
+    def _alive(self) -> None:
+        """Raise _PoolLost when no usable server is left under the key."""
+        if self.stop.is_set():
+            raise _PoolLost(self.fatal)
+        try:
+            with connect(self.pool) as t:
+                left = set(t.servers(self.pool.key)) - self.hung
+        except RPCPoolError as e:
+            raise _PoolLost(e) from None
+        if not left:
+            raise _PoolLost(RPCPoolError(
+                f"every RPC server under key '{self.pool.key}' was lost; tuning stopped (measured records are kept)",
+                f"tracker {self.pool.address}", "servers up again, then the same command resumes"))
+
+    def _worker(self):
+        from .tvm_compat import PopenWorker
+
+        w = getattr(self.local, "worker", None)
+        if w is None:
+            w = self.local.worker = PopenWorker()
+            with self.lock:
+                self.workers.append(w)
+        if not w.is_alive():
+            w.send(_warm)
+            w.recv()
+        return w
+
+    def _acquire(self) -> tuple[str, int, str]:
+        self._alive()
+        try:
+            return self._tracker().request(self.pool.key, max(self.pool.wait_s, self.timeout_s * 4), alive=self._alive)
+        except BaseException as e:
+            # The connection may hold an unanswered request: never reuse it.
+            t = getattr(self.local, "tracker", None)
+            if t is not None:
+                t.close()
+            self.local.tracker = None
+            if isinstance(e, _PoolLost):
+                raise
+            if isinstance(e, RPCPoolError):  # nothing became free for too long
+                raise _PoolLost(e) from None
+            if isinstance(e, (OSError, ValueError)):  # the tracker went away
+                raise _PoolLost(RPCPoolError("lost the RPC tracker", f"{self.pool.address} ({_reason(e)})")) from None
+            raise
+
+    # --- one candidate
+    def _run_one(self, runner_input):
+        from .tvm_compat import ms
+
+        args_info = tuple(a.as_json() for a in runner_input.args_info)
+        losses = []
+        for _attempt in range(self.pool.attempts):
+            try:
+                worker = self._worker()
+                host, port, matchkey = self._acquire()
+            except _PoolLost as e:
+                if e.args and isinstance(e.args[0], Exception):
+                    self._fail(e.args[0])
+                with self.lock:
+                    self.stats["not_measured"] += 1
+                return ms.runner.RunnerResult(None, LOST + "no RPC server left")
+            address = f"{host}:{port}"
+            worker.send(_measure, (
+                host, port, matchkey, self.timeout_s, str(runner_input.artifact_path), str(runner_input.device_type),
+                args_info, self.cfg, self.target.kind, self.target.arch, self.target.device_name,
+            ), timeout=self.timeout_s + HANG_GRACE_S)
+            try:
+                status, value = worker.recv()
+            except TimeoutError:
+                status, value = "lost", f"no answer from {address} within {self.timeout_s + HANG_GRACE_S:g} s (hung)"
+                with self.lock:
+                    self.hung.add(address)
+                    self.stats["hung"] = sorted(self.hung)
+            except Exception as e:  # the worker process died (it is restarted)
+                status, value = "lost", f"worker for {address}: {_reason(e)}"
+            if status == "ok":
+                self._count(address, "measured")
+                return ms.runner.RunnerResult([float(x) for x in value], None)
+            if status == "error":
+                self._count(address, "failed")
+                return ms.runner.RunnerResult(None, value)
+            if status == "mismatch":
+                self._fail(_mismatch_error(value, self.target, self.pool, mismatch(value, self.target)))
+                with self.lock:
+                    self.stats["not_measured"] += 1
+                return ms.runner.RunnerResult(None, LOST + "server with another device")
+            self._count(address, "lost")
+            with self.lock:
+                self.stats["lost_sessions"] += 1
+                self.stats["retried"] += 1
+            losses.append(value)
+            log.warning("rpc: lost a session (%s); measuring the candidate on another server", value)
+        with self.lock:
+            self.stats["retried"] -= 1  # the last loss was not retried
+        return ms.runner.RunnerResult(None, f"RPC session lost on {len(losses)} servers: " + " | ".join(losses))
+
+    def _run_guarded(self, runner_input):
+        from .tvm_compat import ms
+
+        try:
+            return self._run_one(runner_input)
+        except Exception as e:  # a bug here: stop and show it, never record it as the candidate's failure
+            log.exception("rpc: runner failed")
+            self._fail(e)
+            return ms.runner.RunnerResult(None, LOST + "runner failed")
+
+    def submit(self, runner_input) -> concurrent.futures.Future:
+        return self.dispatch.submit(self._run_guarded, runner_input)
+
+    def add_to_database(self):
+        return make_add_to_database()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.dispatch.shutdown(wait=True)
+        for w in self.workers:
+            w.kill()
+
+
+def make_runner(pool: RPCPool, target: TargetInfo, n_servers: int, evaluator_config, timeout_s: float,
+                stop: threading.Event | None = None):
+    """A MetaSchedule runner measuring on the pool. `.measurer` holds its
+    state: `stop` (set when the pool is lost), `fatal` (why), `stats`;
+    `.measurer.add_to_database()` is the measure callback to record with;
+    `.measurer.close()` ends it."""
+    from .tvm_compat import derived_object, ms
+
+    measurer = Measurer(pool, target, n_servers, evaluator_config, timeout_s, stop)
+
+    @derived_object
+    class PoolFuture(ms.runner.PyRunnerFuture):
+        def __init__(self, future):
+            super().__init__()
+            self.future = future
+
+        def done(self):
+            return self.future.done()
+
+        def result(self):
+            return self.future.result()
+
+    @derived_object
+    class PoolRunner(ms.runner.PyRunner):
+        def __init__(self):
+            super().__init__()
+            self.measurer = measurer
+
+        def run(self, runner_inputs):
+            return [PoolFuture(measurer.submit(r)) for r in runner_inputs]
+
+    return PoolRunner()
+
+
+def make_add_to_database():
+    """MetaSchedule's AddToDatabase, minus the candidates the pool could not
+    measure: they were never run, and a record would mark them failed."""
+    from .tvm_compat import derived_object, ms
+
+    @derived_object
+    class AddMeasuredToDatabase(ms.measure_callback.PyMeasureCallback):
+        def __init__(self):
+            self.inner = ms.measure_callback.AddToDatabase()
+
+        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+            keep = [i for i, r in enumerate(runner_results) if not (r.error_msg and str(r.error_msg).startswith(LOST))]
+            if len(keep) == len(runner_results):
+                self.inner.apply(task_scheduler, task_id, measure_candidates, builder_results, runner_results)
+            elif keep:
+                self.inner.apply(task_scheduler, task_id, [measure_candidates[i] for i in keep],
+                                 [builder_results[i] for i in keep], [runner_results[i] for i in keep])
+
+    return AddMeasuredToDatabase()

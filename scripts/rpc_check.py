@@ -1,0 +1,210 @@
+"""Tuning through TVM's RPC tracker against tuning on the local device, in
+one run on one machine (loopback): what the GPU machines check.
+
+  python scripts/rpc_check.py --model resnet50 --target cuda --out $OUT [--trials 128 --max-tasks 2]
+
+Starts a tracker on 127.0.0.1 and RPC servers: one under key `one` (GPU 0)
+and one per visible GPU under key `all` (CUDA_VISIBLE_DEVICES per server;
+with `--target llvm`, `--servers N` CPU servers). Then, on the same tasks
+(the model's heaviest `--max-tasks`), each from an empty database:
+  local  MetaSchedule's LocalRunner on this process's GPU 0
+  one    the RPC runner, one server (one GPU)
+  all    the RPC runner, every server
+and reports trials/min of each (and the time spent measuring). Then the
+best schedule of every task of the `one` run is built once and measured
+`--rounds` times alternately on the local device and through RPC: the same
+kernel, so the two times should agree within noise.
+Writes $OUT/rpc_check.json and $OUT/rpc_check.md; server logs in $OUT/logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deploy import config, export, frontend, optimize, rpc, targets, tune
+from deploy import database as dbs
+from deploy.pipeline import REPO_ROOT
+
+log = logging.getLogger("rpc_check")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def visible_gpus() -> int:
+    from deploy.tvm_compat import tvm
+
+    n = 0
+    while n < 64 and tvm.cuda(n).exist:
+        n += 1
+    return n
+
+
+def load_config(model: str, target_kind: str, trials: int, max_tasks: int, trials_per_task: int):
+    path = REPO_ROOT / "configs" / f"{model}.toml"
+    cfg = config.load(path) if path.is_file() else config.from_dict({"model": {"source": model}})
+    return config.apply_overrides(cfg, target_kind, trials=trials, max_tasks=max_tasks, trials_per_task=trials_per_task, budget="")
+
+
+def tune_mode(name, cfg, target, ex, opt, out: Path, pool=None) -> dict:
+    profile = cfg.profile(target.kind)
+    t0 = time.time()
+    a = tune.run(profile, target, opt, cfg.model.name, ex.inputs, out / f"db-{name}", out / f"tune-{name}", None, cfg.model.seed, pool)
+    s = json.loads((a.folder / "summary.json").read_text())[str(profile.tune_buckets[0])]
+    split = s.get("time_split_s", {})
+    return {
+        "mode": name,
+        "servers": None if pool is None else s.get("rpc", {}).get("servers"),
+        "new_trials": s["new_trials"],
+        "valid_fraction": s["valid_fraction"],
+        "seconds": s["seconds"],
+        "wall_seconds": round(time.time() - t0, 1),
+        "trials_per_minute": s["trials_per_minute"],
+        "measure_seconds": round(split.get("SendToRunner", 0.0) + split.get("JoinRunnerFutures", 0.0), 1),
+        "build_seconds": round(split.get("SendToBuilder", 0.0), 1),
+        "best_us": {t: v["best_us"] for t, v in s["tasks"].items()},
+        "database": str(a.databases[profile.tune_buckets[0]]),
+        "rpc": s.get("rpc"),
+    }
+
+
+def remeasure(db_dir: Path, key: dict, target, profile, opt, pool, rounds: int) -> dict:
+    """Each task's best schedule in `db_dir`, built once, timed alternately
+    with the LocalRunner and through the pool (one server)."""
+    import threading
+
+    from deploy.tvm_compat import ms
+
+    tvm_target = target.tvm_target()
+    tasks = tune.extract_tasks(opt.load_module(profile.tune_buckets[0]), tvm_target)
+    out = {}
+    builder = tune._make_builder(tune.usable_cpus(), profile.builder_timeout_s)
+    local = tune._runner(target, profile)
+    remote = tune._runner(target, profile, pool, 1, threading.Event())
+    try:
+        with dbs.open_readonly(db_dir, key) as db:
+            for task in tasks:
+                if db is None or not db.has_workload(task.dispatched[0]):
+                    continue
+                top = db.get_top_k(db.commit_workload(task.dispatched[0]), 1)
+                if not top:
+                    continue
+                cand = top[0].as_measure_candidate()
+                (built,) = builder.build([ms.builder.BuilderInput(cand.sch.mod, tvm_target)])
+                if built.error_msg:
+                    continue
+                device = "cuda" if target.kind == "cuda" else "cpu"
+                inp = ms.runner.RunnerInput(built.artifact_path, device, cand.args_info)
+                times = {"local": [], "rpc": []}
+                for _ in range(rounds):
+                    for name, runner in (("local", local), ("rpc", remote)):
+                        (res,) = [f.result() for f in runner.run([inp])]
+                        if res.run_secs:
+                            times[name].append(statistics.mean(float(x) for x in res.run_secs) * 1e6)
+                med = {k: statistics.median(v) if v else None for k, v in times.items()}
+                out[task.task_name] = {"local_us": med["local"], "rpc_us": med["rpc"], "samples": times,
+                                       "ratio": med["rpc"] / med["local"] if med["local"] and med["rpc"] else None}
+    finally:
+        builder.close()
+        remote.measurer.close()
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Tuning through RPC vs locally: {report['model']} on {report['device']}", "",
+             (f"{report['trials']} trials per mode over the {report['max_tasks']} heaviest tasks; "
+              f"{report['gpus']} GPU(s) / servers under `all`. Same database key locally and through RPC: "
+              f"{report['same_database_key']}."), "",
+             "| mode | servers | trials | valid | seconds | trials/min | measuring s | building s | vs one |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    base = next((m["trials_per_minute"] for m in report["modes"] if m["mode"] == "one"), None)
+    for m in report["modes"]:
+        servers = "local" if m["servers"] is None else len(m["servers"])
+        vf = "n/a" if m["valid_fraction"] is None else f"{m['valid_fraction']:.0%}"
+        rel = f"{m['trials_per_minute'] / base:.2f}x" if base and m["trials_per_minute"] else ""
+        lines.append(f"| {m['mode']} | {servers} | {m['new_trials']} | {vf} | {m['seconds']} | {m['trials_per_minute']} | "
+                     f"{m['measure_seconds']} | {m['build_seconds']} | {rel} |")
+    lines += ["", f"Same kernels (best of each task in the `one` run), {report['rounds']} alternating rounds, median us:", "",
+              "| kernel | local | RPC | RPC/local |", "|---|---|---|---|"]
+    for k, v in report["same_kernels"].items():
+        f = lambda x: "-" if x is None else f"{x:.2f}"
+        lines.append(f"| {k} | {f(v['local_us'])} | {f(v['rpc_us'])} | {f(v['ratio'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--target", default="cuda", help="cuda, or llvm to try it on a CPU machine")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--trials", type=int, default=128, help="trials per mode")
+    ap.add_argument("--trials-per-task", type=int, default=64)
+    ap.add_argument("--max-tasks", type=int, default=2)
+    ap.add_argument("--servers", type=int, default=0, help="servers under `all` (default: one per visible GPU; llvm: 2)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--modes", default="local,one,all")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    target = targets.resolve(args.target)
+    n = args.servers or (visible_gpus() if target.kind == "cuda" else 2)
+    cfg = load_config(args.model, target.kind, args.trials, args.max_tasks, args.trials_per_task)
+    profile = cfg.profile(target.kind)
+    ws = out / "ws"
+    ex = export.run(cfg, ws / "export")
+    opt = optimize.run(profile, target, frontend.run(profile, ex, ws / "frontend"), ws / "optimize")
+
+    procs = []
+    port = free_port()
+    try:
+        procs.append(rpc.start_tracker("127.0.0.1", port, out / "logs" / "tracker.log"))
+        one = config.RPCPool("127.0.0.1", port, "one")
+        pool = config.RPCPool("127.0.0.1", port, "all")
+        gpu = (lambda i: str(i)) if target.kind == "cuda" else (lambda i: None)
+        procs.append(rpc.start_server(one, port=free_port(), gpu=gpu(0), log_path=out / "logs" / "one-0.log"))
+        for i in range(n):
+            procs.append(rpc.start_server(pool, port=free_port(), gpu=gpu(i), log_path=out / "logs" / f"all-{i}.log"))
+        rpc.wait_for_servers(one, 1)
+        rpc.wait_for_servers(pool, n)
+        remote_target = rpc.resolve_target(args.target, one)
+        same_key = remote_target.key() == target.key()
+        log.info("rpc_check: target through RPC %s the local one", "is" if same_key else "DIFFERS FROM")
+        modes = []
+        for name in args.modes.split(","):
+            p = {"local": None, "one": one, "all": pool}[name]
+            modes.append(tune_mode(name, cfg, remote_target if p else target, ex, opt, out, p))
+            print(json.dumps({k: v for k, v in modes[-1].items() if k != "rpc"}), flush=True)
+        db_mode = next((m for m in modes if m["mode"] == "one"), modes[-1])
+        key = json.loads((Path(db_mode["database"]) / "key.json").read_text())
+        same = remeasure(Path(db_mode["database"]), key, remote_target, profile, opt, one, args.rounds)
+    finally:
+        for p in procs:
+            p.stop()
+    report = {
+        "model": cfg.model.name, "target": target.key(), "device": target.device_name or target.arch, "gpus": n,
+        "trials": args.trials, "max_tasks": args.max_tasks, "rounds": args.rounds, "same_database_key": same_key,
+        "modes": modes, "same_kernels": same, "profile": dataclasses.asdict(profile),
+    }
+    (out / "rpc_check.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "rpc_check.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Tuning on a pool of RPC servers through TVM's tracker, on loopback and
+llvm: a tracker and RPC servers as subprocesses (always stopped in teardown),
+short tuning runs of one tiny task measured through them, a server that dies
+mid-run, one that hangs, a device that does not match, and bad addresses.
+
+The RPC servers are TVM's own (`deploy rpc-server` runs the same command);
+the faulty ones are TVM's server with a fault injected while it loads a
+candidate (tests/rpc_fault_server.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy import config, rpc, tune
+from deploy import database as dbs
+from deploy.errors import DeviceMismatchError, RPCPoolError, TargetError
+
+from .conftest import make_config
+
+FAULT_SERVER = Path(__file__).with_name("rpc_fault_server.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_opt(tmp_path_factory):
+    """tiny_cnn through export, frontend and optimize (no build needed)."""
+    from deploy import export, frontend, optimize, targets
+
+    ws = tmp_path_factory.mktemp("rpc_ws")
+    cfg = make_config()
+    target = targets.resolve("llvm")
+    ex = export.run(cfg, ws / "export")
+    front = frontend.run(cfg.llvm, ex, ws / "frontend")
+    return ex, optimize.run(cfg.llvm, target, front, ws / "optimize")
+
+
+class Procs:
+    """The tracker and servers of one test module; all stopped at the end."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.procs = folder, []
+        self.port = free_port()
+        self.procs.append(rpc.start_tracker("127.0.0.1", self.port, folder / "tracker.log"))
+
+    def pool(self, key: str, **kw) -> config.RPCPool:
+        return config.RPCPool("127.0.0.1", self.port, key, **kw)
+
+    def server(self, key: str) -> rpc.Process:
+        p = rpc.start_server(self.pool(key), port=free_port(), log_path=self.folder / f"{key}-{len(self.procs)}.log")
+        self.procs.append(p)
+        return p
+
+    def fault_server(self, key: str, fault: str, at: int) -> tuple[rpc.Process, Path]:
+        count = self.folder / f"{key}-{len(self.procs)}.count"
+        cmd = [sys.executable, str(FAULT_SERVER), "--tracker", f"127.0.0.1:{self.port}", "--key", key,
+               "--port", str(free_port()), "--fault", fault, "--at", str(at), "--count-file", str(count)]
+        with open(self.folder / f"{key}-{len(self.procs)}.log", "ab") as log:
+            p = rpc.Process(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), None)
+        self.procs.append(p)
+        return p, count
+
+    def stop(self):
+        for p in self.procs:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory):
+    p = Procs(tmp_path_factory.mktemp("rpc"))
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(procs):
+    """Two servers under one key: TVM's plain server, and one that dies while
+    loading its second candidate."""
+    procs.server("pair")
+    dying, count = procs.fault_server("pair", "die", at=2)
+    pool = procs.pool("pair")
+    rpc.wait_for_servers(pool, 2)
+    return pool, dying, count
+
+
+def _records(db_dir: Path) -> list[float]:
+    """Mean run time of every record in a packed database."""
+    out = []
+    for line in dbs._packed_lines(db_dir / (dbs.RECORDS + dbs.PACKED)):
+        _, rec = json.loads(line)
+        secs = [float(x) for x in rec[1]]
+        out.append(sum(secs) / len(secs))
+    return out
+
+
+def _tune(cfg, target, tiny_opt, db_root, folder, pool):
+    exported, opt = tiny_opt
+    a = tune.run(cfg.llvm, target, opt, cfg.model.name, exported.inputs, db_root, folder, None, pool=pool)
+    return json.loads((a.folder / "summary.json").read_text())["1"], a
+
+
+# ------------------------------------------------------------- devices ---
+
+
+def test_pool_devices_checked(pair, llvm_target):
+    pool = pair[0]
+    found = rpc.check_pool(pool, llvm_target)
+    assert len(found) == 2 and len({f.address for f in found}) == 2
+    assert all(not f.cuda and f.arch == llvm_target.arch for f in found)
+    # A database for a GPU: these CPU-only servers are refused, with the server named.
+    from deploy import targets
+
+    gpu = targets.resolve("cuda:sm_90")
+    with pytest.raises(DeviceMismatchError, match=r"RPC server 127\.0\.0\.1:\d+ under key 'pair' has no CUDA GPU, refused"):
+        rpc.check_pool(pool, gpu)
+    # Another CPU than the database's.
+    other = dataclasses.replace(llvm_target, arch="cascadelake")
+    with pytest.raises(DeviceMismatchError, match="has another CPU.*got cpu .*expected cpu cascadelake"):
+        rpc.check_pool(pool, other)
+    # What the pool resolves TARGET to: auto -> this CPU (no GPU there); cuda -> refused.
+    assert rpc.resolve_target("auto", pool) == llvm_target
+    with pytest.raises(TargetError, match="has no CUDA GPU"):
+        rpc.resolve_target("cuda", pool)
+    with pytest.raises(TargetError, match="has no CUDA GPU"):
+        rpc.resolve_target("cuda:sm_90", pool)
+
+
+def test_cli_refuses_mismatch_and_lists_servers(pair, capsys):
+    from deploy import cli
+
+    pool = pair[0]
+    rc = cli.main(["tune", "-m", "tiny_cnn", "--target", "cuda:sm_90", "--tracker", pool.address, "--rpc-key", pool.key])
+    err = capsys.readouterr().err
+    assert rc == 2 and "has no CUDA GPU" in err and len(err.strip().splitlines()) == 2  # the error, then FAILED
+    assert cli.main(["rpc-status", "--tracker", pool.address, "--rpc-key", pool.key]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(no CUDA GPU)") == 2 and "2 server(s)" in out
+
+
+def test_remote_cuda_target_is_a_local_runs_target():
+    """A GPU read through RPC gives the target string (and so the database)
+    of a run on that GPU's own host: the same fields as TVM's detector."""
+    from tvm.backend.cuda import _detect_target_from_device
+
+    from deploy import targets
+
+    class H200:  # the attributes a (remote) tvm Device answers
+        max_shared_memory_per_block, max_threads_per_block, warp_size = 49152, 1024, 32
+        compute_version, device_name = "9.0", "NVIDIA H200"
+
+    info = targets.cuda_from_device(H200(), has_device=False)
+    spec = {k: v for k, v in dict(_detect_target_from_device(H200()).export()).items() if k not in ("host", "tag")}
+    spec["keys"] = list(spec["keys"])
+    assert json.loads(info.spec) == json.loads(json.dumps(spec, default=str))
+    assert (info.arch, info.device_name) == ("sm_90", "NVIDIA H200")
+    gpu = rpc.ServerDevice("h:1", True, "NVIDIA H200", "sm_90")
+    assert rpc.mismatch(gpu, info) is None
+    assert rpc.mismatch(dataclasses.replace(gpu, name="NVIDIA H100"), info) == "another GPU"
+    assert rpc.mismatch(dataclasses.replace(gpu, arch="sm_80"), info) == "another GPU"
+
+
+# ---------------------------------------------------------------- tuning ---
+
+
+def test_tune_on_two_servers_one_dies_mid_run(pair, llvm_target, tiny_opt, tmp_path):
+    """Eight candidates over two servers; one server dies while loading its
+    second: that candidate is measured on the other, nothing is recorded as
+    failed, every candidate is in the database."""
+    pool, dying, count = pair
+    cfg = make_config(trials=8, trials_per_task=8, trials_per_iter=4, max_tasks=1)
+    s, a = _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t", pool)
+    assert not dying.alive() and len(count.read_text().splitlines()) == 2  # died at its 2nd candidate
+    r = s["rpc"]
+    measured = {addr: v["measured"] for addr, v in r["servers"].items()}
+    assert len(measured) == 2 and all(n >= 1 for n in measured.values()), r  # both servers measured
+    assert sum(measured.values()) == 8 and r["lost_sessions"] == 1 and r["retried"] == 1, r
+    assert s["new_trials"] == 8 and s["valid_fraction"] == 1.0 and s["trials_after"] == 8
+    (task,) = s["tasks"].values()
+    assert task["run_errors"] == 0 and task["not_measured"] == 0 and task["best_us"] is not None
+    recs = _records(a.databases[1])
+    assert len(recs) == 8 and max(recs) < dbs.FAILED_SECS  # no record of the lost session
+    assert a.manifest["rpc"]["servers"] == 2
+    from deploy import pipeline
+
+    text = pipeline.format_summary({"package": "p", "buckets": {}, "tuning": {"1": s}, "validation": None})
+    assert "measured on 2 RPC server(s) under key 'pair'" in text and "1 lost session(s), re-measured elsewhere" in text
+
+
+def test_every_server_lost_stops_cleanly(procs, llvm_target, tiny_opt, tmp_path, monkeypatch):
+    """One server, which hangs while loading its third candidate: after the
+    session time-out it is given up on, nothing is left, tuning stops with
+    one error, and the two records measured before are kept."""
+    monkeypatch.setattr(rpc, "HANG_GRACE_S", 2.0)
+    hanging, count = procs.fault_server("solo", "hang", at=3)
+    pool = procs.pool("solo")
+    rpc.wait_for_servers(pool, 1)
+    cfg = make_config(trials=6, trials_per_task=6, trials_per_iter=2, max_tasks=1, runner_timeout_s=3.0)
+    with pytest.raises(RPCPoolError, match="every RPC server under key 'solo' was lost; tuning stopped"):
+        _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t", pool)
+    assert hanging.alive() and len(count.read_text().splitlines()) == 3  # hung, not dead
+    assert not (tmp_path / "t").exists()  # no tune artifact from a run that failed
+    (db_dir,) = [p.parent for p in (tmp_path / "db").rglob("key.json")]
+    recs = _records(db_dir)
+    assert len(recs) == 2 and max(recs) < dbs.FAILED_SECS  # measured ones kept, lost ones not recorded
+    assert not (db_dir / dbs.RECORDS).exists()  # packed
+
+
+# ----------------------------------------------------------- bad inputs ---
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tracker", "localhost", "--rpc-key", "k"], "invalid --tracker | got 'localhost' | expected HOST:PORT"),
+        (["--tracker", "127.0.0.1:70000", "--rpc-key", "k"], "invalid --tracker"),
+        (["--tracker", "127.0.0.1:9190"], "--tracker needs --rpc-key"),
+        (["--rpc-key", "k"], "--rpc-key needs --tracker"),
+        (["--tracker", "127.0.0.1:{free}", "--rpc-key", "k"], "cannot reach the RPC tracker | got 127.0.0.1:"),
+    ],
+)
+def test_bad_pool_arguments(argv, message, capsys):
+    from deploy import cli
+
+    argv = [a.replace("{free}", str(free_port())) for a in argv]
+    assert cli.main(["tune", "-m", "tiny_cnn", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + message) and len(err.strip().splitlines()) == 2
+
+
+def test_no_server_under_key(procs, capsys):
+    from deploy import cli
+
+    assert cli.main(["run", "-m", "tiny_cnn", "--tracker", f"127.0.0.1:{procs.port}", "--rpc-key", "nobody"]) == 2
+    assert "error: no RPC server registered under key 'nobody'" in capsys.readouterr().err
+
+
+def test_server_command_checks(procs, capsys):
+    from deploy import cli
+
+    # A server on loopback cannot serve through a tracker on another address.
+    assert cli.main(["rpc-server", "--tracker", "10.0.0.1:9190", "--key", "k"]) == 2
+    assert "an RPC server on loopback cannot be reached" in capsys.readouterr().err
+    # The tracker's port is taken (by the test's tracker).
+    assert cli.main(["rpc-tracker", "--port", str(procs.port)]) == 2
+    assert f"cannot listen for the RPC tracker at 127.0.0.1:{procs.port}" in capsys.readouterr().err
