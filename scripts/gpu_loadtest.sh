@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The serving load test on the GPU machine: build the package from the
+# committed tuning databases (no tuning: TRIALS=0), then `make loadtest` with
+# the same variables; the report and logs land in $OUT. The bundle must carry
+# the serving wheels (scripts/device-wheels.txt).
+#
+#   bash scripts/gpu_loadtest.sh <make variables...>
+#   e.g. bash scripts/gpu_loadtest.sh MODEL=resnet50 TARGET=cuda BUCKETS=1,8,32,64
+#        LOADTEST_EXTRA="--request-batch 8" bash scripts/gpu_loadtest.sh ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu_env.sh
+make tune PYTHON=python3 WORKDIR="$WORKDIR" TRIALS=0 EXTRA="--db-root $DB_ROOT" "$@" 2>&1 | tee "$OUT/build.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -ne 0 ] && exit "$rc"
+make loadtest PYTHON=python3 WORKDIR="$WORKDIR" OUT="$OUT/loadtest" EXTRA="${LOADTEST_EXTRA:-}" "$@" 2>&1 | tee "$OUT/loadtest.log"
+exit "${PIPESTATUS[0]}"
