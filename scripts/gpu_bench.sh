@@ -9,8 +9,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
-make tune PYTHON=python3 WORKDIR="$WORKDIR" TRIALS=0 EXTRA="--db-root $DB_ROOT" "$@" 2>&1 | tee "$OUT/build.log"
-rc=${PIPESTATUS[0]}
-[ "$rc" -ne 0 ] && exit "$rc"
+build_package "$@" || exit $?
 make bench PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT --out $OUT/bench ${BENCH_EXTRA:-}" "$@" 2>&1 | tee "$OUT/bench.log"
 exit "${PIPESTATUS[0]}"

@@ -13,3 +13,10 @@ mkdir -p "$OUT" "$DB_ROOT"
 # Databases live in $DB_ROOT while the machine stays warm; seeded from the
 # committed ones (a newer copy from an earlier chunk is kept).
 cp -rn tuning_logs/. "$DB_ROOT"/ 2>/dev/null || true
+
+# The package from the committed databases, without tuning (TRIALS=0):
+#   build_package <make variables...>
+build_package() {
+  make tune PYTHON=python3 WORKDIR="$WORKDIR" TRIALS=0 EXTRA="--db-root $DB_ROOT" "$@" 2>&1 | tee "$OUT/build.log"
+  return "${PIPESTATUS[0]}"
+}

@@ -10,8 +10,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
-make tune PYTHON=python3 WORKDIR="$WORKDIR" TRIALS=0 EXTRA="--db-root $DB_ROOT" "$@" 2>&1 | tee "$OUT/build.log"
-rc=${PIPESTATUS[0]}
-[ "$rc" -ne 0 ] && exit "$rc"
+build_package "$@" || exit $?
 make loadtest PYTHON=python3 WORKDIR="$WORKDIR" OUT="$OUT/loadtest" EXTRA="${LOADTEST_EXTRA:-}" "$@" 2>&1 | tee "$OUT/loadtest.log"
 exit "${PIPESTATUS[0]}"

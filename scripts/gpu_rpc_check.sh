@@ -14,13 +14,7 @@
 # tracker needs tornado, which must be in the bundle too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ -f /tmp/device-bundle/env.sh ] && source /tmp/device-bundle/env.sh
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
-for c in /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-13; do
-  [ -z "${CUDA_PATH:-}" ] && [ -d "$c/include" ] && export CUDA_PATH=$c
-done
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+source scripts/gpu_env.sh
 PY=${PYTHON:-python3}
 "$PY" -c "import tornado" 2>/dev/null || { echo "error: tornado is missing (TVM's RPC tracker needs it): add tornado==6.6.1 to the device bundle" >&2; exit 2; }
 nvidia-smi -L 2>/dev/null | tee "$OUT/gpus.txt"
