@@ -38,6 +38,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -391,8 +392,7 @@ def resolve_target(text: str, pool: RPCPool) -> TargetInfo:
                 found = probe(sess, addr)
                 box["found"] = found
                 if found.cuda:
-                    local = targets.local_cuda_matches(found.arch, found.name)
-                    box["info"] = targets.cuda_from_device(sess.cuda(0), has_device=local)
+                    box["info"] = _pool_cuda_target(text, found, sess.cuda(0))
         except Exception as e:
             box["error"] = e
 
@@ -410,10 +410,27 @@ def resolve_target(text: str, pool: RPCPool) -> TargetInfo:
         raise TargetError(f"TARGET={text} but the RPC server {found.address} under key '{pool.key}' has no CUDA GPU",
                           found.describe(), "servers on GPUs (CUDA_VISIBLE_DEVICES), or TARGET=llvm")
     info = box["info"]
-    if text.startswith("cuda:") and text.split(":", 1)[1].rstrip("a") != info.arch:
+    if text.startswith("cuda:") and mismatch(found, info):
         raise DeviceMismatchError(f"RPC server {found.address} under key '{pool.key}' has another GPU, refused",
                                   found.describe(), text)
     return info
+
+
+def _pool_cuda_target(text: str, found: ServerDevice, dev) -> TargetInfo:
+    """The target for a pool whose server has GPU `found` (`dev`, its remote
+    `cuda(0)`): `auto`/`cuda` read from the device as a local run does;
+    `cuda:sm_XY` is what `targets.resolve` builds (generic spec, the arch as
+    written), with only the GPU name taken from the server, so the database
+    key is a local run's on that GPU."""
+    from . import targets
+
+    local = targets.local_cuda_matches(found.arch, found.name)
+    if text.startswith("cuda:"):
+        m = re.fullmatch(r"cuda:(sm_\d+a?)", text)
+        if not m:
+            return targets.resolve(text)  # raises the unknown-target error
+        return targets.cuda_for_arch(m.group(1), found.name, local and m.group(1).rstrip("a") == found.arch)
+    return targets.cuda_from_device(dev, has_device=local)
 
 
 # ----------------------------------------------------------------- runner ---

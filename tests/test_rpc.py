@@ -172,6 +172,27 @@ def test_remote_cuda_target_is_a_local_runs_target():
     assert rpc.mismatch(dataclasses.replace(gpu, arch="sm_80"), info) == "another GPU"
 
 
+def test_pool_cuda_sm_target_is_a_local_runs_key(monkeypatch):
+    """TARGET=cuda:sm_XY with a pool: the database key of a local run with
+    the same TARGET on that GPU (generic spec, the arch as written), only the
+    GPU name taken from the server; auto/cuda still read the device."""
+    from deploy import targets
+
+    class H200:
+        max_shared_memory_per_block, max_threads_per_block, warp_size = 49152, 1024, 32
+        compute_version, device_name, exist = "9.0", "NVIDIA H200", True
+
+    monkeypatch.setattr(targets, "_cuda_device", lambda: H200())
+    found = rpc.ServerDevice("h:1", True, "NVIDIA H200", "sm_90")
+    for text in ("cuda:sm_90", "cuda:sm_90a"):
+        pooled = rpc._pool_cuda_target(text, found, H200())
+        assert pooled.key() == targets.resolve(text).key() and pooled.arch == text[5:]
+        assert rpc.mismatch(found, pooled) is None
+    assert rpc._pool_cuda_target("cuda", found, H200()).key() == targets.resolve("cuda").key()
+    # A server of another architecture is still refused for cuda:sm_80.
+    assert rpc.mismatch(found, rpc._pool_cuda_target("cuda:sm_80", found, H200())) == "another GPU"
+
+
 # ---------------------------------------------------------------- tuning ---
 
 
