@@ -439,8 +439,10 @@ def _pool_cuda_target(text: str, found: ServerDevice, dev) -> TargetInfo:
 def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, args_info, evaluator_config,
              target_kind, target_arch, target_device):
     """One candidate in one session (in a pool worker process). Returns
-    ("ok", run_secs), ("error", why): the server raised or timed the session
-    out, ("lost", why): the session was lost, or ("mismatch", ServerDevice)."""
+    ("ok", run_secs), ("error", why): the server raised while loading or
+    running the candidate, or timed the session out then, ("lost", why): the
+    session was lost, or failed before the candidate was loaded (probe,
+    device, upload, arguments: the server's problem), or ("mismatch", ServerDevice)."""
     from tvm import rpc
     from tvm.error import RPCError, RPCSessionTimeoutError
     from tvm.s_tir.meta_schedule.runner.utils import (
@@ -455,22 +457,26 @@ def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, 
         return "lost", f"connect to {address}: {_reason(e)}"
     remote = os.path.basename(artifact_path)
     try:
-        found = probe(sess, address)
-        info = TargetInfo(target_kind, "{}", target_arch, target_device, False)
-        if mismatch(found, info):
-            return "mismatch", found
-        dev = sess.device(device_type, 0)
-        sess.upload(artifact_path, remote)
-        mod = sess.load_module(remote)
-        fill = sess.get_function("tvm.contrib.random.random_fill_for_measure")
-        args = alloc_argument_common(fill, dev, args_info, 1)
-        return "ok", run_evaluator_common(mod, dev, evaluator_config, args)
-    except RPCSessionTimeoutError:
-        return "error", f"RPC session on {address} timed out after {session_timeout:g} s"
-    except RPCError as e:  # raised on the server: the candidate's fault
-        return "error", f"on {address}: {e}"
-    except Exception as e:  # connection closed or reset: the server's fault
-        return "lost", f"session on {address}: {_reason(e)}"
+        try:  # the server's part: any error here is the server's, not the candidate's
+            found = probe(sess, address)
+            info = TargetInfo(target_kind, "{}", target_arch, target_device, False)
+            if mismatch(found, info):
+                return "mismatch", found
+            dev = sess.device(device_type, 0)
+            sess.upload(artifact_path, remote)
+            fill = sess.get_function("tvm.contrib.random.random_fill_for_measure")
+            args = alloc_argument_common(fill, dev, args_info, 1)
+        except Exception as e:
+            return "lost", f"session on {address} (before loading the candidate): {_reason(e)}"
+        try:  # the candidate's part: loading and running it
+            mod = sess.load_module(remote)
+            return "ok", run_evaluator_common(mod, dev, evaluator_config, args)
+        except RPCSessionTimeoutError:
+            return "error", f"RPC session on {address} timed out after {session_timeout:g} s"
+        except RPCError as e:  # raised on the server while loading or running: the candidate's fault
+            return "error", f"on {address}: {e}"
+        except Exception as e:  # connection closed or reset: the server's fault
+            return "lost", f"session on {address}: {_reason(e)}"
     finally:
         try:
             sess.remove(remote)

@@ -193,6 +193,46 @@ def test_pool_cuda_sm_target_is_a_local_runs_key(monkeypatch):
     assert rpc.mismatch(found, rpc._pool_cuda_target("cuda:sm_80", found, H200())) == "another GPU"
 
 
+def test_server_errors_before_loading_are_not_the_candidates(monkeypatch):
+    """An RPCError raised by the server before the candidate is loaded
+    (upload here) is a lost session, retried elsewhere; one raised while
+    loading it is the candidate's failure."""
+    import tvm.rpc
+    from tvm.error import RPCError
+
+    class Sess:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def cuda(self, _):
+            return type("D", (), {"exist": False})()
+
+        def get_function(self, name):
+            return (lambda: "znver4") if name == "target.llvm_get_system_cpu" else (lambda *a: None)
+
+        def device(self, *_):
+            return object()
+
+        def upload(self, *_):
+            if self.fail == "upload":
+                raise RPCError("disk full")
+
+        def load_module(self, _):
+            raise RPCError("bad kernel")
+
+        def remove(self, _):
+            pass
+
+    def measure(fail):
+        monkeypatch.setattr(tvm.rpc, "connect", lambda *a, **k: Sess(fail))
+        return rpc._measure("h", 1, "k", 5.0, "/x/a.so", "cpu", (), None, "llvm", "znver4", "cpu")
+
+    status, why = measure("upload")
+    assert status == "lost" and "before loading the candidate" in why and "disk full" in why
+    status, why = measure("load")
+    assert status == "error" and "bad kernel" in why
+
+
 # ---------------------------------------------------------------- tuning ---
 
 
