@@ -16,10 +16,11 @@ killed if the session outlasts its time-out; then:
   - the server raised (kernel or load error) or it ended the session at its
     own time-out (too slow): a genuine failure, recorded as MetaSchedule does;
   - the session was lost (connection refused or closed, no answer in time):
-    the candidate is retried on another server (`RPCPool.attempts` servers in
-    all; after that it counts as failed), and a server that did not answer
-    is never used again in this run. The tracker itself drops a server that
-    died;
+    the candidate is retried once on another server (never on the one it
+    was lost on while another can be had); lost twice, it counts as failed
+    ("session lost twice": it likely crashes servers). A server that did not
+    answer is never used again in this run. The tracker itself drops a server
+    that died;
   - no server left under the key (or the tracker gone, or a server with
     another device): tuning stops at the end of the current batch, the
     candidates that could not be measured are not recorded, and the run ends
@@ -502,6 +503,12 @@ class Measurer:
     per server, each with a worker process of its own (killed and replaced
     when a session outlasts its time-out), each session through the tracker."""
 
+    # Servers handed out by the tracker and skipped for one session: any
+    # hung one, and the one where the candidate's session was lost up to
+    # AVOID_SKIPS times (then it is taken: it may be the only one left).
+    MAX_SKIPS = 8
+    AVOID_SKIPS = 3
+
     def __init__(self, pool: RPCPool, target: TargetInfo, n_servers: int, evaluator_config, timeout_s: float,
                  stop: threading.Event | None = None):
         self.pool, self.target, self.cfg, self.timeout_s = pool, target, evaluator_config, timeout_s
@@ -542,8 +549,10 @@ class Measurer:
         if self.stop.is_set():
             raise _PoolLost(self.fatal)
         try:
+            with self.lock:
+                hung = set(self.hung)
             with connect(self.pool) as t:
-                left = set(t.servers(self.pool.key)) - self.hung
+                left = set(t.servers(self.pool.key)) - hung
         except RPCPoolError as e:
             raise _PoolLost(e) from None
         if not left:
@@ -564,7 +573,7 @@ class Measurer:
             w.recv()
         return w
 
-    def _acquire(self) -> tuple[str, int, str]:
+    def _request(self) -> tuple[str, int, str]:
         self._alive()
         try:
             return self._tracker().request(self.pool.key, max(self.pool.wait_s, self.timeout_s * 4), alive=self._alive)
@@ -582,16 +591,34 @@ class Measurer:
                 raise _PoolLost(RPCPoolError("lost the RPC tracker", f"{self.pool.address} ({_reason(e)})")) from None
             raise
 
+    def _acquire(self, avoid: set[str] = frozenset()) -> tuple[str, int, str]:
+        """A free server, never a hung one, and not one in `avoid` (where
+        this candidate's session was lost) while another can be had. A server
+        handed out and skipped is released by not connecting: it takes a new
+        match key and is listed again a few seconds later."""
+        for i in range(self.MAX_SKIPS + 1):
+            host, port, matchkey = self._request()
+            address = f"{host}:{port}"
+            with self.lock:
+                hung = address in self.hung
+            if hung or (address in avoid and i < self.AVOID_SKIPS):
+                log.info("rpc: skipping server %s (%s)", address, "hung" if hung else "lost this candidate's session")
+                continue
+            return host, port, matchkey
+        raise _PoolLost(RPCPoolError(f"the RPC tracker handed out only hung servers under key '{self.pool.key}'",
+                                     f"tracker {self.pool.address}", "servers up again, then the same command resumes"))
+
     # --- one candidate
     def _run_one(self, runner_input):
         from .tvm_compat import ms
 
         args_info = tuple(a.as_json() for a in runner_input.args_info)
-        losses = []
-        for _attempt in range(self.pool.attempts):
+        losses, lost_on = [], set()
+        attempts = max(1, min(self.pool.attempts, 2))  # retried at most once
+        for _attempt in range(attempts):
             try:
                 worker = self._worker()
-                host, port, matchkey = self._acquire()
+                host, port, matchkey = self._acquire(lost_on)
             except _PoolLost as e:
                 if e.args and isinstance(e.args[0], Exception):
                     self._fail(e.args[0])
@@ -628,10 +655,13 @@ class Measurer:
                 self.stats["lost_sessions"] += 1
                 self.stats["retried"] += 1
             losses.append(value)
+            lost_on.add(address)
             log.warning("rpc: lost a session (%s); measuring the candidate on another server", value)
         with self.lock:
             self.stats["retried"] -= 1  # the last loss was not retried
-        return ms.runner.RunnerResult(None, f"RPC session lost on {len(losses)} servers: " + " | ".join(losses))
+        why = "session lost twice: the candidate likely crashes the server" if len(losses) > 1 else "session lost"
+        log.warning("rpc: %s; recorded as failed", why)
+        return ms.runner.RunnerResult(None, f"RPC {why} ({' | '.join(losses)})")
 
     def _run_guarded(self, runner_input):
         from .tvm_compat import ms

@@ -233,6 +233,20 @@ def test_server_errors_before_loading_are_not_the_candidates(monkeypatch):
     assert status == "error" and "bad kernel" in why
 
 
+def test_retries_avoid_hung_and_lost_servers(llvm_target):
+    """A hung server handed out by the tracker is skipped, always; the server
+    where the candidate's session was lost is skipped while another comes."""
+    m = rpc.Measurer(config.RPCPool("127.0.0.1", 1, "k"), llvm_target, 2, None, 5.0)
+    try:
+        handed = iter([("h", 1, "a"), ("h", 2, "b"), ("h", 3, "c"), ("h", 2, "d"), ("h", 2, "e"), ("h", 2, "f"), ("h", 2, "g")])
+        m._request = lambda: next(handed)
+        m.hung.add("h:1")
+        assert m._acquire({"h:2"}) == ("h", 3, "c")  # h:1 hung, h:2 lost this candidate's session
+        assert m._acquire({"h:2"}) == ("h", 2, "g")  # only h:2 comes: taken after AVOID_SKIPS skips
+    finally:
+        m.close()
+
+
 # ---------------------------------------------------------------- tuning ---
 
 
