@@ -177,6 +177,38 @@ def start_server(pool: RPCPool, host: str = "127.0.0.1", port: int = 9090, port_
     return _spawn(server_command(pool.address, pool.key, host, port, port_end or port + 100, custom_addr), log_path, server_env(gpu))
 
 
+def _listening() -> bool:
+    """In TVM's server worker process: whether its listen thread still runs."""
+    from tvm.rpc.server import PopenRPCServerState
+
+    st = PopenRPCServerState.current
+    return st is not None and st.thread.is_alive()
+
+
+def serve_watched(pool: RPCPool, host: str, port: int, port_end: int, custom_addr: str | None = None,
+                  check_s: float = 5.0) -> int:
+    """Run TVM's RPC server (as `python -m tvm.exec.rpc_server` does) until
+    it stops listening; then exit status 1, so a supervisor restarts it."""
+    from tvm import rpc as tvm_rpc
+
+    server = tvm_rpc.Server(host, port, port_end, key=pool.key, tracker_addr=(pool.host, pool.port), custom_addr=custom_addr)
+    try:
+        while True:
+            time.sleep(check_s)
+            try:
+                if not server.proc.is_alive():
+                    raise RuntimeError("its process ended")
+                server.proc.send(_listening)
+                if not server.proc.recv():
+                    raise RuntimeError("its listen thread ended")
+            except Exception as e:
+                log.error("rpc-server: TVM's RPC server stopped serving (%s); exiting for a restart", _reason(e))
+                print(f"error: TVM's RPC server stopped serving ({_reason(e)}); restart it", file=sys.stderr, flush=True)
+                return 1
+    finally:
+        server.terminate()
+
+
 def wait_for_servers(pool: RPCPool, n: int, wait_s: float = 90.0) -> list[str]:
     """Wait until `n` servers are registered under the key; their addresses."""
     deadline = time.time() + wait_s
