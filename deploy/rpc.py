@@ -553,7 +553,7 @@ class Measurer:
         self.fatal: Exception | None = None
         self.hung: set[str] = set()
         self.stats = {"tracker": pool.address, "key": pool.key, "servers": {}, "retried": 0, "lost_sessions": 0,
-                      "hung": [], "not_measured": 0}
+                      "hung": []}
 
     # --- bookkeeping
     def _count(self, address: str, what: str) -> None:
@@ -654,8 +654,6 @@ class Measurer:
             except _PoolLost as e:
                 if e.args and isinstance(e.args[0], Exception):
                     self._fail(e.args[0])
-                with self.lock:
-                    self.stats["not_measured"] += 1
                 return ms.runner.RunnerResult(None, LOST + "no RPC server left")
             address = f"{host}:{port}"
             worker.send(_measure, (
@@ -679,8 +677,6 @@ class Measurer:
                 return ms.runner.RunnerResult(None, value)
             if status == "mismatch":
                 self._fail(_mismatch_error(value, self.target, self.pool, mismatch(value, self.target)))
-                with self.lock:
-                    self.stats["not_measured"] += 1
                 return ms.runner.RunnerResult(None, LOST + "server with another device")
             self._count(address, "lost")
             with self.lock:

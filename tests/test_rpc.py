@@ -88,9 +88,9 @@ def procs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(procs):
     """Two servers under one key: TVM's plain server, and one that dies while
-    loading its second candidate."""
+    loading its first candidate."""
     procs.server("pair")
-    dying, count = procs.fault_server("pair", "die", at=2)
+    dying, count = procs.fault_server("pair", "die", at=1)
     pool = procs.pool("pair")
     rpc.wait_for_servers(pool, 2)
     return pool, dying, count
@@ -252,19 +252,22 @@ def test_retries_avoid_hung_and_lost_servers(llvm_target):
 
 def test_tune_on_two_servers_one_dies_mid_run(pair, llvm_target, tiny_opt, tmp_path):
     """Eight candidates over two servers; one server dies while loading its
-    second: that candidate is measured on the other, nothing is recorded as
+    first (both get one in the first batch: two dispatchers, both servers
+    free): that candidate is measured on the other, nothing is recorded as
     failed, every candidate is in the database."""
     pool, dying, count = pair
     cfg = make_config(trials=8, trials_per_task=8, trials_per_iter=4, max_tasks=1)
     s, a = _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t", pool)
-    assert not dying.alive() and len(count.read_text().splitlines()) == 2  # died at its 2nd candidate
+    assert not dying.alive()
+    assert len(count.read_text().splitlines()) == 1  # it died at its 1st candidate
     r = s["rpc"]
     measured = {addr: v["measured"] for addr, v in r["servers"].items()}
-    assert len(measured) == 2 and all(n >= 1 for n in measured.values()), r  # both servers measured
-    assert sum(measured.values()) == 8 and r["lost_sessions"] == 1 and r["retried"] == 1, r
+    lost = {addr: v["lost"] for addr, v in r["servers"].items()}
+    assert len(measured) == 2 and sorted(measured.values()) == [0, 8] and sorted(lost.values()) == [0, 1], r
+    assert r["lost_sessions"] == 1 and r["retried"] == 1, r
     assert s["new_trials"] == 8 and s["valid_fraction"] == 1.0 and s["trials_after"] == 8
     (task,) = s["tasks"].values()
-    assert task["run_errors"] == 0 and task["not_measured"] == 0 and task["best_us"] is not None
+    assert task["run_errors"] == 0 and task["best_us"] is not None
     recs = _records(a.databases[1])
     assert len(recs) == 8 and max(recs) < dbs.FAILED_SECS  # no record of the lost session
     assert a.manifest["rpc"]["servers"] == 2
