@@ -27,8 +27,10 @@ killed if the session outlasts its time-out; then:
     with one line (`RPCPoolError`). What was measured is in the database.
 
 Device check. CUDA: the server's `cuda(0)` must exist and have the target's
-architecture and GPU name (its target string is read from the device the way
-a local run reads it, so the database is the same). llvm: the server's LLVM
+architecture and GPU name (for `auto`/`cuda` its target string is read from
+the device the way a local run reads it; for `cuda:sm_XY` it is the generic
+spec `targets.resolve` builds, with the GPU name from the server: either way
+the database is a local run's on that GPU). llvm: the server's LLVM
 CPU name must be the target's `mcpu` (core count and triple are not checked:
 they do not change the generated code's correctness, only its speed).
 """
