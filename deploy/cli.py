@@ -416,7 +416,11 @@ def cmd_rpc_server(args) -> int:
     cmd = rpc.server_command(pool.address, pool.key, args.host, args.port, args.port_end or args.port + 100, args.custom_addr)
     gpu = f"CUDA_VISIBLE_DEVICES={args.gpu} " if args.gpu is not None else ""
     print(f"rpc-server under key '{pool.key}' at tracker {pool.address}: {gpu}{shlex.join(cmd)}", flush=True)
-    os.execve(cmd[0], cmd, rpc.server_env(args.gpu))
+    os.environ.update(rpc.server_env(args.gpu))
+    # TVM's server (what that command runs), watched: exits 1 when it stops
+    # listening (a candidate that crashes its session can end TVM's listen
+    # thread, leaving the process up but gone from the tracker).
+    return rpc.serve_watched(pool, args.host, args.port, args.port_end or args.port + 100, args.custom_addr)
 
 
 def cmd_rpc_status(args) -> int:

@@ -186,8 +186,10 @@ class RPCPool:
     port: int
     key: str
     # Servers one candidate is tried on when its session is lost (the server
-    # died or hung) before the candidate counts as failed.
-    attempts: int = 3
+    # died or hung) before the candidate counts as failed: 2, i.e. retried
+    # once on another server; a candidate that loses its session twice likely
+    # crashes servers, and is recorded as failed rather than killing more.
+    attempts: int = 2
     # How long to wait for a free server, and for every server to answer the
     # device check when a run starts.
     wait_s: float = 60.0

@@ -16,18 +16,21 @@ killed if the session outlasts its time-out; then:
   - the server raised (kernel or load error) or it ended the session at its
     own time-out (too slow): a genuine failure, recorded as MetaSchedule does;
   - the session was lost (connection refused or closed, no answer in time):
-    the candidate is retried on another server (`RPCPool.attempts` servers in
-    all; after that it counts as failed), and a server that did not answer
-    is never used again in this run. The tracker itself drops a server that
-    died;
+    the candidate is retried once on another server (never on the one it
+    was lost on while another can be had); lost twice, it counts as failed
+    ("session lost twice": it likely crashes servers). A server that did not
+    answer is never used again in this run. The tracker itself drops a server
+    that died;
   - no server left under the key (or the tracker gone, or a server with
     another device): tuning stops at the end of the current batch, the
     candidates that could not be measured are not recorded, and the run ends
     with one line (`RPCPoolError`). What was measured is in the database.
 
 Device check. CUDA: the server's `cuda(0)` must exist and have the target's
-architecture and GPU name (its target string is read from the device the way
-a local run reads it, so the database is the same). llvm: the server's LLVM
+architecture and GPU name (for `auto`/`cuda` its target string is read from
+the device the way a local run reads it; for `cuda:sm_XY` it is the generic
+spec `targets.resolve` builds, with the GPU name from the server: either way
+the database is a local run's on that GPU). llvm: the server's LLVM
 CPU name must be the target's `mcpu` (core count and triple are not checked:
 they do not change the generated code's correctness, only its speed).
 """
@@ -38,6 +41,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -173,6 +177,38 @@ def start_server(pool: RPCPool, host: str = "127.0.0.1", port: int = 9090, port_
     a few seconds later: see `wait_for_servers`)."""
     check_server_address(host, pool.host)
     return _spawn(server_command(pool.address, pool.key, host, port, port_end or port + 100, custom_addr), log_path, server_env(gpu))
+
+
+def _listening() -> bool:
+    """In TVM's server worker process: whether its listen thread still runs."""
+    from tvm.rpc.server import PopenRPCServerState
+
+    st = PopenRPCServerState.current
+    return st is not None and st.thread.is_alive()
+
+
+def serve_watched(pool: RPCPool, host: str, port: int, port_end: int, custom_addr: str | None = None,
+                  check_s: float = 5.0) -> int:
+    """Run TVM's RPC server (as `python -m tvm.exec.rpc_server` does) until
+    it stops listening; then exit status 1, so a supervisor restarts it."""
+    from tvm import rpc as tvm_rpc
+
+    server = tvm_rpc.Server(host, port, port_end, key=pool.key, tracker_addr=(pool.host, pool.port), custom_addr=custom_addr)
+    try:
+        while True:
+            time.sleep(check_s)
+            try:
+                if not server.proc.is_alive():
+                    raise RuntimeError("its process ended")
+                server.proc.send(_listening)
+                if not server.proc.recv():
+                    raise RuntimeError("its listen thread ended")
+            except Exception as e:
+                log.error("rpc-server: TVM's RPC server stopped serving (%s); exiting for a restart", _reason(e))
+                print(f"error: TVM's RPC server stopped serving ({_reason(e)}); restart it", file=sys.stderr, flush=True)
+                return 1
+    finally:
+        server.terminate()
 
 
 def wait_for_servers(pool: RPCPool, n: int, wait_s: float = 90.0) -> list[str]:
@@ -391,8 +427,7 @@ def resolve_target(text: str, pool: RPCPool) -> TargetInfo:
                 found = probe(sess, addr)
                 box["found"] = found
                 if found.cuda:
-                    local = targets.local_cuda_matches(found.arch, found.name)
-                    box["info"] = targets.cuda_from_device(sess.cuda(0), has_device=local)
+                    box["info"] = _pool_cuda_target(text, found, sess.cuda(0))
         except Exception as e:
             box["error"] = e
 
@@ -410,10 +445,27 @@ def resolve_target(text: str, pool: RPCPool) -> TargetInfo:
         raise TargetError(f"TARGET={text} but the RPC server {found.address} under key '{pool.key}' has no CUDA GPU",
                           found.describe(), "servers on GPUs (CUDA_VISIBLE_DEVICES), or TARGET=llvm")
     info = box["info"]
-    if text.startswith("cuda:") and text.split(":", 1)[1].rstrip("a") != info.arch:
+    if text.startswith("cuda:") and mismatch(found, info):
         raise DeviceMismatchError(f"RPC server {found.address} under key '{pool.key}' has another GPU, refused",
                                   found.describe(), text)
     return info
+
+
+def _pool_cuda_target(text: str, found: ServerDevice, dev) -> TargetInfo:
+    """The target for a pool whose server has GPU `found` (`dev`, its remote
+    `cuda(0)`): `auto`/`cuda` read from the device as a local run does;
+    `cuda:sm_XY` is what `targets.resolve` builds (generic spec, the arch as
+    written), with only the GPU name taken from the server, so the database
+    key is a local run's on that GPU."""
+    from . import targets
+
+    local = targets.local_cuda_matches(found.arch, found.name)
+    if text.startswith("cuda:"):
+        m = re.fullmatch(r"cuda:(sm_\d+a?)", text)
+        if not m:
+            return targets.resolve(text)  # raises the unknown-target error
+        return targets.cuda_for_arch(m.group(1), found.name, local and m.group(1).rstrip("a") == found.arch)
+    return targets.cuda_from_device(dev, has_device=local)
 
 
 # ----------------------------------------------------------------- runner ---
@@ -422,8 +474,10 @@ def resolve_target(text: str, pool: RPCPool) -> TargetInfo:
 def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, args_info, evaluator_config,
              target_kind, target_arch, target_device):
     """One candidate in one session (in a pool worker process). Returns
-    ("ok", run_secs), ("error", why): the server raised or timed the session
-    out, ("lost", why): the session was lost, or ("mismatch", ServerDevice)."""
+    ("ok", run_secs), ("error", why): the server raised while loading or
+    running the candidate, or timed the session out then, ("lost", why): the
+    session was lost, or failed before the candidate was loaded (probe,
+    device, upload, arguments: the server's problem), or ("mismatch", ServerDevice)."""
     from tvm import rpc
     from tvm.error import RPCError, RPCSessionTimeoutError
     from tvm.s_tir.meta_schedule.runner.utils import (
@@ -438,22 +492,26 @@ def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, 
         return "lost", f"connect to {address}: {_reason(e)}"
     remote = os.path.basename(artifact_path)
     try:
-        found = probe(sess, address)
-        info = TargetInfo(target_kind, "{}", target_arch, target_device, False)
-        if mismatch(found, info):
-            return "mismatch", found
-        dev = sess.device(device_type, 0)
-        sess.upload(artifact_path, remote)
-        mod = sess.load_module(remote)
-        fill = sess.get_function("tvm.contrib.random.random_fill_for_measure")
-        args = alloc_argument_common(fill, dev, args_info, 1)
-        return "ok", run_evaluator_common(mod, dev, evaluator_config, args)
-    except RPCSessionTimeoutError:
-        return "error", f"RPC session on {address} timed out after {session_timeout:g} s"
-    except RPCError as e:  # raised on the server: the candidate's fault
-        return "error", f"on {address}: {e}"
-    except Exception as e:  # connection closed or reset: the server's fault
-        return "lost", f"session on {address}: {_reason(e)}"
+        try:  # the server's part: any error here is the server's, not the candidate's
+            found = probe(sess, address)
+            info = TargetInfo(target_kind, "{}", target_arch, target_device, False)
+            if mismatch(found, info):
+                return "mismatch", found
+            dev = sess.device(device_type, 0)
+            sess.upload(artifact_path, remote)
+            fill = sess.get_function("tvm.contrib.random.random_fill_for_measure")
+            args = alloc_argument_common(fill, dev, args_info, 1)
+        except Exception as e:
+            return "lost", f"session on {address} (before loading the candidate): {_reason(e)}"
+        try:  # the candidate's part: loading and running it
+            mod = sess.load_module(remote)
+            return "ok", run_evaluator_common(mod, dev, evaluator_config, args)
+        except RPCSessionTimeoutError:
+            return "error", f"RPC session on {address} timed out after {session_timeout:g} s"
+        except RPCError as e:  # raised on the server while loading or running: the candidate's fault
+            return "error", f"on {address}: {e}"
+        except Exception as e:  # connection closed or reset: the server's fault
+            return "lost", f"session on {address}: {_reason(e)}"
     finally:
         try:
             sess.remove(remote)
@@ -479,6 +537,12 @@ class Measurer:
     per server, each with a worker process of its own (killed and replaced
     when a session outlasts its time-out), each session through the tracker."""
 
+    # Servers handed out by the tracker and skipped for one session: any
+    # hung one, and the one where the candidate's session was lost up to
+    # AVOID_SKIPS times (then it is taken: it may be the only one left).
+    MAX_SKIPS = 8
+    AVOID_SKIPS = 3
+
     def __init__(self, pool: RPCPool, target: TargetInfo, n_servers: int, evaluator_config, timeout_s: float,
                  stop: threading.Event | None = None):
         self.pool, self.target, self.cfg, self.timeout_s = pool, target, evaluator_config, timeout_s
@@ -491,7 +555,7 @@ class Measurer:
         self.fatal: Exception | None = None
         self.hung: set[str] = set()
         self.stats = {"tracker": pool.address, "key": pool.key, "servers": {}, "retried": 0, "lost_sessions": 0,
-                      "hung": [], "not_measured": 0}
+                      "hung": []}
 
     # --- bookkeeping
     def _count(self, address: str, what: str) -> None:
@@ -519,8 +583,10 @@ class Measurer:
         if self.stop.is_set():
             raise _PoolLost(self.fatal)
         try:
+            with self.lock:
+                hung = set(self.hung)
             with connect(self.pool) as t:
-                left = set(t.servers(self.pool.key)) - self.hung
+                left = set(t.servers(self.pool.key)) - hung
         except RPCPoolError as e:
             raise _PoolLost(e) from None
         if not left:
@@ -541,7 +607,7 @@ class Measurer:
             w.recv()
         return w
 
-    def _acquire(self) -> tuple[str, int, str]:
+    def _request(self) -> tuple[str, int, str]:
         self._alive()
         try:
             return self._tracker().request(self.pool.key, max(self.pool.wait_s, self.timeout_s * 4), alive=self._alive)
@@ -559,21 +625,37 @@ class Measurer:
                 raise _PoolLost(RPCPoolError("lost the RPC tracker", f"{self.pool.address} ({_reason(e)})")) from None
             raise
 
+    def _acquire(self, avoid: set[str] = frozenset()) -> tuple[str, int, str]:
+        """A free server, never a hung one, and not one in `avoid` (where
+        this candidate's session was lost) while another can be had. A server
+        handed out and skipped is released by not connecting: it takes a new
+        match key and is listed again a few seconds later."""
+        for i in range(self.MAX_SKIPS + 1):
+            host, port, matchkey = self._request()
+            address = f"{host}:{port}"
+            with self.lock:
+                hung = address in self.hung
+            if hung or (address in avoid and i < self.AVOID_SKIPS):
+                log.info("rpc: skipping server %s (%s)", address, "hung" if hung else "lost this candidate's session")
+                continue
+            return host, port, matchkey
+        raise _PoolLost(RPCPoolError(f"the RPC tracker handed out only hung servers under key '{self.pool.key}'",
+                                     f"tracker {self.pool.address}", "servers up again, then the same command resumes"))
+
     # --- one candidate
     def _run_one(self, runner_input):
         from .tvm_compat import ms
 
         args_info = tuple(a.as_json() for a in runner_input.args_info)
-        losses = []
-        for _attempt in range(self.pool.attempts):
+        losses, lost_on = [], set()
+        attempts = max(1, min(self.pool.attempts, 2))  # retried at most once
+        for _attempt in range(attempts):
             try:
                 worker = self._worker()
-                host, port, matchkey = self._acquire()
+                host, port, matchkey = self._acquire(lost_on)
             except _PoolLost as e:
                 if e.args and isinstance(e.args[0], Exception):
                     self._fail(e.args[0])
-                with self.lock:
-                    self.stats["not_measured"] += 1
                 return ms.runner.RunnerResult(None, LOST + "no RPC server left")
             address = f"{host}:{port}"
             worker.send(_measure, (
@@ -597,18 +679,19 @@ class Measurer:
                 return ms.runner.RunnerResult(None, value)
             if status == "mismatch":
                 self._fail(_mismatch_error(value, self.target, self.pool, mismatch(value, self.target)))
-                with self.lock:
-                    self.stats["not_measured"] += 1
                 return ms.runner.RunnerResult(None, LOST + "server with another device")
             self._count(address, "lost")
             with self.lock:
                 self.stats["lost_sessions"] += 1
                 self.stats["retried"] += 1
             losses.append(value)
+            lost_on.add(address)
             log.warning("rpc: lost a session (%s); measuring the candidate on another server", value)
         with self.lock:
             self.stats["retried"] -= 1  # the last loss was not retried
-        return ms.runner.RunnerResult(None, f"RPC session lost on {len(losses)} servers: " + " | ".join(losses))
+        why = "session lost twice: the candidate likely crashes the server" if len(losses) > 1 else "session lost"
+        log.warning("rpc: %s; recorded as failed", why)
+        return ms.runner.RunnerResult(None, f"RPC {why} ({' | '.join(losses)})")
 
     def _run_guarded(self, runner_input):
         from .tvm_compat import ms

@@ -97,6 +97,15 @@ def cuda_from_device(dev, has_device: bool = True) -> TargetInfo:
     return TargetInfo("cuda", json.dumps(spec, sort_keys=True, default=str), arch, dev.device_name, has_device)
 
 
+def cuda_for_arch(arch: str, device_name: str, has_device: bool) -> TargetInfo:
+    """The target of `TARGET=cuda:sm_XY`: the generic spec with the arch as
+    written (`sm_90a` stays `sm_90a`), whatever the GPU that runs it. An RPC
+    pool builds it too (with its server's GPU name), so the database key is
+    the one a local run on that GPU gets."""
+    spec = {"kind": "cuda", "arch": arch, "keys": ["cuda", "gpu"], **_CUDA_GENERIC_LIMITS}
+    return TargetInfo("cuda", json.dumps(spec, sort_keys=True), arch, device_name, has_device)
+
+
 def _cuda_here(dev) -> TargetInfo:
     return cuda_from_device(dev, True)
 
@@ -127,7 +136,5 @@ def resolve(text: str) -> TargetInfo:
         arch = m.group(1)
         dev = _cuda_device()
         here = dev is not None and arch.rstrip("a") == "sm_" + dev.compute_version.replace(".", "")
-        spec = {"kind": "cuda", "arch": arch, "keys": ["cuda", "gpu"], **_CUDA_GENERIC_LIMITS}
-        name = dev.device_name if here else ""
-        return TargetInfo("cuda", json.dumps(spec, sort_keys=True), arch, name, here)
+        return cuda_for_arch(arch, dev.device_name if here else "", here)
     raise TargetError("unknown target", repr(text), "auto, llvm, cuda or cuda:sm_XY (e.g. cuda:sm_90)")

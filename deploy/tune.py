@@ -217,8 +217,7 @@ def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, 
             with open(failures_path, "a") as f:
                 for b, r in zip(builder_results, runner_results):
                     if r.error_msg and str(r.error_msg).startswith(LOST):
-                        s["not_measured"] += 1  # the RPC pool was lost: not run, not recorded
-                        continue
+                        continue  # the RPC pool was lost: not run, not recorded (the run then fails)
                     s["candidates"] += 1
                     if b.error_msg:
                         s["build_errors"] += 1
@@ -349,7 +348,7 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed, pool
         "trials_before": total_done,
         "cpus": usable_cpus(),
     }
-    stats = {p["name"]: {"candidates": 0, "build_errors": 0, "run_errors": 0, "not_measured": 0, "best_s": None} for p in todo}
+    stats = {p["name"]: {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None} for p in todo}
     stop = threading.Event()  # set by the RPC runner when its pool is lost
     started = time.time()
     if todo and global_left > 0 and (deadline is None or time.time() < deadline):
@@ -433,7 +432,7 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed, pool
                     raise measurer.fatal
     elapsed = time.time() - started
     for p, (done, best) in zip(plan, dbs.trials_done(db_dir, [p["task"].dispatched[0] for p in plan])):
-        s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "not_measured": 0, "best_s": None})
+        s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None})
         summary["tasks"][p["name"]] = {
             "weight": int(p["task"].weight),
             "flops": flops[p["name"]],
@@ -441,7 +440,6 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed, pool
             "new_trials": s["candidates"],
             "build_errors": s["build_errors"],
             "run_errors": s["run_errors"],
-            "not_measured": s["not_measured"],
             "best_us_before_run": None if p["best_s"] is None else p["best_s"] * 1e6,
             "best_us": None if best is None else best * 1e6,
         }
