@@ -14,7 +14,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from .errors import StaleArtifactError
+from .errors import ConfigError, StaleArtifactError
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -101,6 +101,19 @@ def read_manifest(folder: str | Path, stage: str, verify: bool = True) -> dict:
     if verify:
         verify_files(folder, manifest)
     return manifest
+
+
+def check_replaceable(folder: str | Path, stage: str) -> None:
+    """A results folder about to be replaced must be one `stage` wrote (its
+    manifest says so): never replace a folder of the user's by mistake."""
+    folder = Path(folder)
+    if not folder.exists():
+        return
+    try:
+        read_manifest(folder, stage, verify=False)
+    except (StaleArtifactError, OSError, ValueError):
+        raise ConfigError(f"the results folder exists and was not written by {stage} (it would be replaced)",
+                          str(folder), "a new folder (--out)") from None
 
 
 def verify_files(folder: Path, manifest: dict) -> None:

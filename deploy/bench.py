@@ -511,13 +511,7 @@ def plot(report: dict, path: Path) -> None:
 def write(report: dict, folder: Path) -> None:
     """Write the results folder; an existing folder is replaced only if an
     earlier bench wrote it."""
-    folder = Path(folder)
-    if folder.exists():
-        try:
-            artifacts.read_manifest(folder, "bench", verify=False)
-        except Exception:
-            raise ConfigError("the results folder exists and was not written by bench (it would be replaced)",
-                              str(folder)) from None
+    artifacts.check_replaceable(folder, "bench")
     with artifacts.staged_dir(folder) as tmp:
         artifacts.write_json_atomic(tmp / "results.json", report)
         (tmp / "results.md").write_text(markdown(report))

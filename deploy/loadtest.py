@@ -45,7 +45,7 @@ import numpy as np
 
 from . import artifacts
 from .config import LoadtestConfig, ServeConfig
-from .errors import ConfigError, StaleArtifactError
+from .errors import StaleArtifactError
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
     from . import runtime
 
     folder, out = Path(folder), Path(out)
-    _check_out(out)
+    artifacts.check_replaceable(out, STAGE)
     manifest = runtime.check_package(folder)
     runtime.check_device(manifest)
     precision = manifest.get("precision", "fp32")
@@ -434,19 +434,10 @@ def default_out(manifest: dict) -> Path:
     return REPO_ROOT / "results" / machine / _dt.date.today().isoformat() / f"{manifest['model']}-loadtest"
 
 
-def _check_out(out: Path) -> None:
-    if out.exists():
-        try:
-            artifacts.read_manifest(out, STAGE, verify=False)
-        except StaleArtifactError:
-            raise ConfigError("the results folder exists and was not written by loadtest (it would be replaced)",
-                              str(out), "a new folder (--out)") from None
-
-
 def write(report: dict, folder: Path, server_log: str = "") -> None:
     """results.json, results.md and the server's log; an existing folder is
     replaced only if an earlier load test wrote it."""
-    _check_out(folder)
+    artifacts.check_replaceable(folder, STAGE)
     with artifacts.staged_dir(folder) as tmp:
         artifacts.write_json_atomic(tmp / "results.json", report)
         (tmp / "results.md").write_text(markdown(report))
