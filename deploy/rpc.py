@@ -361,33 +361,44 @@ def _open(pool: RPCPool, tracker: Tracker, timeout_s: float):
         raise RPCPoolError(f"cannot connect to the RPC server {host}:{port}", _reason(e)) from None
 
 
+def _within(work, seconds: float) -> bool:
+    """Run `work()` in a daemon thread for at most `seconds`: True if it
+    finished; its exception is raised here. A hung server would block a
+    connect forever; TVM's RPC calls release the GIL, so the thread can be
+    given up on."""
+    box: dict = {}
+
+    def run():
+        try:
+            work()
+        except Exception as e:  # handed to the caller's thread
+            box["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(seconds)
+    if "error" in box:
+        raise box["error"]
+    return not th.is_alive()
+
+
 def probe_pool(pool: RPCPool) -> list[ServerDevice]:
     """Every server under the key, each in a session held until all are
     probed (a server serves one session at a time, so the tracker hands out
     each once). A server that does not answer within `pool.wait_s` fails."""
     addresses = servers_or_fail(pool)
     sessions, found = [], []
-    box: dict = {}
 
     def work():
-        try:
-            with connect(pool) as t:
-                for _ in addresses:
-                    sess, addr = _open(pool, t, pool.wait_s + 30)
-                    sessions.append(sess)
-                    found.append(probe(sess, addr))
-        except Exception as e:  # handed to the caller's thread
-            box["error"] = e
+        with connect(pool) as t:
+            for _ in addresses:
+                sess, addr = _open(pool, t, pool.wait_s + 30)
+                sessions.append(sess)
+                found.append(probe(sess, addr))
 
-    # A hung server would block a connect forever; TVM's RPC calls release
-    # the GIL, so a thread can be given up on.
-    th = threading.Thread(target=work, daemon=True)
-    th.start()
-    th.join(pool.wait_s + 15)
+    finished = _within(work, pool.wait_s + 15)
     sessions.clear()
-    if "error" in box:
-        raise box["error"]
-    if th.is_alive():
+    if not finished:
         raise RPCPoolError(f"RPC servers under key '{pool.key}' did not all answer within {pool.wait_s + 15:.0f} s",
                            f"{len(found)} of {len(addresses)} answered", "servers that are up and not busy with another run")
     return found
@@ -421,22 +432,14 @@ def resolve_target(text: str, pool: RPCPool) -> TargetInfo:
     box: dict = {}
 
     def work():
-        try:
-            with connect(pool) as t:
-                sess, addr = _open(pool, t, pool.wait_s + 30)
-                found = probe(sess, addr)
-                box["found"] = found
-                if found.cuda:
-                    box["info"] = _pool_cuda_target(text, found, sess.cuda(0))
-        except Exception as e:
-            box["error"] = e
+        with connect(pool) as t:
+            sess, addr = _open(pool, t, pool.wait_s + 30)
+            found = probe(sess, addr)
+            box["found"] = found
+            if found.cuda:
+                box["info"] = _pool_cuda_target(text, found, sess.cuda(0))
 
-    th = threading.Thread(target=work, daemon=True)
-    th.start()
-    th.join(pool.wait_s + 15)
-    if "error" in box:
-        raise box["error"]
-    if "found" not in box:
+    if not _within(work, pool.wait_s + 15):
         raise RPCPoolError(f"no RPC server under key '{pool.key}' answered within {pool.wait_s + 15:.0f} s", pool.address)
     found = box["found"]
     if text == "auto" and not found.cuda:
