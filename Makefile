@@ -30,6 +30,7 @@ CONCURRENCY ?=
 OUT       ?=
 TRACKER   ?=
 RPC_KEY   ?=
+RPC_LANES ?=
 GPU       ?=
 PYTEST_ARGS ?=
 
@@ -61,7 +62,7 @@ SERVE_ARGS := $(if $(PACKAGE),--package $(PACKAGE),--model $(MODEL)) \
 	$(if $(HOST),--host $(HOST)) \
 	$(if $(PORT),--port $(PORT))
 
-RPC_ARGS := $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY))
+RPC_ARGS := $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY)) $(if $(RPC_LANES),--rpc-lanes $(RPC_LANES))
 
 .PHONY: tune profile bench serve loadtest rpc-tracker rpc-server rpc-status test install clean
 

@@ -99,7 +99,8 @@ def prepare(args):
     from .pipeline import DEFAULT_DB_ROOT, default_workdir
 
     cfg = resolve_config(args)
-    pool = config_mod.rpc_pool(getattr(args, "tracker", None), getattr(args, "rpc_key", None))
+    pool = config_mod.rpc_pool(getattr(args, "tracker", None), getattr(args, "rpc_key", None),
+                               getattr(args, "rpc_lanes", None))
     if pool is not None:
         from . import rpc
 
@@ -390,6 +391,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _add_pool(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracker", help="HOST:PORT of a TVM RPC tracker: measure candidates on its servers (with --rpc-key)")
     p.add_argument("--rpc-key", help="the key the RPC servers registered under (one server per GPU)")
+    p.add_argument("--rpc-lanes", type=int,
+                   help="tuning processes sharing this machine's CPUs, each over a share of the tasks (default: one per server)")
 
 
 def cmd_rpc_tracker(args) -> int:

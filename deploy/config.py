@@ -193,6 +193,9 @@ class RPCPool:
     # How long to wait for a free server, and for every server to answer the
     # device check when a run starts.
     wait_s: float = 60.0
+    # Tuning processes, each over a share of the tasks and of this machine's
+    # CPUs, all measuring on the pool: 0 means one per server.
+    lanes: int = 0
 
     @property
     def address(self) -> str:
@@ -420,8 +423,13 @@ def parse_address(text: str, where: str = "--tracker") -> tuple[str, int]:
     return host, int(port)
 
 
-def rpc_pool(tracker: str | None, key: str | None) -> RPCPool | None:
-    """The pool named by --tracker and --rpc-key (both or neither)."""
+def rpc_pool(tracker: str | None, key: str | None, lanes: int | None = None) -> RPCPool | None:
+    """The pool named by --tracker and --rpc-key (both or neither), tuned
+    from `lanes` processes (--rpc-lanes; default one per server)."""
+    if lanes is not None and lanes < 0:
+        raise ConfigError("invalid --rpc-lanes", lanes, "0 (one per server) or more")
+    if lanes and not (tracker or key):
+        raise ConfigError("--rpc-lanes needs --tracker and --rpc-key", lanes, "lanes measure on an RPC pool")
     if not tracker and not key:
         return None
     if not tracker or not key:
@@ -430,7 +438,7 @@ def rpc_pool(tracker: str | None, key: str | None) -> RPCPool | None:
     host, port = parse_address(tracker)
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", key):
         raise ConfigError("invalid --rpc-key", repr(key), "letters, digits, '_', '.' or '-'")
-    return RPCPool(host, port, key)
+    return RPCPool(host, port, key, lanes=lanes or 0)
 
 
 def to_dict(obj) -> dict:

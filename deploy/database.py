@@ -176,6 +176,31 @@ def pack(folder: Path) -> int:
     return added
 
 
+def absorb(folder: Path, other: Path) -> int:
+    """Fold every record of the database at `other` (compressed files and
+    any working copy) into `folder`'s compressed files, a union like
+    `pack`; returns the number of records added. Both must have one key."""
+    folder, other = Path(folder), Path(other)
+    if not has_records(other):
+        return 0
+    if (other / KEY_FILE).is_file():
+        key = json.loads((other / KEY_FILE).read_text())
+        check_key(folder, key)
+        folder.mkdir(parents=True, exist_ok=True)
+        if not (folder / KEY_FILE).is_file():
+            artifacts.write_json_atomic(folder / KEY_FILE, key)
+    pack(folder)
+    if (other / RECORDS).is_file():
+        repair_jsonl(other / WORKLOADS, only_last=True)
+        repair_jsonl(other / RECORDS)
+    base = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
+    workloads, records, added = merge(base, _all_lines(other))
+    if added:
+        _write_packed(folder / (WORKLOADS + PACKED), workloads)
+        _write_packed(folder / (RECORDS + PACKED), records)
+    return added
+
+
 def has_records(folder: Path) -> bool:
     folder = Path(folder)
     return any((folder / n).is_file() for n in (RECORDS, RECORDS + PACKED))
@@ -227,8 +252,11 @@ def _json_database(folder: Path):
     from .tvm_compat import ms, register_tensor_intrinsics
 
     # Records of tensorized schedules name TVM's tensor intrinsics, which
-    # must be registered before the records are parsed.
-    register_tensor_intrinsics()
+    # must be registered before the records are parsed (20-70 s on a small
+    # machine: skipped when there is no record to parse).
+    records = folder / RECORDS
+    if records.is_file() and records.stat().st_size:
+        register_tensor_intrinsics()
     return ms.database.JSONDatabase(
         path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / RECORDS), allow_missing=True
     )

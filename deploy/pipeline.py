@@ -54,7 +54,8 @@ def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budg
         f"databases  {db_root}",
     ]
     if pool is not None:
-        lines.append(f"measure on RPC servers under key '{pool.key}' at tracker {pool.address}")
+        lanes = f"{pool.lanes} tuning lane(s)" if pool.lanes else "one tuning lane per server"
+        lines.append(f"measure on RPC servers under key '{pool.key}' at tracker {pool.address} ({lanes})")
     return "\n".join(lines)
 
 
@@ -179,8 +180,11 @@ def format_summary(summary: dict) -> str:
             if split and split.get("Total"):
                 build_s = split.get("SendToBuilder", 0.0)
                 run_s = split.get("SendToRunner", 0.0) + split.get("JoinRunnerFutures", 0.0)
+                lanes = s.get("lanes")
                 lines.append(
-                    f"           {split['Total']:.0f} s tuning: build {build_s:.0f} s, run {run_s:.0f} s, "
+                    f"           {split['Total']:.0f} s tuning"
+                    + (f" (summed over {len(lanes)} lanes, {s['seconds']:.0f} s wall)" if lanes else "")
+                    + f": build {build_s:.0f} s, run {run_s:.0f} s, "
                     f"search and cost model {split['Total'] - build_s - run_s:.0f} s"
                     + (f", {s['trials_per_minute']} trials/min" if s.get("trials_per_minute") else "")
                 )

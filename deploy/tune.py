@@ -30,7 +30,7 @@ from pathlib import Path
 from . import artifacts
 from . import database as dbs
 from .config import InputSpec, Profile, RPCPool
-from .errors import TargetError
+from .errors import DeployError, TargetError
 from .rpc import LOST
 from .optimize import OptimizeArtifact
 from .targets import TargetInfo
@@ -314,128 +314,63 @@ def tune_bucket(
     """Tune one bucket's module into the database at `db_dir`; returns a
     summary. The database's working copy is packed however the run ends
     (deadline, Ctrl-C, an error, the RPC pool lost). With `pool`, candidates
-    are measured on its `n_servers` servers (checked by `rpc.check_pool`)."""
-    db = dbs.open_for_tuning(db_dir, key)
-    try:
-        summary = _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed, pool, n_servers)
-    finally:
-        dbs.pack(db_dir)
+    are measured on its `n_servers` servers (checked by `rpc.check_pool`),
+    from `lanes(pool, n_servers)` tuning processes."""
+    tvm_target = target.tvm_target()
+    all_tasks = extract_tasks(mod, tvm_target)
+    plan, global_left = _plan(all_tasks, db_dir, profile)
+    summary = {
+        "database": str(db_dir),
+        "tasks_total": len(all_tasks),
+        "tasks_selected": len(plan),
+        "tasks": {},
+        "trials_before": sum(p["done"] for p in plan),
+        "cpus": usable_cpus(),
+    }
+    todo = [p for p in plan if p["left"] > 0]
+    n_lanes = min(lanes(pool, n_servers), len(todo))
+    stats: dict = {}
+    started = time.time()
+    if todo and global_left > 0 and (deadline is None or time.time() < deadline):
+        if n_lanes > 1:
+            _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadline, work, seed, pool, n_servers,
+                        summary, stats)
+        else:
+            db = dbs.open_for_tuning(db_dir, key)
+            try:
+                _tune_tasks(todo, global_left, db, db_dir.name, key, target, profile, deadline, work, seed, pool,
+                            n_servers, usable_cpus(), summary, stats)
+            finally:
+                dbs.pack(db_dir)
+    summary.update(_outcome(plan, db_dir, stats, time.time() - started, deadline))
     summary["database_digest"] = dbs.digest(db_dir)
     return summary
 
 
-def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed, pool=None, n_servers=0) -> dict:
-    from tqdm.auto import tqdm
-
-    from .tvm_compat import ms
-
-    tvm_target = target.tvm_target()
-    all_tasks = extract_tasks(mod, tvm_target)
+def _plan(all_tasks, db_dir: Path, profile: Profile) -> tuple[list[dict], int]:
+    """The tasks to tune (the heaviest `max_tasks`), each with the trials it
+    already has and what is left of its budget; and the trials left overall."""
     flops = {t.task_name: task_flops(t) for t in all_tasks}
     ranked = sorted(all_tasks, key=lambda t: flops[t.task_name] * t.weight, reverse=True)
     chosen = ranked[: profile.max_tasks] if profile.max_tasks else ranked
     plan = []
     for t, (done, best) in zip(chosen, dbs.trials_done(db_dir, [t.dispatched[0] for t in chosen])):
-        plan.append({"task": t, "name": t.task_name, "done": done, "best_s": best, "left": max(0, profile.trials_per_task - done)})
+        plan.append({"name": t.task_name, "mod": t.dispatched[0], "weight": float(t.weight), "flops": flops[t.task_name],
+                     "done": done, "best_s": best, "left": max(0, profile.trials_per_task - done)})
     total_done = sum(p["done"] for p in plan)
-    todo = [p for p in plan if p["left"] > 0]
-    global_left = min(max(0, profile.trials - total_done), sum(p["left"] for p in todo))
-    summary = {
-        "database": str(db_dir),
-        "tasks_total": len(all_tasks),
-        "tasks_selected": len(chosen),
-        "tasks": {},
-        "trials_before": total_done,
-        "cpus": usable_cpus(),
-    }
-    stats = {p["name"]: {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None} for p in todo}
-    stop = threading.Event()  # set by the RPC runner when its pool is lost
-    started = time.time()
-    if todo and global_left > 0 and (deadline is None or time.time() < deadline):
-        logs = work / "logs" / db_dir.name
-        _drop_unnamed_handlers()
-        loggers = ms.logging.get_loggers_from_work_dir(str(logs), [p["name"] for p in todo])
-        _quiet_console()
-        seeds = ms.utils.fork_seed(seed, n=len(todo))
-        contexts = [
-            ms.TuneContext(
-                mod=p["task"].dispatched[0],
-                target=tvm_target,
-                space_generator=_design_space(p["task"].dispatched[0], tvm_target, s)[0],
-                search_strategy=_make_deadline_search(
-                    deadline, p["left"], profile.search_population, profile.search_generations,
-                    stop,
-                ),
-                task_name=p["name"],
-                logger=lg,
-                rand_state=s,
-                # every usable core: the evolutionary search is CPU-bound between batches
-                num_threads=usable_cpus(),
-            )
-            for p, lg, s in zip(todo, loggers, seeds)
-        ]
-        # Generate (and cache) each design space before tuning: a task whose
-        # space cannot be generated is left to the default schedules.
-        kept = []
-        for p, ctx in zip(todo, contexts):
-            try:
-                ctx.generate_design_space()
-                kept.append((p, ctx))
-            except Exception as e:  # TVM raises ScheduleError/TVMError subclasses
-                reason = _first_line(str(e))
-                summary.setdefault("unschedulable", {})[p["name"]] = reason
-                log.warning("tune: %s: no design space (%s); left to default schedules", p["name"], reason)
-        todo, contexts = [p for p, _ in kept], [c for _, c in kept]
-        global_left = min(global_left, sum(p["left"] for p in todo))
-        failures = work / "failures.jsonl"
-        log.info(
-            "tune: %s: %d of %d tasks to tune, %d trials (%d already in the database)",
-            db_dir.name, len(todo), len(all_tasks), global_left, total_done,
-        )
-        if todo and global_left > 0:
-            label = f"tune b{key['inputs'][0]['shape'][0]}"
-            # MetaSchedule's own profiler splits the time between search,
-            # building, running and the cost model: where tuning time goes.
-            builder = _make_builder(usable_cpus(), profile.builder_timeout_s)
-            runner = _runner(target, profile, pool, n_servers, stop)
-            measurer = getattr(runner, "measurer", None)  # the RPC pool's state
-            try:
-                with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True) as bar, ms.Profiler() as prof:
-                    ms.tune_tasks(
-                        tasks=contexts,
-                        task_weights=[float(p["task"].weight) for p in todo],
-                        work_dir=str(logs),
-                        max_trials_global=global_left,
-                        max_trials_per_task=profile.trials_per_task,
-                        num_trials_per_iter=profile.trials_per_iter,
-                        builder=builder,
-                        runner=runner,
-                        database=db,
-                        cost_model="xgb",
-                        measure_callbacks=[
-                            ms.measure_callback.AddToDatabase() if measurer is None else measurer.add_to_database(),
-                            ms.measure_callback.RemoveBuildArtifact(),
-                            ms.measure_callback.UpdateCostModel(),
-                            _make_progress_callback([p["name"] for p in todo], stats, failures, bar),
-                        ],
-                        task_scheduler="gradient",
-                    )
-            finally:
-                builder.close()
-                if measurer is not None:
-                    measurer.close()
-            summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
-            if measurer is not None:
-                summary["rpc"] = measurer.stats
-                if measurer.fatal is not None:
-                    log.error("tune: %s", measurer.fatal)
-                    raise measurer.fatal
-    elapsed = time.time() - started
-    for p, (done, best) in zip(plan, dbs.trials_done(db_dir, [p["task"].dispatched[0] for p in plan])):
-        s = stats.get(p["name"], {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None})
-        summary["tasks"][p["name"]] = {
-            "weight": int(p["task"].weight),
-            "flops": flops[p["name"]],
+    global_left = min(max(0, profile.trials - total_done), sum(p["left"] for p in plan))
+    return plan, global_left
+
+
+def _outcome(plan: list[dict], db_dir: Path, stats: dict, elapsed: float, deadline: float | None) -> dict:
+    """Per-task trials and best times from the database (all records, not
+    only this run's), this run's candidate counts, and the totals."""
+    tasks = {}
+    for p, (done, best) in zip(plan, dbs.trials_done(db_dir, [p["mod"] for p in plan])):
+        s = stats.get(p["name"], _new_stats())
+        tasks[p["name"]] = {
+            "weight": int(p["weight"]),
+            "flops": p["flops"],
             "trials": done,
             "new_trials": s["candidates"],
             "build_errors": s["build_errors"],
@@ -443,17 +378,269 @@ def _tune_into(mod, db, db_dir, key, target, profile, deadline, work, seed, pool
             "best_us_before_run": None if p["best_s"] is None else p["best_s"] * 1e6,
             "best_us": None if best is None else best * 1e6,
         }
-    new = sum(t["new_trials"] for t in summary["tasks"].values())
-    bad = sum(t["build_errors"] + t["run_errors"] for t in summary["tasks"].values())
-    summary.update(
-        trials_after=sum(t["trials"] for t in summary["tasks"].values()),
-        new_trials=new,
-        valid_fraction=None if not new else (new - bad) / new,
-        seconds=round(elapsed, 1),
-        trials_per_minute=None if not new or elapsed <= 0 else round(new / elapsed * 60, 1),
-        stopped_by_deadline=bool(deadline is not None and time.time() >= deadline and todo),
-    )
-    return summary
+    new = sum(t["new_trials"] for t in tasks.values())
+    bad = sum(t["build_errors"] + t["run_errors"] for t in tasks.values())
+    return {
+        "tasks": tasks,
+        "trials_after": sum(t["trials"] for t in tasks.values()),
+        "new_trials": new,
+        "valid_fraction": None if not new else (new - bad) / new,
+        "seconds": round(elapsed, 1),
+        "trials_per_minute": None if not new or elapsed <= 0 else round(new / elapsed * 60, 1),
+        "stopped_by_deadline": bool(deadline is not None and time.time() >= deadline and any(p["left"] for p in plan)),
+    }
+
+
+def _new_stats() -> dict:
+    return {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None}
+
+
+def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadline, work, seed, pool, n_servers, cpus,
+                summary, stats, lane: int | None = None) -> None:
+    """MetaSchedule over `todo` into `db`, with `cpus` build workers and
+    search threads; fills `stats` (per task) and `summary` (time split, RPC
+    statistics, tasks without a design space). Raises the RPC pool's fatal
+    error after the run has stopped."""
+    from tqdm.auto import tqdm
+
+    from .tvm_compat import ms
+
+    tvm_target = target.tvm_target()
+    for p in todo:
+        stats[p["name"]] = _new_stats()
+    stop = threading.Event()  # set by the RPC runner when its pool is lost
+    logs = work / "logs" / label_name
+    _drop_unnamed_handlers()
+    loggers = ms.logging.get_loggers_from_work_dir(str(logs), [p["name"] for p in todo])
+    _quiet_console()
+    seeds = ms.utils.fork_seed(seed, n=len(todo))
+    contexts = [
+        ms.TuneContext(
+            mod=p["mod"],
+            target=tvm_target,
+            space_generator=_design_space(p["mod"], tvm_target, s)[0],
+            search_strategy=_make_deadline_search(
+                deadline, p["left"], profile.search_population, profile.search_generations, stop,
+            ),
+            task_name=p["name"],
+            logger=lg,
+            rand_state=s,
+            # every core given: the evolutionary search is CPU-bound between batches
+            num_threads=cpus,
+        )
+        for p, lg, s in zip(todo, loggers, seeds)
+    ]
+    # Generate (and cache) each design space before tuning: a task whose
+    # space cannot be generated is left to the default schedules.
+    kept = []
+    for p, ctx in zip(todo, contexts):
+        try:
+            ctx.generate_design_space()
+            kept.append((p, ctx))
+        except Exception as e:  # TVM raises ScheduleError/TVMError subclasses
+            reason = _first_line(str(e))
+            summary.setdefault("unschedulable", {})[p["name"]] = reason
+            log.warning("tune: %s: no design space (%s); left to default schedules", p["name"], reason)
+    todo, contexts = [p for p, _ in kept], [c for _, c in kept]
+    global_left = min(global_left, sum(p["left"] for p in todo))
+    failures = work / "failures.jsonl"
+    where = "" if lane is None else f" (lane {lane})"
+    log.info("tune: %s%s: %d tasks to tune, %d trials", label_name, where, len(todo), global_left)
+    if not todo or global_left <= 0:
+        return
+    label = f"tune b{key['inputs'][0]['shape'][0]}" + ("" if lane is None else f" lane {lane}")
+    # MetaSchedule's own profiler splits the time between search,
+    # building, running and the cost model: where tuning time goes.
+    builder = _make_builder(cpus, profile.builder_timeout_s)
+    runner = _runner(target, profile, pool, n_servers, stop)
+    measurer = getattr(runner, "measurer", None)  # the RPC pool's state
+    try:
+        with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True, position=lane or 0) as bar, \
+                ms.Profiler() as prof:
+            ms.tune_tasks(
+                tasks=contexts,
+                task_weights=[p["weight"] for p in todo],
+                work_dir=str(logs),
+                max_trials_global=global_left,
+                max_trials_per_task=profile.trials_per_task,
+                num_trials_per_iter=profile.trials_per_iter,
+                builder=builder,
+                runner=runner,
+                database=db,
+                cost_model="xgb",
+                measure_callbacks=[
+                    ms.measure_callback.AddToDatabase() if measurer is None else measurer.add_to_database(),
+                    ms.measure_callback.RemoveBuildArtifact(),
+                    ms.measure_callback.UpdateCostModel(),
+                    _make_progress_callback([p["name"] for p in todo], stats, failures, bar),
+                ],
+                task_scheduler="gradient",
+            )
+    finally:
+        builder.close()
+        if measurer is not None:
+            measurer.close()
+    summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
+    if measurer is not None:
+        summary["rpc"] = measurer.stats
+        if measurer.fatal is not None:
+            log.error("tune: %s", measurer.fatal)
+            raise measurer.fatal
+
+
+# ------------------------------------------------------------------ lanes ---
+
+
+def lanes(pool: RPCPool | None, n_servers: int) -> int:
+    """Tuning processes for a run: one without a pool (a local GPU measures
+    one candidate at a time); with a pool, `pool.lanes`, or one per server."""
+    if pool is None:
+        return 1
+    return max(1, pool.lanes or n_servers)
+
+
+def split_tasks(todo: list[dict], n: int) -> list[list[dict]]:
+    """Tasks into `n` lanes of about equal trials left (longest first onto
+    the lane with the fewest): a lane tunes its tasks start to end, so the
+    run lasts as long as its busiest lane."""
+    out: list[list[dict]] = [[] for _ in range(n)]
+    load = [0] * n
+    for p in sorted(todo, key=lambda p: (-p["left"], -p["flops"] * p["weight"])):
+        i = min(range(n), key=lambda j: (load[j], len(out[j])))
+        out[i].append(p)
+        load[i] += p["left"]
+    return [lane for lane in out if lane]
+
+
+def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadline, work, seed, pool, n_servers,
+                summary, stats) -> None:
+    """Tune `todo` in `n_lanes` processes, each over its share of the tasks
+    with its share of the CPUs, each measuring on the pool (the tracker
+    hands each session a free server, so one GPU never measures two
+    candidates at once). Each lane tunes into a database of its own, seeded
+    from this one; every lane's records are folded into `db_dir` however the
+    lanes end. One process's tuning is CPU-bound (search and building are
+    ~85% of a batch on the H200), so more GPUs alone would only shorten the
+    measuring; lanes put every core and every GPU to work at once."""
+    import concurrent.futures
+    import multiprocessing
+    import shutil
+
+    from .tvm_compat import save_json
+
+    dbs.check_key(db_dir, key)
+    dbs.pack(db_dir)  # records a killed run left: every lane seeds from them
+    groups = split_tasks(todo, n_lanes)
+    total_left = sum(p["left"] for p in todo)
+    cpus = max(1, usable_cpus() // len(groups))
+    specs = []
+    for i, group in enumerate(groups):
+        lane_db = work / "lanes" / f"{db_dir.name}-{i}"
+        if lane_db.exists():
+            shutil.rmtree(lane_db)
+        lane_db.mkdir(parents=True)
+        for name in (dbs.KEY_FILE, dbs.WORKLOADS + dbs.PACKED, dbs.RECORDS + dbs.PACKED):
+            if (db_dir / name).is_file():
+                shutil.copy2(db_dir / name, lane_db / name)
+        left = sum(p["left"] for p in group)
+        specs.append({
+            "lane": i,
+            "tasks": [{k: v for k, v in p.items() if k != "mod"} | {"mod": save_json(p["mod"])} for p in group],
+            "global_left": min(left, max(1, round(global_left * left / total_left))),
+            "db": str(lane_db), "name": db_dir.name, "key": key, "target": target, "profile": profile,
+            "deadline": deadline, "work": str(work / "lanes" / f"work-{i}"), "seed": seed + 104729 * i,
+            "pool": pool, "n_servers": n_servers, "cpus": cpus,
+        })
+    log.info("tune: %s: %d tasks in %d lanes of %d CPUs each (%s tasks)", db_dir.name, len(todo), len(groups), cpus,
+             "/".join(str(len(g)) for g in groups))
+    results, crashed = [], []
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that has loaded TVM and CUDA
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=len(specs), mp_context=ctx) as ex:
+            futures = [ex.submit(_lane_main, spec) for spec in specs]
+            for spec, f in zip(specs, futures):
+                try:
+                    results.append(f.result())
+                except Exception as e:  # a bug, or the lane's process died: after the records are folded in
+                    crashed.append((spec["lane"], e))
+    finally:
+        # However the lanes ended, keep every record they measured.
+        for spec in specs:
+            dbs.absorb(db_dir, Path(spec["db"]))
+        for spec in specs:
+            failures = Path(spec["work"]) / "failures.jsonl"
+            if failures.is_file():
+                with open(work / "failures.jsonl", "a") as f:
+                    f.write(failures.read_text())
+    _combine_lanes(results, summary, stats, cpus)
+    if crashed:
+        lane, e = crashed[0]
+        raise RuntimeError(f"tuning lane {lane} failed ({type(e).__name__}: {e}); its measured records are kept") from e
+    fatal = next((r["fatal"] for r in results if r.get("fatal") is not None), None)
+    if fatal is not None:
+        log.error("tune: %s", fatal)
+        raise fatal
+
+
+def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -> None:
+    split: dict = {}
+    rpc_all = None
+    summary["lanes"] = []
+    for r in results:
+        stats.update(r["stats"])
+        for k, v in r["summary"].get("time_split_s", {}).items():
+            split[k] = round(split.get(k, 0.0) + v, 2)
+        summary.setdefault("unschedulable", {}).update(r["summary"].get("unschedulable", {}))
+        rpc = r["summary"].get("rpc")
+        if rpc:
+            if rpc_all is None:
+                rpc_all = {"tracker": rpc["tracker"], "key": rpc["key"], "servers": {}, "retried": 0,
+                           "lost_sessions": 0, "hung": []}
+            for addr, c in rpc["servers"].items():
+                have = rpc_all["servers"].setdefault(addr, {"measured": 0, "failed": 0, "lost": 0})
+                for k in have:
+                    have[k] += c.get(k, 0)
+            rpc_all["retried"] += rpc["retried"]
+            rpc_all["lost_sessions"] += rpc["lost_sessions"]
+            rpc_all["hung"] = sorted(set(rpc_all["hung"]) | set(rpc["hung"]))
+        summary["lanes"].append({"lane": r["lane"], "tasks": sorted(r["stats"]), "cpus": cpus, "seconds": r["seconds"],
+                                 "new_trials": sum(s["candidates"] for s in r["stats"].values()),
+                                 "time_split_s": r["summary"].get("time_split_s", {})})
+    if not summary.get("unschedulable"):
+        summary.pop("unschedulable", None)
+    if split:
+        # Summed over the lanes, which ran at the same time: CPU-side seconds, not wall time.
+        summary["time_split_s"] = dict(sorted(split.items(), key=lambda kv: -kv[1]))
+    if rpc_all is not None:
+        summary["rpc"] = rpc_all
+
+
+def _lane_main(spec: dict) -> dict:
+    """One lane, in a process of its own: its tasks into its database."""
+    from .tvm_compat import load_json
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    db_dir, work = Path(spec["db"]), Path(spec["work"])
+    work.mkdir(parents=True, exist_ok=True)
+    todo = [{**t, "mod": load_json(t["mod"])} for t in spec["tasks"]]
+    summary: dict = {}
+    stats: dict = {}
+    fatal = None
+    started = time.time()
+    db = dbs.open_for_tuning(db_dir, spec["key"])
+    try:
+        _tune_tasks(todo, spec["global_left"], db, spec["name"], spec["key"], spec["target"], spec["profile"],
+                    spec["deadline"], work, spec["seed"], spec["pool"], spec["n_servers"], spec["cpus"], summary,
+                    stats, lane=spec["lane"])
+    except DeployError as e:  # the pool was lost: the parent raises it once every lane's records are folded in
+        fatal = e
+    finally:
+        dbs.pack(db_dir)
+    for s in stats.values():
+        s["best_s"] = None if s["best_s"] is None else float(s["best_s"])
+    return {"lane": spec["lane"], "summary": summary, "stats": stats, "fatal": fatal,
+            "seconds": round(time.time() - started, 1)}
 
 
 def run(

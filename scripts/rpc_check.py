@@ -1,20 +1,23 @@
 """Tuning through TVM's RPC tracker against tuning on the local device, in
 one run on one machine (loopback): what the GPU machines check.
 
-  python scripts/rpc_check.py --model resnet50 --target cuda --out $OUT [--trials 128 --max-tasks 2]
+  python scripts/rpc_check.py --model resnet50 --target cuda --out $OUT [--trials 192 --max-tasks 4]
 
 Starts a tracker on 127.0.0.1 and RPC servers: one under key `one` (GPU 0)
 and one per visible GPU under key `all` (CUDA_VISIBLE_DEVICES per server;
 with `--target llvm`, `--servers N` CPU servers). Then, on the same tasks
-(the model's heaviest `--max-tasks`), each from an empty database:
-  local  MetaSchedule's LocalRunner on this process's GPU 0
-  one    the RPC runner, one server (one GPU)
-  all    the RPC runner, every server
-and reports trials/min of each (and the time spent measuring). Then the
-best schedule of every task of the `one` run is built once and measured
-`--rounds` times alternately on the local device and through RPC: the same
-kernel, so the two times should agree within noise.
-Writes $OUT/rpc_check.json and $OUT/rpc_check.md; server logs in $OUT/logs.
+(the model's heaviest `--max-tasks`), each mode from an empty database:
+  local      MetaSchedule's LocalRunner on this process's GPU 0, one process
+  one        one server (one GPU), one tuning process
+  one-lanes  one server, one tuning process (lane) per server of `all`
+  all-1lane  every server, one tuning process (only measuring is spread)
+  all        every server, one lane per server (what `make tune` does)
+and reports trials/min of each, against `one`. After `one`, the best
+schedule of each of its tasks is built once and timed `--rounds` times
+alternately on the local device and through RPC: the same kernel, so the
+two times should agree within noise.
+Writes $OUT/rpc_check.json and $OUT/rpc_check.md after every mode (a run
+cut short still reports what it measured); server logs in $OUT/logs.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def tune_mode(name, cfg, target, ex, opt, out: Path, pool=None) -> dict:
     return {
         "mode": name,
         "servers": None if pool is None else s.get("rpc", {}).get("servers"),
+        "lanes": len(s.get("lanes", [])) or 1,
+        "lane_seconds": [lane["seconds"] for lane in s.get("lanes", [])],
         "new_trials": s["new_trials"],
         "valid_fraction": s["valid_fraction"],
         "seconds": s["seconds"],
@@ -128,16 +133,17 @@ def markdown(report: dict) -> str:
              (f"{report['trials']} trials per mode over the {report['max_tasks']} heaviest tasks; "
               f"{report['gpus']} GPU(s) / servers under `all`. Same database key locally and through RPC: "
               f"{report['same_database_key']}."), "",
-             "| mode | servers | trials | valid | seconds | trials/min | measuring s | building s | vs one |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | servers | lanes | trials | valid | seconds | trials/min | measuring s | building s | vs one |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     base = next((m["trials_per_minute"] for m in report["modes"] if m["mode"] == "one"), None)
     for m in report["modes"]:
         servers = "local" if m["servers"] is None else len(m["servers"])
         vf = "n/a" if m["valid_fraction"] is None else f"{m['valid_fraction']:.0%}"
         rel = f"{m['trials_per_minute'] / base:.2f}x" if base and m["trials_per_minute"] else ""
-        lines.append(f"| {m['mode']} | {servers} | {m['new_trials']} | {vf} | {m['seconds']} | {m['trials_per_minute']} | "
+        lines.append(f"| {m['mode']} | {servers} | {m['lanes']} | {m['new_trials']} | {vf} | {m['seconds']} | {m['trials_per_minute']} | "
                      f"{m['measure_seconds']} | {m['build_seconds']} | {rel} |")
-    lines += ["", f"Same kernels (best of each task in the `one` run), {report['rounds']} alternating rounds, median us:", "",
+    lines += ["", "Measuring and building seconds are summed over a mode's lanes (they run at the same time).", "",
+              f"Same kernels (best of each task in the `one` run), {report['rounds']} alternating rounds, median us:", "",
               "| kernel | local | RPC | RPC/local |", "|---|---|---|---|"]
     for k, v in report["same_kernels"].items():
         f = lambda x: "-" if x is None else f"{x:.2f}"
@@ -150,12 +156,12 @@ def main() -> int:
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--target", default="cuda", help="cuda, or llvm to try it on a CPU machine")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--trials", type=int, default=128, help="trials per mode")
+    ap.add_argument("--trials", type=int, default=192, help="trials per mode")
     ap.add_argument("--trials-per-task", type=int, default=64)
-    ap.add_argument("--max-tasks", type=int, default=2)
+    ap.add_argument("--max-tasks", type=int, default=4)
     ap.add_argument("--servers", type=int, default=0, help="servers under `all` (default: one per visible GPU; llvm: 2)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--modes", default="local,one,all")
+    ap.add_argument("--modes", default="one,one-lanes,all", help="from local, one, one-lanes, all-1lane, all")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     out = Path(args.out)
@@ -184,26 +190,38 @@ def main() -> int:
         remote_target = rpc.resolve_target(args.target, one)
         same_key = remote_target.key() == target.key()
         log.info("rpc_check: target through RPC %s the local one", "is" if same_key else "DIFFERS FROM")
-        modes = []
+        report = {
+            "model": cfg.model.name, "target": target.key(), "device": target.device_name or target.arch, "gpus": n,
+            "cpus": tune.usable_cpus(), "trials": args.trials, "max_tasks": args.max_tasks, "rounds": args.rounds,
+            "same_database_key": same_key, "modes": [], "same_kernels": {}, "profile": dataclasses.asdict(profile),
+        }
+        pools = {
+            "local": None,
+            "one": dataclasses.replace(one, lanes=1),
+            "one-lanes": dataclasses.replace(one, lanes=n),
+            "all-1lane": dataclasses.replace(pool, lanes=1),
+            "all": dataclasses.replace(pool, lanes=n),
+        }
         for name in args.modes.split(","):
-            p = {"local": None, "one": one, "all": pool}[name]
-            modes.append(tune_mode(name, cfg, remote_target if p else target, ex, opt, out, p))
-            print(json.dumps({k: v for k, v in modes[-1].items() if k != "rpc"}), flush=True)
-        db_mode = next((m for m in modes if m["mode"] == "one"), modes[-1])
-        key = json.loads((Path(db_mode["database"]) / "key.json").read_text())
-        same = remeasure(Path(db_mode["database"]), key, remote_target, profile, opt, one, args.rounds)
+            p = pools[name]
+            report["modes"].append(tune_mode(name, cfg, remote_target if p else target, ex, opt, out, p))
+            print(json.dumps({k: v for k, v in report["modes"][-1].items() if k != "rpc"}), flush=True)
+            write_report(out, report)
+            if name == "one":
+                m = report["modes"][-1]
+                key = json.loads((Path(m["database"]) / "key.json").read_text())
+                report["same_kernels"] = remeasure(Path(m["database"]), key, remote_target, profile, opt, one, args.rounds)
+                write_report(out, report)
     finally:
         for p in procs:
             p.stop()
-    report = {
-        "model": cfg.model.name, "target": target.key(), "device": target.device_name or target.arch, "gpus": n,
-        "trials": args.trials, "max_tasks": args.max_tasks, "rounds": args.rounds, "same_database_key": same_key,
-        "modes": modes, "same_kernels": same, "profile": dataclasses.asdict(profile),
-    }
-    (out / "rpc_check.json").write_text(json.dumps(report, indent=2, default=str))
-    (out / "rpc_check.md").write_text(markdown(report))
     print(markdown(report))
     return 0
+
+
+def write_report(out: Path, report: dict) -> None:
+    (out / "rpc_check.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "rpc_check.md").write_text(markdown(report))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import lzma
 import pytest
 
 from deploy import database as dbs
-from deploy.errors import StaleArtifactError
+from deploy.errors import DatabaseMismatchError, StaleArtifactError
 
 
 def _lines(*items):
@@ -97,3 +97,30 @@ def test_best_records_per_workload_for_builds_and_search_seeds():
     best2 = [json.loads(x)[1][0] for x in dbs._best_per_workload(recs, 2)]
     assert best2 == ["b", "d", "e", "f"]
     assert len(dbs._best_per_workload(recs, 10)) == 6  # the failed one too, ranked last
+
+
+def test_absorb_is_a_union_and_checks_the_key(tmp_path):
+    key = {"model": "m", "target": "t"}
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / dbs.KEY_FILE).write_text(json.dumps(key))
+    wl = ['["h1",{}]', '["h2",{}]']
+    rec = lambda w, t: json.dumps([w, [{"trace": t}, [1e-5], {}, []]])
+    (a / dbs.WORKLOADS).write_text(wl[0] + "\n")
+    (a / dbs.RECORDS).write_text(rec(0, "x") + "\n")
+    dbs.pack(a)
+    # b: packed records (one shared with a), plus a working copy a killed lane left
+    (b / dbs.WORKLOADS).write_text(wl[1] + "\n" + wl[0] + "\n")
+    (b / dbs.RECORDS).write_text(rec(0, "y") + "\n" + rec(1, "x") + "\n")
+    dbs.pack(b)
+    (b / dbs.WORKLOADS).write_text(wl[1] + "\n")
+    (b / dbs.RECORDS).write_text(rec(0, "z") + "\n" + '[0, [{"trace": "torn')
+    assert dbs.absorb(a, b) == 2  # y and z; x is already there; the torn line is dropped
+    workloads, records = dbs._all_lines(a)
+    got = sorted((json.loads(workloads[json.loads(r)[0]])[0], json.loads(r)[1][0]["trace"]) for r in records)
+    assert got == [("h1", "x"), ("h2", "y"), ("h2", "z")]
+    assert dbs.absorb(a, b) == 0
+    (b / dbs.KEY_FILE).write_text(json.dumps({**key, "target": "other"}))
+    with pytest.raises(DatabaseMismatchError, match="made for another target"):
+        dbs.absorb(a, b)

@@ -20,6 +20,7 @@ import pytest
 
 from deploy import config, rpc, tune
 from deploy import database as dbs
+from deploy.config import RPCPool
 from deploy.errors import DeviceMismatchError, RPCPoolError, TargetError
 
 from .conftest import make_config
@@ -334,3 +335,61 @@ def test_server_command_checks(procs, capsys):
     # The tracker's port is taken (by the test's tracker).
     assert cli.main(["rpc-tracker", "--port", str(procs.port)]) == 2
     assert f"cannot listen for the RPC tracker at 127.0.0.1:{procs.port}" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- lanes ---
+
+
+def test_split_tasks_balances_trials_left():
+    todo = [{"name": n, "left": left, "flops": 1.0, "weight": 1.0}
+            for n, left in [("a", 64), ("b", 64), ("c", 30), ("d", 20), ("e", 10), ("f", 4)]]
+    lanes = tune.split_tasks(todo, 2)
+    assert sorted(p["name"] for lane in lanes for p in lane) == list("abcdef")  # each task in one lane
+    loads = [sum(p["left"] for p in lane) for lane in lanes]
+    assert sum(loads) == 192 and max(loads) - min(loads) <= 4  # within the smallest task
+    assert tune.split_tasks(todo[:1], 3) == [[todo[0]]]  # no empty lane
+    assert tune.lanes(None, 4) == 1  # a local GPU measures one candidate at a time
+    assert tune.lanes(RPCPool("h", 1, "k"), 3) == 3 and tune.lanes(RPCPool("h", 1, "k", lanes=2), 3) == 2
+
+
+def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_path):
+    """Two tasks in two lanes (processes), measuring on two servers, one of
+    which dies at its first candidate: that candidate is measured on the
+    other; both lanes' records end up in the one database, each task's
+    trials as asked, none recorded as failed."""
+    procs.server("lanes")
+    dying, count = procs.fault_server("lanes", "die", at=1)
+    pool = procs.pool("lanes")
+    rpc.wait_for_servers(pool, 2)
+    cfg = make_config(trials=12, trials_per_task=6, trials_per_iter=3, max_tasks=2)
+    s, a = _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t", pool)
+    assert len(s["lanes"]) == 2
+    assert sorted(t for lane in s["lanes"] for t in lane["tasks"]) == sorted(s["tasks"])  # disjoint, all covered
+    assert [lane["new_trials"] for lane in s["lanes"]] == [6, 6]
+    assert s["new_trials"] == 12 and s["valid_fraction"] == 1.0 and s["trials_after"] == 12
+    assert all(t["trials"] == 6 and t["best_us"] is not None for t in s["tasks"].values())
+    r = s["rpc"]
+    assert sum(v["measured"] for v in r["servers"].values()) == 12
+    if count.is_file():  # the dying server got a candidate: it died and the candidate went elsewhere
+        assert not dying.alive() and r["lost_sessions"] == 1
+    recs = _records(a.databases[1])
+    assert len(recs) == 12 and max(recs) < dbs.FAILED_SECS
+    assert not (a.databases[1] / dbs.RECORDS).exists()  # packed
+    # A second run finds every task's budget done: nothing tuned, nothing lost.
+    s2, _ = _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t2", pool)
+    assert s2["new_trials"] == 0 and s2["trials_after"] == 12 and "lanes" not in s2
+    from deploy import pipeline
+
+    text = pipeline.format_summary({"package": "p", "buckets": {}, "tuning": {"1": s}, "validation": None})
+    assert "summed over 2 lanes" in text and "measured on 2 RPC server(s) under key 'lanes'" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rpc-lanes", "-1", "--tracker", "127.0.0.1:9190", "--rpc-key", "k"], "invalid --rpc-lanes | got -1"),
+    (["--rpc-lanes", "2"], "--rpc-lanes needs --tracker and --rpc-key"),
+])
+def test_bad_lanes(argv, message, capsys):
+    from deploy import cli
+
+    assert cli.main(["tune", "-m", "tiny_cnn", *argv]) == 2
+    assert capsys.readouterr().err.startswith("error: " + message)
