@@ -82,6 +82,11 @@ def server_command(tracker: str, key: str, host: str, port: int, port_end: int, 
 
 def server_env(gpu: str | None) -> dict:
     env = dict(os.environ)
+    # TVM's server forks a process per session. tvm_ffi loads PyTorch's C
+    # DLPack extension at import, which initialises CUDA in the server, and
+    # a forked child of a process that has initialised CUDA cannot use it
+    # (cudaErrorInitializationError in every session; seen on the H200s).
+    env["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     return env
@@ -327,6 +332,14 @@ def probe(sess, address: str) -> ServerDevice:
     """What device a session's server has."""
     dev = sess.cuda(0)
     if dev.exist:
+        # A fresh session process has not initialised the CUDA driver, which
+        # the device's name is read from (CUDA_ERROR_NOT_INITIALIZED, seen on
+        # the H200 machines): one allocation does it.
+        import numpy as np
+
+        from .tvm_compat import tensor
+
+        tensor(np.zeros(1, "float32"), dev)
         return ServerDevice(address, True, dev.device_name, "sm_" + dev.compute_version.replace(".", ""))
     return ServerDevice(address, False, "cpu", sess.get_function("target.llvm_get_system_cpu")())
 
@@ -474,13 +487,29 @@ def _pool_cuda_target(text: str, found: ServerDevice, dev) -> TargetInfo:
 # ----------------------------------------------------------------- runner ---
 
 
+# In a pool worker process: the session kept open between candidates
+# (address, session), so that a batch pays for one connection, one forked
+# session process and one CUDA context per server, not one per candidate.
+_KEPT: dict = {}
+
+
+def _close_session() -> None:
+    """In a pool worker process: end the kept session (the server is then
+    free for the tracker to hand out again)."""
+    _KEPT.clear()
+
+
 def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, args_info, evaluator_config,
-             target_kind, target_arch, target_device):
-    """One candidate in one session (in a pool worker process). Returns
-    ("ok", run_secs), ("error", why): the server raised while loading or
-    running the candidate, or timed the session out then, ("lost", why): the
-    session was lost, or failed before the candidate was loaded (probe,
-    device, upload, arguments: the server's problem), or ("mismatch", ServerDevice)."""
+             target_kind, target_arch, target_device, keep=False):
+    """One candidate (in a pool worker process), in a new session on
+    host:port, or with `host` None in the session kept from the last call.
+    With `keep`, the session stays open after a candidate that ran; any
+    other outcome ends it (a failed kernel can leave the CUDA context
+    unusable). Returns ("ok", run_secs), ("error", why): the server raised
+    while loading or running the candidate, or timed the session out then,
+    ("lost", why): the session was lost, or failed before the candidate was
+    loaded (probe, device, upload, arguments: the server's problem), or
+    ("mismatch", ServerDevice)."""
     from tvm import rpc
     from tvm.error import RPCError, RPCSessionTimeoutError
     from tvm.s_tir.meta_schedule.runner.utils import (
@@ -488,38 +517,56 @@ def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, 
         run_evaluator_common,
     )
 
-    address = f"{host}:{port}"
-    try:
-        sess = rpc.connect(host, port, matchkey, session_timeout=session_timeout)
-    except Exception as e:
-        return "lost", f"connect to {address}: {_reason(e)}"
+    if host is None:
+        if not _KEPT:
+            return "lost", "no session kept in this worker"
+        address, sess = _KEPT.pop("address"), _KEPT.pop("sess")
+    else:
+        _KEPT.clear()
+        address = f"{host}:{port}"
+        try:
+            sess = rpc.connect(host, port, matchkey, session_timeout=session_timeout)
+        except Exception as e:
+            return "lost", f"connect to {address}: {_reason(e)}"
+        try:
+            found = probe(sess, address)
+        except Exception as e:
+            return "lost", f"session on {address} (before loading the candidate): {_reason(e)}"
+        if mismatch(found, TargetInfo(target_kind, "{}", target_arch, target_device, False)):
+            return "mismatch", found
     remote = os.path.basename(artifact_path)
+    status = None
     try:
         try:  # the server's part: any error here is the server's, not the candidate's
-            found = probe(sess, address)
-            info = TargetInfo(target_kind, "{}", target_arch, target_device, False)
-            if mismatch(found, info):
-                return "mismatch", found
             dev = sess.device(device_type, 0)
             sess.upload(artifact_path, remote)
             fill = sess.get_function("tvm.contrib.random.random_fill_for_measure")
             args = alloc_argument_common(fill, dev, args_info, 1)
         except Exception as e:
-            return "lost", f"session on {address} (before loading the candidate): {_reason(e)}"
+            status = "lost"
+            return status, f"session on {address} (before loading the candidate): {_reason(e)}"
         try:  # the candidate's part: loading and running it
             mod = sess.load_module(remote)
-            return "ok", run_evaluator_common(mod, dev, evaluator_config, args)
+            secs = run_evaluator_common(mod, dev, evaluator_config, args)
+            del mod, args
+            status = "ok"
+            return status, secs
         except RPCSessionTimeoutError:
-            return "error", f"RPC session on {address} timed out after {session_timeout:g} s"
+            status = "error"
+            return status, f"RPC session on {address} timed out after {session_timeout:g} s"
         except RPCError as e:  # raised on the server while loading or running: the candidate's fault
-            return "error", f"on {address}: {e}"
+            status = "error"
+            return status, f"on {address}: {e}"
         except Exception as e:  # connection closed or reset: the server's fault
-            return "lost", f"session on {address}: {_reason(e)}"
+            status = "lost"
+            return status, f"session on {address}: {_reason(e)}"
     finally:
         try:
             sess.remove(remote)
         except Exception:  # noqa: S110  (a lost session has nothing left to clean up)
             pass
+        if keep and status == "ok":
+            _KEPT.update(address=address, sess=sess)
 
 
 def _warm() -> None:
@@ -558,7 +605,11 @@ class Measurer:
         self.fatal: Exception | None = None
         self.hung: set[str] = set()
         self.stats = {"tracker": pool.address, "key": pool.key, "servers": {}, "retried": 0, "lost_sessions": 0,
-                      "hung": []}
+                      "hung": [], "sessions": 0}
+        self.queued = 0  # candidates submitted and not yet started
+        # A session serves candidates while it is younger than this, less one
+        # candidate's time-out; the server ends it at `session_s`.
+        self.session_s = max(4 * timeout_s, 120.0)
 
     # --- bookkeeping
     def _count(self, address: str, what: str) -> None:
@@ -645,6 +696,31 @@ class Measurer:
         raise _PoolLost(RPCPoolError(f"the RPC tracker handed out only hung servers under key '{self.pool.key}'",
                                      f"tracker {self.pool.address}", "servers up again, then the same command resumes"))
 
+    # --- sessions kept between candidates
+    def _held(self) -> str | None:
+        """The server whose session this thread's worker keeps, while it is
+        young enough for one more candidate."""
+        held = getattr(self.local, "held", None)
+        if held is None:
+            return None
+        if time.time() - self.local.held_since + self.timeout_s + HANG_GRACE_S < self.session_s:
+            return held
+        self._release()
+        return None
+
+    def _release(self) -> None:
+        """End this thread's kept session, if any."""
+        if getattr(self.local, "held", None) is None:
+            return
+        self.local.held = None
+        w = getattr(self.local, "worker", None)
+        if w is not None:
+            try:
+                w.send(_close_session, timeout=HANG_GRACE_S)
+                w.recv()
+            except Exception:  # a dead or stuck worker: its session goes with it
+                w.kill()
+
     # --- one candidate
     def _run_one(self, runner_input):
         from .tvm_compat import ms
@@ -652,18 +728,29 @@ class Measurer:
         args_info = tuple(a.as_json() for a in runner_input.args_info)
         losses, lost_on = [], set()
         attempts = max(1, min(self.pool.attempts, 2))  # retried at most once
-        for _attempt in range(attempts):
+        fresh_check = True  # a failure in a reused session is checked once in a new one
+        attempt = 0
+        while attempt < attempts:
             try:
                 worker = self._worker()
-                host, port, matchkey = self._acquire(lost_on)
+                held = self._held()
+                if held is None:
+                    host, port, matchkey = self._acquire(lost_on)
             except _PoolLost as e:
                 if e.args and isinstance(e.args[0], Exception):
                     self._fail(e.args[0])
                 return ms.runner.RunnerResult(None, LOST + "no RPC server left")
-            address = f"{host}:{port}"
+            if held is None:
+                address = f"{host}:{port}"
+                self.local.held, self.local.held_since = address, time.time()
+                with self.lock:
+                    self.stats["sessions"] += 1
+                call = (host, port, matchkey)
+            else:
+                address, call = held, (None, None, None)
             worker.send(_measure, (
-                host, port, matchkey, self.timeout_s, str(runner_input.artifact_path), str(runner_input.device_type),
-                args_info, self.cfg, self.target.kind, self.target.arch, self.target.device_name,
+                *call, self.session_s, str(runner_input.artifact_path), str(runner_input.device_type),
+                args_info, self.cfg, self.target.kind, self.target.arch, self.target.device_name, True,
             ), timeout=self.timeout_s + HANG_GRACE_S)
             try:
                 status, value = worker.recv()
@@ -674,15 +761,22 @@ class Measurer:
                     self.stats["hung"] = sorted(self.hung)
             except Exception as e:  # the worker process died (it is restarted)
                 status, value = "lost", f"worker for {address}: {_reason(e)}"
+            if status != "ok":
+                self.local.held = None  # the worker ended the session (or died with it)
             if status == "ok":
                 self._count(address, "measured")
                 return ms.runner.RunnerResult([float(x) for x in value], None)
+            if status == "error" and held is not None and fresh_check:
+                fresh_check = False  # what an earlier kernel left in that session may be the cause
+                log.info("rpc: a candidate failed in a reused session on %s; measuring it again in a new one", address)
+                continue
             if status == "error":
                 self._count(address, "failed")
                 return ms.runner.RunnerResult(None, value)
             if status == "mismatch":
                 self._fail(_mismatch_error(value, self.target, self.pool, mismatch(value, self.target)))
                 return ms.runner.RunnerResult(None, LOST + "server with another device")
+            attempt += 1
             self._count(address, "lost")
             with self.lock:
                 self.stats["lost_sessions"] += 1
@@ -699,14 +793,24 @@ class Measurer:
     def _run_guarded(self, runner_input):
         from .tvm_compat import ms
 
+        with self.lock:
+            self.queued -= 1
         try:
             return self._run_one(runner_input)
         except Exception as e:  # a bug here: stop and show it, never record it as the candidate's failure
             log.exception("rpc: runner failed")
             self._fail(e)
             return ms.runner.RunnerResult(None, LOST + "runner failed")
+        finally:
+            # Nothing waiting: free the server for other runs (and lanes).
+            with self.lock:
+                idle = self.queued == 0
+            if idle or self.stop.is_set():
+                self._release()
 
     def submit(self, runner_input) -> concurrent.futures.Future:
+        with self.lock:
+            self.queued += 1
         return self.dispatch.submit(self._run_guarded, runner_input)
 
     def add_to_database(self):

@@ -59,7 +59,9 @@ def visible_gpus() -> int:
 def load_config(model: str, target_kind: str, trials: int, max_tasks: int, trials_per_task: int):
     path = REPO_ROOT / "configs" / f"{model}.toml"
     cfg = config.load(path) if path.is_file() else config.from_dict({"model": {"source": model}})
-    return config.apply_overrides(cfg, target_kind, trials=trials, max_tasks=max_tasks, trials_per_task=trials_per_task, budget="")
+    # Only the tuned bucket is optimized: the others would cost time and change nothing here.
+    return config.apply_overrides(cfg, target_kind, buckets=[1], tune_buckets=[1], trials=trials, max_tasks=max_tasks,
+                                  trials_per_task=trials_per_task, budget="")
 
 
 def tune_mode(name, cfg, target, ex, opt, out: Path, pool=None) -> dict:
