@@ -534,7 +534,12 @@ def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, 
             return "lost", f"session on {address} (before loading the candidate): {_reason(e)}"
         if mismatch(found, TargetInfo(target_kind, "{}", target_arch, target_device, False)):
             return "mismatch", found
-    remote = os.path.basename(artifact_path)
+    # A unique name on the server: every candidate is exported as
+    # `candidate.so` (in a folder of its own), and loading a second library
+    # under a path the session already loaded can hand back the first one
+    # (dlopen matches loaded libraries by path): in a kept session every
+    # candidate after the first would then run the first one's kernel.
+    remote = f"{os.path.basename(os.path.dirname(artifact_path))}-{os.path.basename(artifact_path)}"
     status = None
     try:
         try:  # the server's part: any error here is the server's, not the candidate's

@@ -512,6 +512,28 @@ def split_tasks(todo: list[dict], n: int) -> list[list[dict]]:
     return [lane for lane in out if lane]
 
 
+def lane_budgets(lefts: list[int], global_left: int, per_iter: int) -> list[int]:
+    """Each lane's share of `global_left` trials, in whole batches of
+    `per_iter` where it can. MetaSchedule checks its trial budget before each
+    batch, never inside one, so a lane given 96 trials in batches of 64 runs
+    128: the shares are whole batches, split in proportion to what each lane
+    has left (largest remainder first), none above what a lane has left.
+    One process also runs whole batches: both end at most one batch past
+    the budget."""
+    total = sum(lefts)
+    if total <= 0 or global_left <= 0:
+        return [0] * len(lefts)
+    if global_left >= total:
+        return list(lefts)
+    batches = -(-global_left // per_iter)
+    exact = [batches * left / total for left in lefts]
+    share = [int(x) for x in exact]
+    for i in sorted(range(len(lefts)), key=lambda i: share[i] - exact[i])[: batches - sum(share)]:
+        share[i] += 1
+    # Like one process, the run may end up to one batch past `global_left`.
+    return [min(left, n * per_iter) for left, n in zip(lefts, share)]
+
+
 def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadline, work, seed, pool, n_servers,
                 summary, stats) -> None:
     """Tune `todo` in `n_lanes` processes, each over its share of the tasks
@@ -531,10 +553,11 @@ def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadli
     dbs.check_key(db_dir, key)
     dbs.pack(db_dir)  # records a killed run left: every lane seeds from them
     groups = split_tasks(todo, n_lanes)
-    total_left = sum(p["left"] for p in todo)
+    budgets = lane_budgets([sum(p["left"] for p in g) for g in groups], global_left, profile.trials_per_iter)
+    groups, budgets = [g for g, b in zip(groups, budgets) if b], [b for b in budgets if b]
     cpus = max(1, usable_cpus() // len(groups))
     specs = []
-    for i, group in enumerate(groups):
+    for i, (group, budget) in enumerate(zip(groups, budgets)):
         lane_db = work / "lanes" / f"{db_dir.name}-{i}"
         if lane_db.exists():
             shutil.rmtree(lane_db)
@@ -542,11 +565,10 @@ def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadli
         for name in (dbs.KEY_FILE, dbs.WORKLOADS + dbs.PACKED, dbs.RECORDS + dbs.PACKED):
             if (db_dir / name).is_file():
                 shutil.copy2(db_dir / name, lane_db / name)
-        left = sum(p["left"] for p in group)
         specs.append({
             "lane": i,
             "tasks": [{k: v for k, v in p.items() if k != "mod"} | {"mod": save_json(p["mod"])} for p in group],
-            "global_left": min(left, max(1, round(global_left * left / total_left))),
+            "global_left": budget,
             "db": str(lane_db), "name": db_dir.name, "key": key, "target": target, "profile": profile,
             "deadline": deadline, "work": str(work / "lanes" / f"work-{i}"), "seed": seed + 104729 * i,
             "pool": pool, "n_servers": n_servers, "cpus": cpus,

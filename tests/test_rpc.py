@@ -394,3 +394,49 @@ def test_bad_lanes(argv, message, capsys):
 
     assert cli.main(["tune", "-m", "tiny_cnn", *argv]) == 2
     assert capsys.readouterr().err.startswith("error: " + message)
+
+
+def test_lane_budgets_are_whole_batches():
+    assert tune.lane_budgets([128, 128], 192, 64) == [128, 64]  # not 96 + 96, which MetaSchedule runs as 128 + 128
+    assert tune.lane_budgets([128, 128], 256, 64) == [128, 128]
+    assert tune.lane_budgets([10, 5], 100, 64) == [10, 5]  # everything left fits
+    assert tune.lane_budgets([128, 128], 64, 64) == [64, 0]  # one batch: one lane (the other is dropped)
+    assert sum(tune.lane_budgets([640, 640, 600], 1000, 64)) < 1000 + 64
+
+
+def _candidate(folder: Path, n: int):
+    """A built elementwise kernel over n floats, exported as MetaSchedule's
+    builder names every candidate (`candidate.so`, in a folder of its own)."""
+    from deploy.tvm_compat import ms, tvm
+
+    from tvm import te
+
+    a = te.placeholder((n,), "float32", name="a")
+    b = te.compute((n,), lambda i: a[i] * 2.0 + 1.0, name="b")
+    func = te.create_prim_func([a, b])
+    folder.mkdir(parents=True)
+    path = folder / "candidate.so"
+    tvm.tirx.build(func, target="llvm").export_library(str(path))
+    return ms.runner.RunnerInput(str(path), "cpu", ms.arg_info.ArgInfo.from_prim_func(func))
+
+
+def test_kept_session_runs_each_candidates_own_kernel(procs, llvm_target, tmp_path):
+    """Two candidates measured in one kept session: each runs its own code.
+    (Uploaded under one name, the second would have run the first's kernel.)"""
+    from deploy.tvm_compat import ms
+
+    procs.server("kept")
+    pool = procs.pool("kept")
+    rpc.wait_for_servers(pool, 1)
+    small, big = _candidate(tmp_path / "a", 64), _candidate(tmp_path / "b", 1 << 22)
+    cfg = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False)
+    m = rpc.Measurer(pool, llvm_target, 1, cfg, 30.0)
+    try:
+        futures = [m.submit(x) for x in (small, big)]  # both queued: one session serves both
+        res = [f.result() for f in futures]
+    finally:
+        m.close()
+    assert all(r.error_msg is None for r in res), [r.error_msg for r in res]
+    t_small, t_big = (min(float(x) for x in r.run_secs) for r in res)
+    assert t_big > 20 * t_small, (t_small, t_big)  # 65536x the work
+    assert m.stats["sessions"] == 1, m.stats
