@@ -449,6 +449,14 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     if not todo or global_left <= 0:
         return
     label = f"tune b{key['inputs'][0]['shape'][0]}" + ("" if lane is None else f" lane {lane}")
+    cost_model = ms.cost_model.CostModel.create("xgb", num_tuning_cores=cpus, tree_method="auto")
+    t0 = time.time()
+    try:
+        warm = warm_cost_model(cost_model, contexts, db)
+    except Exception as e:  # the model then starts empty, as MetaSchedule's does
+        log.warning("tune: cost model not warmed from the database (%s)", _first_line(str(e)))
+        warm = 0
+    summary["cost_model_warm_start"] = {"records": warm, "seconds": round(time.time() - t0, 1)}
     # MetaSchedule's own profiler splits the time between search,
     # building, running and the cost model: where tuning time goes.
     builder = _make_builder(cpus, profile.builder_timeout_s)
@@ -467,7 +475,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
                 builder=builder,
                 runner=runner,
                 database=db,
-                cost_model="xgb",
+                cost_model=cost_model,
                 measure_callbacks=[
                     ms.measure_callback.AddToDatabase() if measurer is None else measurer.add_to_database(),
                     ms.measure_callback.RemoveBuildArtifact(),
@@ -486,6 +494,44 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
         if measurer.fatal is not None:
             log.error("tune: %s", measurer.fatal)
             raise measurer.fatal
+
+
+def warm_cost_model(model, contexts, db, per_task: int = dbs.SEED_RECORDS) -> int:
+    """Train the XGBoost cost model on what the database already knows (the
+    best `per_task` valid records of each task) before the first batch, as
+    Ansor's `update_from_file` does on resume. MetaSchedule starts every run
+    with an empty model, so a resumed run (each GPU chunk) searched its first
+    batches blind. Returns the number of records it learnt from. Trained
+    once, on the last update: XGBModel retrains on each update that grows its
+    data by a fifth, which would be ~15 trainings here."""
+    from .tvm_compat import ms
+
+    batches = []
+    for ctx in contexts:
+        if not db.has_workload(ctx.mod):
+            continue
+        cands, results = [], []
+        for rec in db.get_top_k(db.commit_workload(ctx.mod), per_task):
+            try:
+                cands.append(rec.as_measure_candidate())
+            except Exception:  # a trace that no longer replays: skip it  # noqa: S112
+                continue
+            results.append(ms.runner.RunnerResult([float(x) for x in rec.run_secs], None))
+        if cands:
+            batches.append((ctx, cands, results))
+    if not batches:
+        return 0
+    held = model.last_train_size
+    model.last_train_size = 1 << 60  # no training until the last update
+    try:
+        for i, (ctx, cands, results) in enumerate(batches):
+            if i == len(batches) - 1:
+                model.last_train_size = 0
+            model.update(ctx, cands, results)
+    finally:
+        if model.last_train_size == 1 << 60:
+            model.last_train_size = held
+    return sum(len(c) for _, c, _ in batches)
 
 
 # ------------------------------------------------------------------ lanes ---

@@ -8,11 +8,34 @@
 #
 #   bash scripts/gpu_chunk.sh <make variables...>
 #   e.g. bash scripts/gpu_chunk.sh MODEL=resnet50 TARGET=cuda BUDGET=3m
+#
+# POOL=1 on a machine with several GPUs: a tracker and one RPC server per GPU
+# on loopback, and `make tune` measures on all of them, one tuning lane per
+# GPU (see README, "Tuning on a pool of GPUs"). Tracker and server logs go to
+# $OUT/pool.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
+POOL_ARGS=()
+if [ "${POOL:-0}" != 0 ]; then
+  n=$(nvidia-smi -L | grep -c '^GPU')
+  tport=${TRACKER_PORT:-9190}
+  pids=()
+  trap 'kill "${pids[@]}" 2>/dev/null' EXIT
+  python3 -m deploy rpc-tracker --port "$tport" >> "$OUT/pool.log" 2>&1 & pids+=($!)
+  for _ in $(seq 30); do python3 -c "import socket; socket.create_connection(('127.0.0.1', $tport), 1)" 2>/dev/null && break; sleep 1; done
+  for i in $(seq 0 $((n - 1))); do
+    python3 -m deploy rpc-server --tracker "127.0.0.1:$tport" --key local --gpu "$i" --port $((9090 + 10 * i)) \
+      --port-end $((9100 + 10 * i)) >> "$OUT/pool.log" 2>&1 & pids+=($!)
+  done
+  for _ in $(seq 60); do
+    [ "$(python3 -m deploy rpc-status --tracker "127.0.0.1:$tport" --rpc-key local 2>/dev/null | grep -c '^server')" -ge "$n" ] && break
+    sleep 1
+  done
+  POOL_ARGS=(TRACKER="127.0.0.1:$tport" RPC_KEY=local)
+fi
 # Leave time to pack the results before the device command's 10-minute limit.
-timeout -k 30 --signal=INT "${CHUNK_SECONDS:-540}" make tune PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "$@" 2>&1 | tee "$OUT/run.log"
+timeout -k 30 --signal=INT "${CHUNK_SECONDS:-540}" make tune PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "${POOL_ARGS[@]}" "$@" 2>&1 | tee "$OUT/run.log"
 rc=${PIPESTATUS[0]}
 # A run killed past its grace period leaves its records in a working copy: fold it in.
 python3 -m deploy pack-databases "$DB_ROOT" > /dev/null

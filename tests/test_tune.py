@@ -63,6 +63,9 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert s3["trials_before"] == 2
     assert s3["new_trials"] == 2 and s3["trials_after"] == 4
     assert s3["tasks"][name]["best_us_before_run"] is not None
+    # The cost model learnt from the records already there before its first batch.
+    assert s1["cost_model_warm_start"]["records"] == 0
+    assert s3["cost_model_warm_start"]["records"] == 2
 
 
 def test_deadline_stops_cleanly(tmp_path, llvm_target, tiny_opt):
