@@ -8,7 +8,7 @@
 # best kernel alternately locally and through RPC (they should agree within
 # noise). Results: $OUT/rpc_check.md and .json, server logs in $OUT/logs.
 #
-#   bash scripts/gpu_rpc_check.sh [--model resnet50 --trials 192 --max-tasks 4 --modes one,one-lanes,all]
+#   bash scripts/gpu_rpc_check.sh [--model resnet50 --trials 256 --max-tasks 4 --modes one,one-lanes,all]
 #
 # TVM comes from the staged bundle (see README "On the GPU machine"); the
 # tracker needs tornado, which must be in the bundle too.

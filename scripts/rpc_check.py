@@ -1,7 +1,7 @@
 """Tuning through TVM's RPC tracker against tuning on the local device, in
 one run on one machine (loopback): what the GPU machines check.
 
-  python scripts/rpc_check.py --model resnet50 --target cuda --out $OUT [--trials 192 --max-tasks 4]
+  python scripts/rpc_check.py --model resnet50 --target cuda --out $OUT [--trials 256 --max-tasks 4]
 
 Starts a tracker on 127.0.0.1 and RPC servers: one under key `one` (GPU 0)
 and one per visible GPU under key `all` (CUDA_VISIBLE_DEVICES per server;
@@ -158,7 +158,7 @@ def main() -> int:
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--target", default="cuda", help="cuda, or llvm to try it on a CPU machine")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--trials", type=int, default=192, help="trials per mode")
+    ap.add_argument("--trials", type=int, default=256, help="trials per mode (whole batches for every lane: 64 x lanes x k)")
     ap.add_argument("--trials-per-task", type=int, default=64)
     ap.add_argument("--max-tasks", type=int, default=4)
     ap.add_argument("--servers", type=int, default=0, help="servers under `all` (default: one per visible GPU; llvm: 2)")
