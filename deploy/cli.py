@@ -278,9 +278,11 @@ def cmd_pack_databases(args) -> int:
     root = Path(args.root)
     if not root.is_dir():
         raise ConfigError("tuning database root not found", str(root), "an existing folder (e.g. tuning_logs)")
-    for key in sorted(root.rglob(database.KEY_FILE)):
-        added = database.pack(key.parent)
-        print(f"{key.parent}: {added} record(s) folded in" if added else f"{key.parent}: packed")
+    # A tuning lane's folder is folded into its database (which it may precede).
+    folders = {database.lane_owner(k.parent) or k.parent for k in root.rglob(database.KEY_FILE)}
+    for folder in sorted(folders):
+        added = database.pack(folder)
+        print(f"{folder}: {added} record(s) folded in" if added else f"{folder}: packed")
     return 0
 
 

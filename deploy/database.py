@@ -27,6 +27,7 @@ import json
 import logging
 import lzma
 import os
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -154,12 +155,43 @@ def merge(base: tuple[list[str], list[str]], extra: tuple[list[str], list[str]])
     return workloads, records, added
 
 
-def pack(folder: Path) -> int:
-    """Fold the working copy (plain JSON) into the compressed files and
-    remove it; returns the number of records added. The workload file is
-    replaced first: it only ever grows at its end, so the old record file
-    stays valid against it if the second write never happens."""
+def lane_dir(folder: Path, lane: int) -> Path:
+    """Where tuning lane `lane` of a run on `folder` keeps its database: beside
+    it (hidden, git-ignored), not in the run's staging folder, so that what a
+    lane measured survives its parent being killed; `pack` folds it in."""
     folder = Path(folder)
+    return folder.parent / f".{folder.name}.lane-{lane}"
+
+
+def lane_dirs(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    return sorted(d for d in folder.parent.glob(f".{folder.name}.lane-*") if d.is_dir())
+
+
+def lane_owner(folder: Path) -> Path | None:
+    """The database a lane folder belongs to, or None for a database."""
+    folder = Path(folder)
+    if folder.name.startswith(".") and ".lane-" in folder.name:
+        return folder.parent / folder.name[1:].rsplit(".lane-", 1)[0]
+    return None
+
+
+def pack(folder: Path) -> int:
+    """Fold the working copy (plain JSON) and any tuning lane's database
+    (`lane_dir`) into the compressed files, and remove them; returns the
+    number of records added."""
+    folder = Path(folder)
+    added = _pack_working(folder)
+    for lane in lane_dirs(folder):
+        added += _absorb(folder, lane)
+        shutil.rmtree(lane)
+    return added
+
+
+def _pack_working(folder: Path) -> int:
+    """Fold the working copy into the compressed files and remove it. The
+    workload file is replaced first: it only ever grows at its end, so the
+    old record file stays valid against it if the second write never happens."""
     work = (folder / WORKLOADS, folder / RECORDS)
     if not any(p.is_file() for p in work):
         return 0
@@ -176,11 +208,10 @@ def pack(folder: Path) -> int:
     return added
 
 
-def absorb(folder: Path, other: Path) -> int:
+def _absorb(folder: Path, other: Path) -> int:
     """Fold every record of the database at `other` (compressed files and
     any working copy) into `folder`'s compressed files, a union like
     `pack`; returns the number of records added. Both must have one key."""
-    folder, other = Path(folder), Path(other)
     if not has_records(other):
         return 0
     if (other / KEY_FILE).is_file():
@@ -189,7 +220,7 @@ def absorb(folder: Path, other: Path) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / KEY_FILE).is_file():
             artifacts.write_json_atomic(folder / KEY_FILE, key)
-    pack(folder)
+    _pack_working(folder)
     if (other / RECORDS).is_file():
         repair_jsonl(other / WORKLOADS, only_last=True)
         repair_jsonl(other / RECORDS)
@@ -203,7 +234,7 @@ def absorb(folder: Path, other: Path) -> int:
 
 def has_records(folder: Path) -> bool:
     folder = Path(folder)
-    return any((folder / n).is_file() for n in (RECORDS, RECORDS + PACKED))
+    return any((d / n).is_file() for d in (folder, *lane_dirs(folder)) for n in (RECORDS, RECORDS + PACKED))
 
 
 def _all_lines(folder: Path) -> tuple[list[str], list[str]]:
@@ -288,7 +319,7 @@ def open_readonly(folder: Path, key: dict):
     build applies), or None when the database has no records."""
     folder = Path(folder)
     check_key(folder, key)
-    if (folder / RECORDS).is_file():
+    if (folder / RECORDS).is_file() or lane_dirs(folder):
         pack(folder)  # records a killed run left behind
     if not (folder / (RECORDS + PACKED)).is_file():
         yield None

@@ -64,6 +64,8 @@ LOST = "rpc-lost: "
 # Session time-out is the runner time-out; a session with no answer this much
 # later (connect, upload, and the server's own time-out reply) is a hung server.
 HANG_GRACE_S = 10.0
+# The longest wait for a free server while servers are registered.
+WAIT_FREE_S = 1800.0
 
 
 # ------------------------------------------------------------- processes ---
@@ -493,6 +495,12 @@ def _pool_cuda_target(text: str, found: ServerDevice, dev) -> TargetInfo:
 _KEPT: dict = {}
 
 
+def _before_loading(why: str) -> bool:
+    """Whether `_measure` lost its session before the candidate was loaded
+    (so the candidate cannot have caused it)."""
+    return "(before loading the candidate)" in why or "no session kept" in why
+
+
 def _close_session() -> None:
     """In a pool worker process: end the kept session (the server is then
     free for the tracker to hand out again)."""
@@ -568,9 +576,10 @@ def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, 
     finally:
         try:
             sess.remove(remote)
-        except Exception:  # noqa: S110  (a lost session has nothing left to clean up)
-            pass
-        if keep and status == "ok":
+            removed = True
+        except Exception:  # a lost session has nothing left to clean up
+            removed = False
+        if keep and status == "ok" and removed:
             _KEPT.update(address=address, sess=sess)
 
 
@@ -612,9 +621,13 @@ class Measurer:
         self.stats = {"tracker": pool.address, "key": pool.key, "servers": {}, "retried": 0, "lost_sessions": 0,
                       "hung": [], "sessions": 0}
         self.queued = 0  # candidates submitted and not yet started
-        # A session serves candidates while it is younger than this, less one
-        # candidate's time-out; the server ends it at `session_s`.
-        self.session_s = max(4 * timeout_s, 120.0)
+        # The server ends a session `timeout_s` after it began, as when each
+        # candidate had a session of its own: a candidate that runs too long
+        # is still timed out by the server (and counted as failed), and a
+        # receive time-out past that still means a hung server. So a session
+        # takes new candidates only in the first half of that time (a batch's
+        # share of a server takes a few seconds).
+        self.session_s = timeout_s
 
     # --- bookkeeping
     def _count(self, address: str, what: str) -> None:
@@ -662,6 +675,7 @@ class Measurer:
             with self.lock:
                 self.workers.append(w)
         if not w.is_alive():
+            self.local.held = None  # a restarted worker keeps no session
             w.send(_warm)
             w.recv()
         return w
@@ -669,7 +683,10 @@ class Measurer:
     def _request(self) -> tuple[str, int, str]:
         self._alive()
         try:
-            return self._tracker().request(self.pool.key, max(self.pool.wait_s, self.timeout_s * 4), alive=self._alive)
+            # Wait while any usable server is registered (`_alive` raises once
+            # none is): with more lanes than servers, sessions queue up.
+            return self._tracker().request(self.pool.key, max(self.pool.wait_s, self.timeout_s * 4, WAIT_FREE_S),
+                                           alive=self._alive)
         except BaseException as e:
             # The connection may hold an unanswered request: never reuse it.
             t = getattr(self.local, "tracker", None)
@@ -708,7 +725,7 @@ class Measurer:
         held = getattr(self.local, "held", None)
         if held is None:
             return None
-        if time.time() - self.local.held_since + self.timeout_s + HANG_GRACE_S < self.session_s:
+        if time.monotonic() - self.local.held_since < self.session_s / 2:
             return held
         self._release()
         return None
@@ -747,7 +764,7 @@ class Measurer:
                 return ms.runner.RunnerResult(None, LOST + "no RPC server left")
             if held is None:
                 address = f"{host}:{port}"
-                self.local.held, self.local.held_since = address, time.time()
+                self.local.held, self.local.held_since = address, time.monotonic()
                 with self.lock:
                     self.stats["sessions"] += 1
                 call = (host, port, matchkey)
@@ -771,9 +788,13 @@ class Measurer:
             if status == "ok":
                 self._count(address, "measured")
                 return ms.runner.RunnerResult([float(x) for x in value], None)
-            if status == "error" and held is not None and fresh_check:
-                fresh_check = False  # what an earlier kernel left in that session may be the cause
-                log.info("rpc: a candidate failed in a reused session on %s; measuring it again in a new one", address)
+            stale = status == "error" or (status == "lost" and _before_loading(value))
+            if stale and held is not None and fresh_check:
+                # What an earlier kernel left in that session (or the session
+                # having ended meanwhile) may be the cause: once more in a new one.
+                fresh_check = False
+                log.info("rpc: a candidate %s in a reused session on %s; measuring it again in a new one",
+                         "failed" if status == "error" else "lost its session", address)
                 continue
             if status == "error":
                 self._count(address, "failed")

@@ -453,8 +453,9 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     t0 = time.time()
     try:
         warm = warm_cost_model(cost_model, contexts, db)
-    except Exception as e:  # the model then starts empty, as MetaSchedule's does
+    except Exception as e:  # a new, empty model then, as MetaSchedule's own
         log.warning("tune: cost model not warmed from the database (%s)", _first_line(str(e)))
+        cost_model = ms.cost_model.CostModel.create("xgb", num_tuning_cores=cpus, tree_method="auto")
         warm = 0
     summary["cost_model_warm_start"] = {"records": warm, "seconds": round(time.time() - t0, 1)}
     # MetaSchedule's own profiler splits the time between search,
@@ -566,24 +567,18 @@ def split_tasks(todo: list[dict], n: int) -> list[list[dict]]:
 
 def lane_budgets(lefts: list[int], global_left: int, per_iter: int) -> list[int]:
     """Each lane's share of `global_left` trials, in whole batches of
-    `per_iter` where it can. MetaSchedule checks its trial budget before each
-    batch, never inside one, so a lane given 96 trials in batches of 64 runs
-    128: the shares are whole batches, split in proportion to what each lane
-    has left (largest remainder first), none above what a lane has left.
-    One process also runs whole batches: both end at most one batch past
-    the budget."""
-    total = sum(lefts)
-    if total <= 0 or global_left <= 0:
-        return [0] * len(lefts)
-    if global_left >= total:
-        return list(lefts)
-    batches = -(-global_left // per_iter)
-    exact = [batches * left / total for left in lefts]
-    share = [int(x) for x in exact]
-    for i in sorted(range(len(lefts)), key=lambda i: share[i] - exact[i])[: batches - sum(share)]:
-        share[i] += 1
-    # Like one process, the run may end up to one batch past `global_left`.
-    return [min(left, n * per_iter) for left, n in zip(lefts, share)]
+    `per_iter`. MetaSchedule checks its trial budget before each batch,
+    never inside one, so a lane given 96 trials in batches of 64 runs 128:
+    batches go one at a time to the lane with the most trials left, until
+    the budget is spent or no lane has any left. Like one process, the run
+    may end up to a batch (per lane) past the budget."""
+    out = [0] * len(lefts)
+    while sum(out) < global_left:
+        i = max(range(len(lefts)), key=lambda j: (lefts[j] - out[j], -j))
+        if lefts[i] - out[i] <= 0:
+            break
+        out[i] += min(per_iter, lefts[i] - out[i])
+    return out
 
 
 def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadline, work, seed, pool, n_servers,
@@ -596,64 +591,100 @@ def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadli
     lanes end. One process's tuning is CPU-bound (search and building are
     ~85% of a batch on the H200), so more GPUs alone would only shorten the
     measuring; lanes put every core and every GPU to work at once."""
-    import concurrent.futures
     import multiprocessing
+    import pickle
     import shutil
 
     from .tvm_compat import save_json
 
     dbs.check_key(db_dir, key)
-    dbs.pack(db_dir)  # records a killed run left: every lane seeds from them
+    dbs.pack(db_dir)  # records a killed run left (working copy, lanes): every lane seeds from them
     groups = split_tasks(todo, n_lanes)
     budgets = lane_budgets([sum(p["left"] for p in g) for g in groups], global_left, profile.trials_per_iter)
     groups, budgets = [g for g, b in zip(groups, budgets) if b], [b for b in budgets if b]
     cpus = max(1, usable_cpus() // len(groups))
     specs = []
     for i, (group, budget) in enumerate(zip(groups, budgets)):
-        lane_db = work / "lanes" / f"{db_dir.name}-{i}"
-        if lane_db.exists():
-            shutil.rmtree(lane_db)
+        lane_db = dbs.lane_dir(db_dir, i)
         lane_db.mkdir(parents=True)
         for name in (dbs.KEY_FILE, dbs.WORKLOADS + dbs.PACKED, dbs.RECORDS + dbs.PACKED):
             if (db_dir / name).is_file():
                 shutil.copy2(db_dir / name, lane_db / name)
+        lane_work = work / "lanes" / f"lane-{i}"
+        lane_work.mkdir(parents=True, exist_ok=True)
         specs.append({
             "lane": i,
             "tasks": [{k: v for k, v in p.items() if k != "mod"} | {"mod": save_json(p["mod"])} for p in group],
             "global_left": budget,
             "db": str(lane_db), "name": db_dir.name, "key": key, "target": target, "profile": profile,
-            "deadline": deadline, "work": str(work / "lanes" / f"work-{i}"), "seed": seed + 104729 * i,
-            "pool": pool, "n_servers": n_servers, "cpus": cpus,
+            "deadline": deadline, "work": str(lane_work), "seed": seed + 104729 * i,
+            "pool": pool, "n_servers": n_servers, "cpus": cpus, "result": str(lane_work / "result.pickle"),
         })
     log.info("tune: %s: %d tasks in %d lanes of %d CPUs each (%s tasks)", db_dir.name, len(todo), len(groups), cpus,
              "/".join(str(len(g)) for g in groups))
-    results, crashed = [], []
+    # One process per lane (not a process pool, which stops every worker
+    # when one dies): a lane that crashes leaves the others running.
     ctx = multiprocessing.get_context("spawn")  # never fork a process that has loaded TVM and CUDA
+    procs = [ctx.Process(target=_lane_entry, args=(spec,), name=f"tune-lane-{spec['lane']}") for spec in specs]
+    results, crashed = [], []
     try:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=len(specs), mp_context=ctx) as ex:
-            futures = [ex.submit(_lane_main, spec) for spec in specs]
-            for spec, f in zip(specs, futures):
-                try:
-                    results.append(f.result())
-                except Exception as e:  # a bug, or the lane's process died: after the records are folded in
-                    crashed.append((spec["lane"], e))
+        for pr in procs:
+            pr.start()
+        for pr in procs:
+            pr.join()
     finally:
-        # However the lanes ended, keep every record they measured.
-        for spec in specs:
-            dbs.absorb(db_dir, Path(spec["db"]))
+        # Interrupted (Ctrl-C reaches the lanes too): give them time to stop
+        # and pack, then fold in whatever every lane measured.
+        for pr in procs:
+            if pr.pid is not None:
+                pr.join(timeout=LANE_STOP_S)
+            if pr.is_alive():
+                pr.terminate()
+                pr.join(timeout=10)
+        dbs.pack(db_dir)
         for spec in specs:
             failures = Path(spec["work"]) / "failures.jsonl"
             if failures.is_file():
                 with open(work / "failures.jsonl", "a") as f:
                     f.write(failures.read_text())
+    for spec, pr in zip(specs, procs):
+        try:
+            r = pickle.loads(Path(spec["result"]).read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError):
+            r = {"crash": f"its process ended with exit code {pr.exitcode} and no result"}
+        if "crash" in r:
+            crashed.append((spec["lane"], r["crash"]))
+        else:
+            results.append(r)
     _combine_lanes(results, summary, stats, cpus)
     if crashed:
-        lane, e = crashed[0]
-        raise RuntimeError(f"tuning lane {lane} failed ({type(e).__name__}: {e}); its measured records are kept") from e
+        lane, why = crashed[0]
+        raise RuntimeError(f"tuning lane {lane} failed ({why}); every record measured is kept")
     fatal = next((r["fatal"] for r in results if r.get("fatal") is not None), None)
     if fatal is not None:
         log.error("tune: %s", fatal)
         raise fatal
+
+
+# Seconds an interrupted lane has to stop and pack its database.
+LANE_STOP_S = 60.0
+
+
+def _lane_entry(spec: dict) -> None:
+    """A lane's process: runs `_lane_main` and leaves its result (or why it
+    failed) in `spec["result"]` for the parent."""
+    import pickle
+    import traceback
+
+    try:
+        out = _lane_main(spec)
+    except BaseException as e:  # a bug, or Ctrl-C: the parent reports it
+        traceback.print_exc()
+        out = {"crash": f"{type(e).__name__}: {_first_line(str(e)) or type(e).__name__}"}
+    path = Path(spec["result"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(out))
+    os.replace(tmp, path)
 
 
 def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -> None:
@@ -669,17 +700,19 @@ def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -
         if rpc:
             if rpc_all is None:
                 rpc_all = {"tracker": rpc["tracker"], "key": rpc["key"], "servers": {}, "retried": 0,
-                           "lost_sessions": 0, "hung": []}
+                           "lost_sessions": 0, "hung": [], "sessions": 0}
             for addr, c in rpc["servers"].items():
                 have = rpc_all["servers"].setdefault(addr, {"measured": 0, "failed": 0, "lost": 0})
                 for k in have:
                     have[k] += c.get(k, 0)
             rpc_all["retried"] += rpc["retried"]
             rpc_all["lost_sessions"] += rpc["lost_sessions"]
+            rpc_all["sessions"] += rpc.get("sessions", 0)
             rpc_all["hung"] = sorted(set(rpc_all["hung"]) | set(rpc["hung"]))
         summary["lanes"].append({"lane": r["lane"], "tasks": sorted(r["stats"]), "cpus": cpus, "seconds": r["seconds"],
                                  "new_trials": sum(s["candidates"] for s in r["stats"].values()),
-                                 "time_split_s": r["summary"].get("time_split_s", {})})
+                                 "time_split_s": r["summary"].get("time_split_s", {}),
+                                 "cost_model_warm_start": r["summary"].get("cost_model_warm_start")})
     if not summary.get("unschedulable"):
         summary.pop("unschedulable", None)
     if split:

@@ -99,28 +99,55 @@ def test_best_records_per_workload_for_builds_and_search_seeds():
     assert len(dbs._best_per_workload(recs, 10)) == 6  # the failed one too, ranked last
 
 
-def test_absorb_is_a_union_and_checks_the_key(tmp_path):
+def test_lane_databases_are_folded_in_by_pack(tmp_path):
+    """A tuning lane's database (beside its own, as a killed run leaves it) is
+    folded in by the next pack: a union, a torn line dropped, the lane folder
+    removed; one made for another key is refused and left in place."""
     key = {"model": "m", "target": "t"}
-    a, b = tmp_path / "a", tmp_path / "b"
+    a = tmp_path / "m" / "db"
+    b = dbs.lane_dir(a, 0)
     for d in (a, b):
-        d.mkdir()
+        d.mkdir(parents=True)
         (d / dbs.KEY_FILE).write_text(json.dumps(key))
     wl = ['["h1",{}]', '["h2",{}]']
     rec = lambda w, t: json.dumps([w, [{"trace": t}, [1e-5], {}, []]])
     (a / dbs.WORKLOADS).write_text(wl[0] + "\n")
     (a / dbs.RECORDS).write_text(rec(0, "x") + "\n")
-    dbs.pack(a)
-    # b: packed records (one shared with a), plus a working copy a killed lane left
+    dbs._pack_working(a)
+    # b: packed records (one shared with a), plus a working copy the killed lane left
     (b / dbs.WORKLOADS).write_text(wl[1] + "\n" + wl[0] + "\n")
     (b / dbs.RECORDS).write_text(rec(0, "y") + "\n" + rec(1, "x") + "\n")
-    dbs.pack(b)
+    dbs._pack_working(b)
     (b / dbs.WORKLOADS).write_text(wl[1] + "\n")
     (b / dbs.RECORDS).write_text(rec(0, "z") + "\n" + '[0, [{"trace": "torn')
-    assert dbs.absorb(a, b) == 2  # y and z; x is already there; the torn line is dropped
+    assert dbs.lane_dirs(a) == [b] and dbs.lane_owner(b) == a and dbs.lane_owner(a) is None
+    assert dbs.has_records(a)
+    assert dbs.pack(a) == 2  # y and z; x is already there; the torn line is dropped
+    assert not b.exists()
     workloads, records = dbs._all_lines(a)
     got = sorted((json.loads(workloads[json.loads(r)[0]])[0], json.loads(r)[1][0]["trace"]) for r in records)
     assert got == [("h1", "x"), ("h2", "y"), ("h2", "z")]
-    assert dbs.absorb(a, b) == 0
-    (b / dbs.KEY_FILE).write_text(json.dumps({**key, "target": "other"}))
+    c = dbs.lane_dir(a, 1)
+    c.mkdir()
+    (c / dbs.KEY_FILE).write_text(json.dumps({**key, "target": "other"}))
+    (c / dbs.WORKLOADS).write_text(wl[0] + "\n")
+    (c / dbs.RECORDS).write_text(rec(0, "w") + "\n")
     with pytest.raises(DatabaseMismatchError, match="made for another target"):
-        dbs.absorb(a, b)
+        dbs.pack(a)
+    assert c.exists()
+
+
+def test_pack_databases_folds_a_lane_whose_database_is_new(tmp_path, capsys):
+    """A run killed on a new database leaves only its lanes' folders:
+    `pack-databases` makes the database from them."""
+    from deploy import cli
+
+    a = tmp_path / "root" / "m" / "db"
+    b = dbs.lane_dir(a, 0)
+    b.mkdir(parents=True)
+    (b / dbs.KEY_FILE).write_text(json.dumps({"model": "m"}))
+    (b / dbs.WORKLOADS).write_text('["h1",{}]\n')
+    (b / dbs.RECORDS).write_text(json.dumps([0, [{"trace": "x"}, [1e-5], {}, []]]) + "\n")
+    assert cli.main(["pack-databases", str(tmp_path / "root")]) == 0
+    assert f"{a}: 1 record(s) folded in" in capsys.readouterr().out
+    assert not b.exists() and len(dbs._packed_lines(a / (dbs.RECORDS + dbs.PACKED))) == 1

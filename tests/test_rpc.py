@@ -376,6 +376,7 @@ def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_pat
     recs = _records(a.databases[1])
     assert len(recs) == 12 and max(recs) < dbs.FAILED_SECS
     assert not (a.databases[1] / dbs.RECORDS).exists()  # packed
+    assert not dbs.lane_dirs(a.databases[1])  # the lanes' databases folded in and removed
     # A second run finds every task's budget done: nothing tuned, nothing lost.
     s2, _ = _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t2", pool)
     assert s2["new_trials"] == 0 and s2["trials_after"] == 12 and "lanes" not in s2
@@ -401,7 +402,9 @@ def test_lane_budgets_are_whole_batches():
     assert tune.lane_budgets([128, 128], 256, 64) == [128, 128]
     assert tune.lane_budgets([10, 5], 100, 64) == [10, 5]  # everything left fits
     assert tune.lane_budgets([128, 128], 64, 64) == [64, 0]  # one batch: one lane (the other is dropped)
-    assert sum(tune.lane_budgets([640, 640, 600], 1000, 64)) < 1000 + 64
+    assert tune.lane_budgets([30, 30, 30, 30], 100, 64) == [30, 30, 30, 30]  # short lanes: the budget still spent
+    assert tune.lane_budgets([1, 1, 1], 2, 64) == [1, 1, 0]
+    assert 1000 <= sum(tune.lane_budgets([640, 640, 600], 1000, 64)) < 1000 + 64
 
 
 def _candidate(folder: Path, n: int):
@@ -440,3 +443,23 @@ def test_kept_session_runs_each_candidates_own_kernel(procs, llvm_target, tmp_pa
     t_small, t_big = (min(float(x) for x in r.run_secs) for r in res)
     assert t_big > 20 * t_small, (t_small, t_big)  # 65536x the work
     assert m.stats["sessions"] == 1, m.stats
+
+
+def test_slow_candidate_fails_without_taking_its_server(procs, llvm_target, tmp_path):
+    """A candidate that runs past the time-out, in a kept session or not, is
+    timed out by the server (its session ends), recorded as failed, and the
+    server stays in use: not lost, not marked hung."""
+    from deploy.tvm_compat import ms
+
+    procs.server("slow")
+    pool = procs.pool("slow")
+    rpc.wait_for_servers(pool, 1)
+    small = _candidate(tmp_path / "a", 64)
+    cfg = ms.runner.EvaluatorConfig(number=1, repeat=1, min_repeat_ms=4000, enable_cpu_cache_flush=False)
+    m = rpc.Measurer(pool, llvm_target, 1, cfg, 2.0)
+    try:
+        (res,) = [f.result() for f in [m.submit(small)]]
+    finally:
+        m.close()
+    assert res.error_msg and "timed out after 2 s" in res.error_msg and not res.error_msg.startswith(rpc.LOST), res.error_msg
+    assert not m.hung and m.stats["lost_sessions"] == 0, m.stats
