@@ -135,7 +135,7 @@ def markdown(report: dict) -> str:
              (f"{report['trials']} trials per mode over the {report['max_tasks']} heaviest tasks; "
               f"{report['gpus']} GPU(s) / servers under `all`. Same database key locally and through RPC: "
               f"{report['same_database_key']}."), "",
-             "| mode | servers | lanes | trials | valid | seconds | trials/min | measuring s | building s | vs one |",
+             "| mode | servers | lanes | trials | valid | seconds | trials/min | waiting on measuring s | building s | vs one |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     base = next((m["trials_per_minute"] for m in report["modes"] if m["mode"] == "one"), None)
     for m in report["modes"]:
@@ -144,7 +144,7 @@ def markdown(report: dict) -> str:
         rel = f"{m['trials_per_minute'] / base:.2f}x" if base and m["trials_per_minute"] else ""
         lines.append(f"| {m['mode']} | {servers} | {m['lanes']} | {m['new_trials']} | {vf} | {m['seconds']} | {m['trials_per_minute']} | "
                      f"{m['measure_seconds']} | {m['build_seconds']} | {rel} |")
-    lines += ["", "Measuring and building seconds are summed over a mode's lanes (they run at the same time).", "",
+    lines += ["", "Seconds the tuner waited on measuring (results not back yet) and building, summed over a mode's lanes (they run at the same time).", "",
               f"Same kernels (best of each task in the `one` run), {report['rounds']} alternating rounds, median us:", "",
               "| kernel | local | RPC | RPC/local |", "|---|---|---|---|"]
     for k, v in report["same_kernels"].items():
