@@ -122,6 +122,7 @@ def prepare(args):
         trials=args.trials,
         trials_per_task=args.trials_per_task,
         max_tasks=args.max_tasks,
+        split_k=getattr(args, "split_k", None),
         budget=args.budget,
     )
     workdir = Path(args.workdir) if args.workdir else default_workdir(cfg, target)
@@ -381,6 +382,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, help="total tuning trials per tuned bucket (0: no tuning)")
     p.add_argument("--trials-per-task", type=int)
     p.add_argument("--max-tasks", type=int, help="tune only the N heaviest tasks (0: all)")
+    p.add_argument("--split-k", type=int,
+                   help="split the reduction of small-row NHWC convolutions in N parts (batched matmul + sum; 0: off)")
     p.add_argument("--budget", help="wall-clock tuning budget, e.g. 10m; '' for none")
     p.add_argument("--input", action="append", help="NAME:3x224x224[:dtype] for ONNX models (repeatable)")
     p.add_argument("--checkpoint", help="PyTorch state_dict for a registry model")

@@ -68,6 +68,10 @@ class Profile:
     # over half of H200 tuning time at MetaSchedule's 512 x 4.
     search_population: int
     search_generations: int
+    # Split-K for NHWC convolutions with few output rows and a long
+    # reduction (`optimize.split_k_conv2d`): the reduction is cut in this many
+    # parts computed as one batched matmul, then summed. 0 = off.
+    split_k: int
     budget: str  # wall-clock tuning budget, e.g. "10m"; "" = unbounded
     builder_timeout_s: float
     runner_timeout_s: float
@@ -103,6 +107,7 @@ LLVM_DEFAULTS = Profile(
     max_tasks=2,
     search_population=64,
     search_generations=2,
+    split_k=0,
     budget="6m",
     builder_timeout_s=120.0,
     runner_timeout_s=60.0,
@@ -121,6 +126,7 @@ CUDA_DEFAULTS = Profile(
     max_tasks=0,
     search_population=256,
     search_generations=3,
+    split_k=0,
     budget="8m",
     builder_timeout_s=120.0,
     runner_timeout_s=60.0,
@@ -277,7 +283,7 @@ def _check_values(obj, where: str) -> None:
         missing = [b for b in obj.tune_buckets if b not in obj.buckets]
         if missing:
             raise ConfigError(f"{where}.tune_buckets names buckets that are not built", missing, list(obj.buckets))
-        for name in ("trials", "trials_per_task", "max_tasks"):
+        for name in ("trials", "trials_per_task", "max_tasks", "split_k"):
             if getattr(obj, name) < 0:
                 raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a non-negative integer")
         for name in ("trials_per_iter", "search_population", "search_generations"):
