@@ -10,5 +10,5 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 build_package "$@" || exit $?
-make bench PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT --out $OUT/bench ${BENCH_EXTRA:-}" "$@" 2>&1 | tee "$OUT/bench.log"
+make bench PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT --out $OUT/bench ${EXTRA:-} ${BENCH_EXTRA:-}" "$@" 2>&1 | tee "$OUT/bench.log"
 exit "${PIPESTATUS[0]}"

@@ -14,9 +14,10 @@ mkdir -p "$OUT" "$DB_ROOT"
 # committed ones (a newer copy from an earlier chunk is kept).
 cp -rn tuning_logs/. "$DB_ROOT"/ 2>/dev/null || true
 
-# The package from the committed databases, without tuning (TRIALS=0):
+# The package from the committed databases, without tuning (TRIALS=0; EXTRA
+# from the environment adds CLI flags, e.g. EXTRA="--split-k 4"):
 #   build_package <make variables...>
 build_package() {
-  make tune PYTHON=python3 WORKDIR="$WORKDIR" TRIALS=0 EXTRA="--db-root $DB_ROOT" "$@" 2>&1 | tee "$OUT/build.log"
+  make tune PYTHON=python3 WORKDIR="$WORKDIR" TRIALS=0 EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "$@" 2>&1 | tee "$OUT/build.log"
   return "${PIPESTATUS[0]}"
 }
