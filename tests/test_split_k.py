@@ -12,16 +12,18 @@ from deploy.errors import ConfigError
 from deploy.optimize import phases, split_k_conv2d
 
 
-def _conv_module(c: int, o: int, k: int, stride: int, hw: int, groups: int = 1, dtype: str = "float32"):
-    pad = k // 2
+def _conv_module(c: int, o: int, k: int, stride: int, hw: int, groups: int = 1, dtype: str = "float32",
+                 n: int = 1, w: int | None = None, padding: tuple | None = None, strides: tuple | None = None):
+    pad = padding or (k // 2, k // 2, k // 2, k // 2)  # (top, left, bottom, right)
+    st = strides or (stride, stride)
     # TVMScript cannot close over Python values in shapes: build the text.
     src = f"""
 @I.ir_module
 class Mod:
     @R.function
-    def main(x: R.Tensor((1, {hw}, {hw}, {c}), "{dtype}"), w: R.Tensor(({o}, {k}, {k}, {c // groups}), "{dtype}")):
+    def main(x: R.Tensor(({n}, {hw}, {w or hw}, {c}), "{dtype}"), w: R.Tensor(({o}, {k}, {k}, {c // groups}), "{dtype}")):
         with R.dataflow():
-            y = R.nn.conv2d(x, w, strides=({stride}, {stride}), padding=({pad}, {pad}), groups={groups},
+            y = R.nn.conv2d(x, w, strides={st}, padding={pad}, groups={groups},
                             data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC", out_dtype="float32")
             z = R.nn.relu(y)
             R.output(z)
@@ -41,16 +43,26 @@ def _run(mod, x, w):
     return VirtualMachine(ex, tvm.cpu())["main"](tensor(x), tensor(w)).numpy()
 
 
-@pytest.mark.parametrize("k, stride, c, hw", [(3, 1, 64, 7), (3, 2, 64, 14), (1, 1, 256, 7), (1, 2, 256, 14)])
-def test_split_conv_computes_the_same(k, stride, c, hw):
-    mod = _conv_module(c, 32, k, stride, hw)
+@pytest.mark.parametrize("k, stride, c, hw, extra", [
+    (3, 1, 64, 7, {}),
+    (3, 2, 64, 14, {}),
+    (1, 1, 256, 7, {}),
+    (1, 2, 256, 14, {}),
+    (3, 1, 64, 7, {"padding": (0, 1, 2, 0)}),  # asymmetric: a 7x6 output
+    (3, 2, 64, 8, {"padding": (0, 0, 1, 1)}),  # stride 2 over an even size
+    (3, 1, 64, 6, {"n": 2, "w": 9, "strides": (2, 1), "padding": (1, 2, 0, 1)}),  # batch 2, not square
+    (3, 1, 64, 7, {"dtype": "float16"}),  # fp16 inputs, fp32 accumulation (as after ToMixedPrecision)
+])
+def test_split_conv_computes_the_same(k, stride, c, hw, extra):
+    mod = _conv_module(c, 32, k, stride, hw, **extra)
     new = split_k_conv2d(4, max_rows=256, min_k=256)(mod)
     text = new.script()
     assert "R.matmul" in text and "R.nn.conv2d" not in text
     assert "R.nn.conv2d" in mod.script()  # the input module is left as it was
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, hw, hw, c)).astype("float32")
-    w = rng.standard_normal((32, k, k, c)).astype("float32")
+    dtype = extra.get("dtype", "float32")
+    x = rng.standard_normal((extra.get("n", 1), hw, extra.get("w", hw), c)).astype(dtype)
+    w = rng.standard_normal((32, k, k, c)).astype(dtype)
     ref, got = _run(mod, x, w), _run(new, x, w)
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
@@ -74,6 +86,8 @@ def test_split_k_phase_and_config():
     assert "split_k" not in [name for name, _ in phases(cfg.llvm)]  # off by default, and NCHW there
     with pytest.raises(ConfigError, match="invalid cuda.split_k"):
         config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"split_k": -1}})
+    with pytest.raises(ConfigError, match="llvm.split_k needs the NHWC layout"):
+        config.from_dict({"model": {"source": "tiny_cnn"}, "llvm": {"split_k": 4}})
 
 
 def test_split_matmul_gets_tensor_core_schedules():
