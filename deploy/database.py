@@ -177,59 +177,49 @@ def lane_owner(folder: Path) -> Path | None:
 
 
 def pack(folder: Path) -> int:
-    """Fold the working copy (plain JSON) and any tuning lane's database
-    (`lane_dir`) into the compressed files, and remove them; returns the
-    number of records added."""
+    """Fold the working copy (plain JSON) and every tuning lane's database
+    (`lane_dir`: its working copy, and compressed files if it has any) into
+    the compressed files, in one write, then remove them; returns the number
+    of records added. A lane made for another key is refused before anything
+    is written. The workload file is replaced first: it only ever grows at
+    its end, so the old record file stays valid against it if the second
+    write never happens."""
     folder = Path(folder)
-    added = _pack_working(folder)
+    lanes = [d for d in lane_dirs(folder) if has_records(d)]
+    for lane in lanes:
+        if (lane / KEY_FILE).is_file():
+            key = json.loads((lane / KEY_FILE).read_text())
+            check_key(folder, key)
+            folder.mkdir(parents=True, exist_ok=True)
+            if not (folder / KEY_FILE).is_file():
+                artifacts.write_json_atomic(folder / KEY_FILE, key)
+    added = 0
+    if (folder / WORKLOADS).is_file() or (folder / RECORDS).is_file() or lanes:
+        base = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
+        for src in (folder, *lanes):
+            repair_jsonl(src / WORKLOADS, only_last=True)
+            repair_jsonl(src / RECORDS)
+        workloads, records, added = merge(base, _working_lines(folder))
+        for lane in lanes:
+            workloads, records, n = merge((workloads, records), _all_lines(lane))
+            added += n
+        if added:
+            _write_packed(folder / (WORKLOADS + PACKED), workloads)
+            _write_packed(folder / (RECORDS + PACKED), records)
+    for name in (WORKLOADS, RECORDS):
+        (folder / name).unlink(missing_ok=True)
     for lane in lane_dirs(folder):
-        added += _absorb(folder, lane)
-        shutil.rmtree(lane)
+        if lane in lanes or not has_records(lane):
+            shutil.rmtree(lane)
     return added
 
 
-def _pack_working(folder: Path) -> int:
-    """Fold the working copy into the compressed files and remove it. The
-    workload file is replaced first: it only ever grows at its end, so the
-    old record file stays valid against it if the second write never happens."""
-    work = (folder / WORKLOADS, folder / RECORDS)
-    if not any(p.is_file() for p in work):
-        return 0
-    repair_jsonl(work[0], only_last=True)
-    repair_jsonl(work[1])
-    extra = tuple([ln for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else [] for p in work)
-    base = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
-    workloads, records, added = merge(base, extra)
-    if added:
-        _write_packed(folder / (WORKLOADS + PACKED), workloads)
-        _write_packed(folder / (RECORDS + PACKED), records)
-    for p in work:
-        p.unlink(missing_ok=True)
-    return added
-
-
-def _absorb(folder: Path, other: Path) -> int:
-    """Fold every record of the database at `other` (compressed files and
-    any working copy) into `folder`'s compressed files, a union like
-    `pack`; returns the number of records added. Both must have one key."""
-    if not has_records(other):
-        return 0
-    if (other / KEY_FILE).is_file():
-        key = json.loads((other / KEY_FILE).read_text())
-        check_key(folder, key)
-        folder.mkdir(parents=True, exist_ok=True)
-        if not (folder / KEY_FILE).is_file():
-            artifacts.write_json_atomic(folder / KEY_FILE, key)
-    _pack_working(folder)
-    if (other / RECORDS).is_file():
-        repair_jsonl(other / WORKLOADS, only_last=True)
-        repair_jsonl(other / RECORDS)
-    base = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
-    workloads, records, added = merge(base, _all_lines(other))
-    if added:
-        _write_packed(folder / (WORKLOADS + PACKED), workloads)
-        _write_packed(folder / (RECORDS + PACKED), records)
-    return added
+def _working_lines(folder: Path) -> tuple[list[str], list[str]]:
+    """The working copy's workload and record lines (empty when absent)."""
+    return tuple(
+        [ln for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else []
+        for p in (folder / WORKLOADS, folder / RECORDS)
+    )
 
 
 def has_records(folder: Path) -> bool:
@@ -240,12 +230,10 @@ def has_records(folder: Path) -> bool:
 def _all_lines(folder: Path) -> tuple[list[str], list[str]]:
     """Every workload and record: the compressed files plus any working copy."""
     base = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
-    work = [folder / WORKLOADS, folder / RECORDS]
-    if not work[1].is_file():
+    if not (folder / RECORDS).is_file():
         return base
-    extra = tuple([ln for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else [] for p in work)
     try:
-        workloads, records, _ = merge(base, extra)
+        workloads, records, _ = merge(base, _working_lines(folder))
     except (json.JSONDecodeError, IndexError):  # a torn line being written: count what is packed
         return base
     return workloads, records
@@ -298,18 +286,24 @@ def _json_database(folder: Path):
 SEED_RECORDS = 64
 
 
-def open_for_tuning(folder: Path, key: dict, seed_records: int = SEED_RECORDS):
+def open_for_tuning(folder: Path, key: dict, seed_records: int = SEED_RECORDS, seed_from: Path | None = None):
     """The database to tune into: a working copy holding every workload and
     the best `seed_records` records of each (after folding in any copy a
     killed run left). New records are appended to it; call `pack(folder)`
-    when tuning ends, which adds them to the full compressed files."""
+    when tuning ends, which adds them to the full compressed files. A tuning
+    lane's folder (`lane_dir`) is seeded from its run's packed database
+    `seed_from` instead: it holds only that working copy, which the run's
+    `pack` folds in."""
     folder = Path(folder)
     check_key(folder, key)
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / KEY_FILE).is_file():
         artifacts.write_json_atomic(folder / KEY_FILE, key)
-    pack(folder)
-    _expand(folder, folder, seed_records)
+    if seed_from is None:
+        pack(folder)
+        _expand(folder, folder, seed_records)
+    else:
+        _expand(Path(seed_from), folder, seed_records)
     return _json_database(folder)
 
 

@@ -449,14 +449,16 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     if not todo or global_left <= 0:
         return
     label = f"tune b{key['inputs'][0]['shape'][0]}" + ("" if lane is None else f" lane {lane}")
-    cost_model = ms.cost_model.CostModel.create("xgb", num_tuning_cores=cpus, tree_method="auto")
+    def new_cost_model():
+        return ms.cost_model.CostModel.create("xgb", num_tuning_cores=cpus, tree_method="auto")
+
+    cost_model = new_cost_model()
     t0 = time.time()
     try:
         warm = warm_cost_model(cost_model, contexts, db)
     except Exception as e:  # a new, empty model then, as MetaSchedule's own
         log.warning("tune: cost model not warmed from the database (%s)", _first_line(str(e)))
-        cost_model = ms.cost_model.CostModel.create("xgb", num_tuning_cores=cpus, tree_method="auto")
-        warm = 0
+        cost_model, warm = new_cost_model(), 0
     summary["cost_model_warm_start"] = {"records": warm, "seconds": round(time.time() - t0, 1)}
     # MetaSchedule's own profiler splits the time between search,
     # building, running and the cost model: where tuning time goes.
@@ -586,14 +588,13 @@ def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadli
     """Tune `todo` in `n_lanes` processes, each over its share of the tasks
     with its share of the CPUs, each measuring on the pool (the tracker
     hands each session a free server, so one GPU never measures two
-    candidates at once). Each lane tunes into a database of its own, seeded
-    from this one; every lane's records are folded into `db_dir` however the
-    lanes end. One process's tuning is CPU-bound (search and building are
+    candidates at once). Each lane tunes into a working copy of its own
+    (`dbs.lane_dir`), seeded from this database; `dbs.pack` folds every
+    lane's records into `db_dir` however the lanes end. One process's tuning is CPU-bound (search and building are
     ~85% of a batch on the H200), so more GPUs alone would only shorten the
     measuring; lanes put every core and every GPU to work at once."""
     import multiprocessing
     import pickle
-    import shutil
 
     from .tvm_compat import save_json
 
@@ -605,18 +606,13 @@ def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadli
     cpus = max(1, usable_cpus() // len(groups))
     specs = []
     for i, (group, budget) in enumerate(zip(groups, budgets)):
-        lane_db = dbs.lane_dir(db_dir, i)
-        lane_db.mkdir(parents=True)
-        for name in (dbs.KEY_FILE, dbs.WORKLOADS + dbs.PACKED, dbs.RECORDS + dbs.PACKED):
-            if (db_dir / name).is_file():
-                shutil.copy2(db_dir / name, lane_db / name)
         lane_work = work / "lanes" / f"lane-{i}"
         lane_work.mkdir(parents=True, exist_ok=True)
         specs.append({
             "lane": i,
             "tasks": [{k: v for k, v in p.items() if k != "mod"} | {"mod": save_json(p["mod"])} for p in group],
             "global_left": budget,
-            "db": str(lane_db), "name": db_dir.name, "key": key, "target": target, "profile": profile,
+            "db": str(dbs.lane_dir(db_dir, i)), "seed_from": str(db_dir), "name": db_dir.name, "key": key, "target": target, "profile": profile,
             "deadline": deadline, "work": str(lane_work), "seed": seed + 104729 * i,
             "pool": pool, "n_servers": n_servers, "cpus": cpus, "result": str(lane_work / "result.pickle"),
         })
@@ -728,22 +724,20 @@ def _lane_main(spec: dict) -> dict:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    db_dir, work = Path(spec["db"]), Path(spec["work"])
-    work.mkdir(parents=True, exist_ok=True)
     todo = [{**t, "mod": load_json(t["mod"])} for t in spec["tasks"]]
     summary: dict = {}
     stats: dict = {}
     fatal = None
     started = time.time()
-    db = dbs.open_for_tuning(db_dir, spec["key"])
+    # Its records stay in the working copy, appended as measured: the run's
+    # `dbs.pack` folds them in (or the next run's, if this one is killed).
+    db = dbs.open_for_tuning(spec["db"], spec["key"], seed_from=spec["seed_from"])
     try:
         _tune_tasks(todo, spec["global_left"], db, spec["name"], spec["key"], spec["target"], spec["profile"],
-                    spec["deadline"], work, spec["seed"], spec["pool"], spec["n_servers"], spec["cpus"], summary,
-                    stats, lane=spec["lane"])
+                    spec["deadline"], Path(spec["work"]), spec["seed"], spec["pool"], spec["n_servers"],
+                    spec["cpus"], summary, stats, lane=spec["lane"])
     except DeployError as e:  # the pool was lost: the parent raises it once every lane's records are folded in
         fatal = e
-    finally:
-        dbs.pack(db_dir)
     for s in stats.values():
         s["best_s"] = None if s["best_s"] is None else float(s["best_s"])
     return {"lane": spec["lane"], "summary": summary, "stats": stats, "fatal": fatal,

@@ -106,18 +106,19 @@ def test_lane_databases_are_folded_in_by_pack(tmp_path):
     key = {"model": "m", "target": "t"}
     a = tmp_path / "m" / "db"
     b = dbs.lane_dir(a, 0)
-    for d in (a, b):
-        d.mkdir(parents=True)
-        (d / dbs.KEY_FILE).write_text(json.dumps(key))
     wl = ['["h1",{}]', '["h2",{}]']
     rec = lambda w, t: json.dumps([w, [{"trace": t}, [1e-5], {}, []]])
+    a.mkdir(parents=True)
+    (a / dbs.KEY_FILE).write_text(json.dumps(key))
     (a / dbs.WORKLOADS).write_text(wl[0] + "\n")
     (a / dbs.RECORDS).write_text(rec(0, "x") + "\n")
-    dbs._pack_working(a)
+    dbs.pack(a)
     # b: packed records (one shared with a), plus a working copy the killed lane left
+    b.mkdir()
+    (b / dbs.KEY_FILE).write_text(json.dumps(key))
     (b / dbs.WORKLOADS).write_text(wl[1] + "\n" + wl[0] + "\n")
     (b / dbs.RECORDS).write_text(rec(0, "y") + "\n" + rec(1, "x") + "\n")
-    dbs._pack_working(b)
+    dbs.pack(b)
     (b / dbs.WORKLOADS).write_text(wl[1] + "\n")
     (b / dbs.RECORDS).write_text(rec(0, "z") + "\n" + '[0, [{"trace": "torn')
     assert dbs.lane_dirs(a) == [b] and dbs.lane_owner(b) == a and dbs.lane_owner(a) is None
