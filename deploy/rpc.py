@@ -621,13 +621,6 @@ class Measurer:
         self.stats = {"tracker": pool.address, "key": pool.key, "servers": {}, "retried": 0, "lost_sessions": 0,
                       "hung": [], "sessions": 0}
         self.queued = 0  # candidates submitted and not yet started
-        # The server ends a session `timeout_s` after it began, as when each
-        # candidate had a session of its own: a candidate that runs too long
-        # is still timed out by the server (and counted as failed), and a
-        # receive time-out past that still means a hung server. So a session
-        # takes new candidates only in the first half of that time (a batch's
-        # share of a server takes a few seconds).
-        self.session_s = timeout_s
 
     # --- bookkeeping
     def _count(self, address: str, what: str) -> None:
@@ -725,7 +718,13 @@ class Measurer:
         held = getattr(self.local, "held", None)
         if held is None:
             return None
-        if time.monotonic() - self.local.held_since < self.session_s / 2:
+        # The server ends a session `timeout_s` after it began, as when each
+        # candidate had a session of its own: a candidate that runs too long
+        # is still timed out by the server (and counted as failed), and a
+        # receive time-out past that still means a hung server. So a session
+        # takes new candidates only in the first half of that time (a batch's
+        # share of a server takes a few seconds).
+        if time.monotonic() - self.local.held_since < self.timeout_s / 2:
             return held
         self._release()
         return None
@@ -771,7 +770,7 @@ class Measurer:
             else:
                 address, call = held, (None, None, None)
             worker.send(_measure, (
-                *call, self.session_s, str(runner_input.artifact_path), str(runner_input.device_type),
+                *call, self.timeout_s, str(runner_input.artifact_path), str(runner_input.device_type),
                 args_info, self.cfg, self.target.kind, self.target.arch, self.target.device_name, True,
             ), timeout=self.timeout_s + HANG_GRACE_S)
             try:
