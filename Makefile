@@ -31,6 +31,7 @@ OUT       ?=
 TRACKER   ?=
 RPC_KEY   ?=
 RPC_LANES ?=
+RPC_LANE_CPUS ?=
 GPU       ?=
 PYTEST_ARGS ?=
 
@@ -62,7 +63,7 @@ SERVE_ARGS := $(if $(PACKAGE),--package $(PACKAGE),--model $(MODEL)) \
 	$(if $(HOST),--host $(HOST)) \
 	$(if $(PORT),--port $(PORT))
 
-RPC_ARGS := $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY)) $(if $(RPC_LANES),--rpc-lanes $(RPC_LANES))
+RPC_ARGS := $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY)) $(if $(RPC_LANES),--rpc-lanes $(RPC_LANES)) $(if $(RPC_LANE_CPUS),--rpc-lane-cpus $(RPC_LANE_CPUS))
 
 .PHONY: tune profile bench serve loadtest rpc-tracker rpc-server rpc-status test install clean
 

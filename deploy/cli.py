@@ -100,7 +100,7 @@ def prepare(args):
 
     cfg = resolve_config(args)
     pool = config_mod.rpc_pool(getattr(args, "tracker", None), getattr(args, "rpc_key", None),
-                               getattr(args, "rpc_lanes", None))
+                               getattr(args, "rpc_lanes", None), getattr(args, "rpc_lane_cpus", None))
     if pool is not None:
         from . import rpc
 
@@ -398,6 +398,9 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-key", help="the key the RPC servers registered under (one server per GPU)")
     p.add_argument("--rpc-lanes", type=int,
                    help="tuning processes sharing this machine's CPUs, each over a share of the tasks (default: one per server)")
+    p.add_argument("--rpc-lane-cpus", type=int,
+                   help="CPUs each tuning process uses (default: this machine's CPUs divided among them; "
+                        "more lets one search or build while another waits)")
 
 
 def cmd_rpc_tracker(args) -> int:

@@ -202,6 +202,10 @@ class RPCPool:
     # Tuning processes, each over a share of the tasks and of this machine's
     # CPUs, all measuring on the pool: 0 means one per server.
     lanes: int = 0
+    # CPUs each lane uses (build workers, search and cost-model threads): 0
+    # means this machine's CPUs divided among the lanes; up to all of them
+    # lets lanes overlap, one searching or building while another waits.
+    lane_cpus: int = 0
 
     @property
     def address(self) -> str:
@@ -431,13 +435,18 @@ def parse_address(text: str, where: str = "--tracker") -> tuple[str, int]:
     return host, int(port)
 
 
-def rpc_pool(tracker: str | None, key: str | None, lanes: int | None = None) -> RPCPool | None:
+def rpc_pool(tracker: str | None, key: str | None, lanes: int | None = None,
+             lane_cpus: int | None = None) -> RPCPool | None:
     """The pool named by --tracker and --rpc-key (both or neither), tuned
-    from `lanes` processes (--rpc-lanes; default one per server)."""
+    from `lanes` processes (--rpc-lanes; default one per server) of
+    `lane_cpus` CPUs each (--rpc-lane-cpus; default an equal share)."""
     if lanes is not None and lanes < 0:
         raise ConfigError("invalid --rpc-lanes", lanes, "0 (one per server) or more")
-    if lanes and not (tracker or key):
-        raise ConfigError("--rpc-lanes needs --tracker and --rpc-key", lanes, "lanes measure on an RPC pool")
+    if lane_cpus is not None and lane_cpus < 0:
+        raise ConfigError("invalid --rpc-lane-cpus", lane_cpus, "0 (an equal share of the CPUs) or more")
+    for flag, value in (("--rpc-lanes", lanes), ("--rpc-lane-cpus", lane_cpus)):
+        if value and not (tracker or key):
+            raise ConfigError(f"{flag} needs --tracker and --rpc-key", value, "lanes measure on an RPC pool")
     if not tracker and not key:
         return None
     if not tracker or not key:
@@ -446,7 +455,7 @@ def rpc_pool(tracker: str | None, key: str | None, lanes: int | None = None) -> 
     host, port = parse_address(tracker)
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", key):
         raise ConfigError("invalid --rpc-key", repr(key), "letters, digits, '_', '.' or '-'")
-    return RPCPool(host, port, key, lanes=lanes or 0)
+    return RPCPool(host, port, key, lanes=lanes or 0, lane_cpus=lane_cpus or 0)
 
 
 def to_dict(obj) -> dict:

@@ -554,6 +554,15 @@ def lanes(pool: RPCPool | None, n_servers: int) -> int:
     return max(1, pool.lanes or n_servers)
 
 
+def lane_cpus(pool: RPCPool | None, n_lanes: int) -> int:
+    """CPUs each of `n_lanes` lanes uses: `pool.lane_cpus` (at most this
+    machine's), or an equal share."""
+    have = usable_cpus()
+    if pool is not None and pool.lane_cpus:
+        return min(pool.lane_cpus, have)
+    return max(1, have // max(1, n_lanes))
+
+
 def split_tasks(todo: list[dict], n: int) -> list[list[dict]]:
     """Tasks into `n` lanes of about equal trials left (longest first onto
     the lane with the fewest): a lane tunes its tasks start to end, so the
@@ -603,7 +612,7 @@ def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadli
     groups = split_tasks(todo, n_lanes)
     budgets = lane_budgets([sum(p["left"] for p in g) for g in groups], global_left, profile.trials_per_iter)
     groups, budgets = [g for g, b in zip(groups, budgets) if b], [b for b in budgets if b]
-    cpus = max(1, usable_cpus() // len(groups))
+    cpus = lane_cpus(pool, len(groups))
     specs = []
     for i, (group, budget) in enumerate(zip(groups, budgets)):
         lane_work = work / "lanes" / f"lane-{i}"

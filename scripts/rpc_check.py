@@ -12,6 +12,8 @@ with `--target llvm`, `--servers N` CPU servers). Then, on the same tasks
   one-lanes  one server, one tuning process (lane) per server of `all`
   all-1lane  every server, one tuning process (only measuring is spread)
   all        every server, one lane per server (what `make tune` does)
+  all-overlap  as `all`, each lane given every CPU (--rpc-lane-cpus) rather
+             than a share, so that one lane can build or search while another waits
 and reports trials/min of each, against `one`. After `one`, the best
 schedule of each of its tasks is built once and timed `--rounds` times
 alternately on the local device and through RPC: the same kernel, so the
@@ -75,6 +77,8 @@ def tune_mode(name, cfg, target, ex, opt, out: Path, pool=None) -> dict:
         "servers": None if pool is None else s.get("rpc", {}).get("servers"),
         "lanes": len(s.get("lanes", [])) or 1,
         "lane_seconds": [lane["seconds"] for lane in s.get("lanes", [])],
+        "lane_cpus": s["lanes"][0]["cpus"] if s.get("lanes") else tune.usable_cpus(),
+        "time_split_s": split,
         "new_trials": s["new_trials"],
         "valid_fraction": s["valid_fraction"],
         "seconds": s["seconds"],
@@ -135,17 +139,19 @@ def markdown(report: dict) -> str:
              (f"{report['trials']} trials per mode over the {report['max_tasks']} heaviest tasks; "
               f"{report['gpus']} GPU(s) / servers under `all`. Same database key locally and through RPC: "
               f"{report['same_database_key']}."), "",
-             "| mode | servers | lanes | trials | valid | seconds | trials/min | waiting on measuring s | building s | vs one |",
+             "| mode | servers | lanes x CPUs | trials | valid | seconds | trials/min | waiting on measuring s | building s | vs one |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     base = next((m["trials_per_minute"] for m in report["modes"] if m["mode"] == "one"), None)
     for m in report["modes"]:
         servers = "local" if m["servers"] is None else len(m["servers"])
         vf = "n/a" if m["valid_fraction"] is None else f"{m['valid_fraction']:.0%}"
         rel = f"{m['trials_per_minute'] / base:.2f}x" if base and m["trials_per_minute"] else ""
-        lines.append(f"| {m['mode']} | {servers} | {m['lanes']} | {m['new_trials']} | {vf} | {m['seconds']} | {m['trials_per_minute']} | "
+        lines.append(f"| {m['mode']} | {servers} | {m['lanes']} x {m.get('lane_cpus', '?')} | {m['new_trials']} | {vf} | {m['seconds']} | {m['trials_per_minute']} | "
                      f"{m['measure_seconds']} | {m['build_seconds']} | {rel} |")
-    lines += ["", "Seconds the tuner waited on measuring (results not back yet) and building, summed over a mode's lanes (they run at the same time).", "",
-              f"Same kernels (best of each task in the `one` run), {report['rounds']} alternating rounds, median us:", "",
+    lines += ["", "Seconds the tuner waited on measuring (results not back yet) and building, summed over a mode's lanes (they run at the same time)."]
+    if not report["same_kernels"]:
+        return "\n".join(lines) + "\n"
+    lines += ["", f"Same kernels (best of each task in the `one` run), {report['rounds']} alternating rounds, median us:", "",
               "| kernel | local | RPC | RPC/local |", "|---|---|---|---|"]
     for k, v in report["same_kernels"].items():
         f = lambda x: "-" if x is None else f"{x:.2f}"
@@ -162,8 +168,8 @@ def main() -> int:
     ap.add_argument("--trials-per-task", type=int, default=64)
     ap.add_argument("--max-tasks", type=int, default=4)
     ap.add_argument("--servers", type=int, default=0, help="servers under `all` (default: one per visible GPU; llvm: 2)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--modes", default="one,one-lanes,all", help="from local, one, one-lanes, all-1lane, all")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of timing the same kernels locally and through RPC (0: skip)")
+    ap.add_argument("--modes", default="one,one-lanes,all", help="from local, one, one-lanes, all-1lane, all, all-overlap")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     out = Path(args.out)
@@ -203,13 +209,14 @@ def main() -> int:
             "one-lanes": dataclasses.replace(one, lanes=n),
             "all-1lane": dataclasses.replace(pool, lanes=1),
             "all": dataclasses.replace(pool, lanes=n),
+            "all-overlap": dataclasses.replace(pool, lanes=n, lane_cpus=tune.usable_cpus()),
         }
         for name in args.modes.split(","):
             p = pools[name]
             report["modes"].append(tune_mode(name, cfg, remote_target if p else target, ex, opt, out, p))
             print(json.dumps({k: v for k, v in report["modes"][-1].items() if k != "rpc"}), flush=True)
             write_report(out, report)
-            if name == "one":
+            if name == "one" and args.rounds > 0:
                 m = report["modes"][-1]
                 key = json.loads((Path(m["database"]) / "key.json").read_text())
                 report["same_kernels"] = remeasure(Path(m["database"]), key, remote_target, profile, opt, one, args.rounds)

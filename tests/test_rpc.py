@@ -353,6 +353,14 @@ def test_split_tasks_balances_trials_left():
     assert tune.lanes(RPCPool("h", 1, "k"), 3) == 3 and tune.lanes(RPCPool("h", 1, "k", lanes=2), 3) == 2
 
 
+def test_lane_cpus_share_or_as_asked(monkeypatch):
+    monkeypatch.setattr(tune, "usable_cpus", lambda: 32)
+    assert tune.lane_cpus(None, 1) == 32
+    assert tune.lane_cpus(RPCPool("h", 1, "k"), 2) == 16 and tune.lane_cpus(RPCPool("h", 1, "k"), 64) == 1
+    assert tune.lane_cpus(RPCPool("h", 1, "k", lane_cpus=32), 2) == 32  # overlapping lanes
+    assert tune.lane_cpus(RPCPool("h", 1, "k", lane_cpus=99), 2) == 32  # never more than the machine has
+
+
 def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_path):
     """Two tasks in two lanes (processes), measuring on two servers, one of
     which dies at its first candidate: that candidate is measured on the
@@ -360,11 +368,12 @@ def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_pat
     trials as asked, none recorded as failed."""
     procs.server("lanes")
     dying, count = procs.fault_server("lanes", "die", at=1)
-    pool = procs.pool("lanes")
+    # Each lane given every CPU (--rpc-lane-cpus), as on a GPU host where lanes overlap.
+    pool = dataclasses.replace(procs.pool("lanes"), lane_cpus=tune.usable_cpus())
     rpc.wait_for_servers(pool, 2)
     cfg = make_config(trials=12, trials_per_task=6, trials_per_iter=3, max_tasks=2)
     s, a = _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t", pool)
-    assert len(s["lanes"]) == 2
+    assert len(s["lanes"]) == 2 and all(lane["cpus"] == tune.usable_cpus() for lane in s["lanes"])
     assert sorted(t for lane in s["lanes"] for t in lane["tasks"]) == sorted(s["tasks"])  # disjoint, all covered
     assert [lane["new_trials"] for lane in s["lanes"]] == [6, 6]
     assert s["new_trials"] == 12 and s["valid_fraction"] == 1.0 and s["trials_after"] == 12
@@ -389,6 +398,8 @@ def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_pat
 @pytest.mark.parametrize("argv, message", [
     (["--rpc-lanes", "-1", "--tracker", "127.0.0.1:9190", "--rpc-key", "k"], "invalid --rpc-lanes | got -1"),
     (["--rpc-lanes", "2"], "--rpc-lanes needs --tracker and --rpc-key"),
+    (["--rpc-lane-cpus", "-2", "--tracker", "127.0.0.1:9190", "--rpc-key", "k"], "invalid --rpc-lane-cpus | got -2"),
+    (["--rpc-lane-cpus", "8"], "--rpc-lane-cpus needs --tracker and --rpc-key"),
 ])
 def test_bad_lanes(argv, message, capsys):
     from deploy import cli
