@@ -92,7 +92,8 @@ def split_k_conv2d(parts: int, max_rows: int = SPLIT_K_MAX_ROWS, min_k: int = SP
     shapes) with at most `max_rows` output rows and a reduction of at least
     `min_k` (kh*kw*C, divisible by `parts` into multiples of 16) becomes
     im2col (pad, shifted windows, concat), a batched matmul over `parts`
-    slices of the reduction, and a sum over them.
+    slices of the reduction, and a sum over them (three kernels after
+    fusion: im2col; the matmul; the sum with the convolution's epilogue).
 
     Why: at batch 1, ResNet-50's last-stage 3x3 convolution is a GEMM of 49
     rows by 512 columns with K = 4608. A tensor-core schedule then has only a
@@ -147,7 +148,15 @@ def split_k_conv2d(parts: int, max_rows: int = SPLIT_K_MAX_ROWS, min_k: int = SP
             lhs = op.permute_dims(op.reshape(col, [rows, parts, k // parts]), [1, 0, 2])
             rhs = op.reshape(op.permute_dims(op.reshape(w, [o, k]), [1, 0]), [parts, k // parts, o])
             y = self.builder_.emit(op.matmul(self.builder_.emit(lhs), self.builder_.emit(rhs), out_dtype=a.out_dtype))
-            return op.reshape(op.sum(y, axis=[0]), [n, ho, wo, o])
+            # The parts summed by adds, not by a sum: FuseOps never fuses a
+            # reduction with what follows it, so sum and the convolution's
+            # epilogue (cast, bias, ReLU) would be two kernels; slices and adds
+            # are injective and elementwise, one kernel with the epilogue.
+            acc = None
+            for i in range(parts):
+                part = op.reshape(op.strided_slice(y, axes=[0], begin=[i], end=[i + 1]), [n, ho, wo, o])
+                acc = part if acc is None else op.add(acc, part)
+            return acc
 
     @tvm.transform.module_pass(opt_level=0, name="SplitKConv2d")
     def split_k(mod, _ctx):

@@ -106,3 +106,22 @@ def test_split_matmul_gets_tensor_core_schedules():
     (task,) = [t for t in ms.relax_integration.extract_tasks(mod, target) if "matmul" in t.task_name]
     ctx = ms.TuneContext(mod=task.dispatched[0], target=target, space_generator="post-order-apply", num_threads=1)
     assert any("wmma" in str(s.trace) for s in ctx.generate_design_space())
+
+
+def test_split_conv_is_three_kernels_with_the_epilogue_fused_into_the_sum():
+    """With constant weights (as in a model): im2col, the batched matmul, and
+    the sum of the parts with the convolution's epilogue (here the ReLU) in
+    one kernel; FuseOps keeps a reduction apart from what follows it, so a
+    `sum` there would cost a fourth."""
+    from deploy.tvm_compat import relax, tensor, tirx, tvm
+
+    T = relax.transform
+    w = np.random.default_rng(0).standard_normal((32, 3, 3, 64)).astype("float32")
+    mod = T.BindParams("main", {"w": tensor(w)})(_conv_module(64, 32, 3, 1, 7))
+    mod = split_k_conv2d(4, max_rows=256, min_k=256)(mod)
+    mod = tvm.transform.Sequential([T.LegalizeOps(), T.FoldConstant(), T.AnnotateTIROpPattern(), T.FuseOps(),
+                                    T.FuseTIR()])(mod)
+    kernels = sorted(gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc))
+    assert len(kernels) == 3, kernels
+    assert sum("matmul" in k for k in kernels) == 1 and sum("concatenate" in k for k in kernels) == 1, kernels
+    assert any("add" in k and "relu" in k for k in kernels), kernels
