@@ -397,8 +397,9 @@ def environment() -> dict:
 
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            env["driver"] = out.stdout.strip()
+        if out.returncode == 0 and out.stdout.strip():
+            # One line per GPU, the same driver on each.
+            env["driver"] = ", ".join(sorted(set(out.stdout.split())))
     except (OSError, subprocess.SubprocessError):
         pass
     return env
