@@ -294,7 +294,7 @@ def _check_values(obj, where: str) -> None:
             if getattr(obj, name) < 1:
                 raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a positive integer")
         if obj.split_k > 1 and obj.layout != "NHWC":
-            raise ConfigError(f"{where}.split_k needs the NHWC layout", f"layout {obj.layout}", "layout = \"NHWC\" or split_k = 0")
+            raise ConfigError(f"{where}.split_k needs the NHWC layout", f"layout {obj.layout}", "layout = \"NHWC\", or split_k = 0 (--split-k 0)")
         if obj.search_population < obj.trials_per_iter:
             raise ConfigError(
                 f"{where}.search_population is smaller than a batch", obj.search_population,
