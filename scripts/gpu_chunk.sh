@@ -12,21 +12,29 @@
 # POOL=1 on a machine with several GPUs: a tracker and one RPC server per GPU
 # on loopback, and `make tune` measures on all of them, one tuning lane per
 # GPU (see README, "Tuning on a pool of GPUs"). Tracker and server logs go to
-# $OUT/pool.log.
+# $OUT/pool.log. GPUS="2 3" uses those GPUs only, and with TRACKER_PORT and
+# PORT_BASE (server ports) of its own and `taskset` two chunks share a
+# machine, e.g. on 4 GPUs and 64 cores (each its own OUT, WORKDIR, DB_ROOT):
+#   OUT=$OUT/a WORKDIR=/tmp/wa DB_ROOT=/tmp/da POOL=1 GPUS="0 1" taskset -c 0-31 bash scripts/gpu_chunk.sh ... &
+#   OUT=$OUT/b WORKDIR=/tmp/wb DB_ROOT=/tmp/db POOL=1 GPUS="2 3" TRACKER_PORT=9290 PORT_BASE=9300 \
+#     CUDA_VISIBLE_DEVICES=2 taskset -c 32-63 bash scripts/gpu_chunk.sh ... ; wait
+# (CUDA_VISIBLE_DEVICES: the GPU the run's own validation and latency use.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 POOL_ARGS=()
 if [ "${POOL:-0}" != 0 ]; then
-  n=$(nvidia-smi -L | grep -c '^GPU')
+  read -r -a gpus <<< "${GPUS:-$(nvidia-smi -L | sed -n 's/^GPU \([0-9]*\):.*/\1/p' | tr '\n' ' ')}"
+  n=${#gpus[@]}
   tport=${TRACKER_PORT:-9190}
+  pbase=${PORT_BASE:-9090}
   pids=()
   trap 'kill "${pids[@]}" 2>/dev/null' EXIT
   python3 -m deploy rpc-tracker --port "$tport" >> "$OUT/pool.log" 2>&1 & pids+=($!)
   for _ in $(seq 30); do python3 -c "import socket; socket.create_connection(('127.0.0.1', $tport), 1)" 2>/dev/null && break; sleep 1; done
   for i in $(seq 0 $((n - 1))); do
-    python3 -m deploy rpc-server --tracker "127.0.0.1:$tport" --key local --gpu "$i" --port $((9090 + 10 * i)) \
-      --port-end $((9100 + 10 * i)) >> "$OUT/pool.log" 2>&1 & pids+=($!)
+    python3 -m deploy rpc-server --tracker "127.0.0.1:$tport" --key local --gpu "${gpus[$i]}" --port $((pbase + 10 * i)) \
+      --port-end $((pbase + 10 + 10 * i)) >> "$OUT/pool.log" 2>&1 & pids+=($!)
   done
   for _ in $(seq 60); do
     [ "$(python3 -m deploy rpc-status --tracker "127.0.0.1:$tport" --rpc-key local 2>/dev/null | grep -c '^server')" -ge "$n" ] && break
