@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -135,6 +136,18 @@ def _first_line(msg: str) -> str:
     return (lines[-1] if lines else "")[:300]
 
 
+def _failure_reason(msg: str) -> str:
+    """One line saying why a candidate failed. A compiler's log (NVRTC or
+    nvcc: `file(line): error: ...`) ends with its error count or "Error limit
+    reached.", and the first error is the one that says why; otherwise TVM's
+    own check line."""
+    for ln in str(msg).splitlines():
+        m = re.search(r"\(\d+\): (?:catastrophic )?error: (.*)", ln)
+        if m:
+            return ("CUDA compile: " + m.group(1).strip())[:300]
+    return _first_line(msg)
+
+
 def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int, stop=None):
     """An EvolutionarySearch that stops at a wall-clock deadline, after
     `budget` new trials (what is left of this task's budget), or once the
@@ -221,10 +234,10 @@ def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, 
                     s["candidates"] += 1
                     if b.error_msg:
                         s["build_errors"] += 1
-                        f.write(json.dumps({"task": name, "stage": "build", "error": _first_line(b.error_msg)}) + "\n")
+                        f.write(json.dumps({"task": name, "stage": "build", "error": _failure_reason(b.error_msg)}) + "\n")
                     elif r.error_msg:
                         s["run_errors"] += 1
-                        f.write(json.dumps({"task": name, "stage": "run", "error": _first_line(r.error_msg)}) + "\n")
+                        f.write(json.dumps({"task": name, "stage": "run", "error": _failure_reason(r.error_msg)}) + "\n")
                     elif r.run_secs:
                         secs = [float(x) for x in r.run_secs]
                         t = sum(secs) / len(secs)

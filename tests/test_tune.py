@@ -103,3 +103,24 @@ def test_repair_jsonl(tmp_path):
     w.write_text('[1]\n[2, "bad\n[3]\n')
     with pytest.raises(StaleArtifactError, match="line 2"):
         dbs.repair_jsonl(w, only_last=True)
+
+
+def test_failure_reason_is_the_compilers_first_error():
+    """NVRTC's log ends with its error count or "Error limit reached.": the
+    first error line is the reason recorded; TVM's own errors keep their
+    check line."""
+    from deploy import tune
+
+    nvrtc = """Traceback (most recent call last):
+  File "tvm/contrib/nvcc.py", line 321, in compile_cuda_nvrtc
+RuntimeError: NVRTC compilation failed:
+default_program(112): error: too many resources requested for launch
+default_program(140): error: identifier "x_shared" is undefined
+Error limit reached.
+100 errors detected in the compilation of "default_program".
+Compilation terminated."""
+    assert tune._failure_reason(nvrtc) == "CUDA compile: too many resources requested for launch"
+    tvm_check = """Traceback (most recent call last):
+  File "<unknown>", line 0, in tvm::ObjectMutator::Mutate(tvm::ffi::AnyView, tvm::ffi::InplaceMode)
+tvm.error.InternalError: Check failed: (!load_remap_.count(alloc_key)) is false:"""
+    assert tune._failure_reason(tvm_check) == "tvm.error.InternalError: Check failed: (!load_remap_.count(alloc_key)) is false:"
