@@ -10,7 +10,7 @@
 # Tuning on a pool of GPUs through TVM's RPC tracker (README "Tuning on a pool of GPUs"):
 #   make rpc-tracker HOST=0.0.0.0 PORT=9190                                  once, on the build host
 #   make rpc-server TRACKER=hostA:9190 RPC_KEY=h200 GPU=0 HOST=0.0.0.0       once per GPU, on its host
-#   make tune MODEL=resnet50 TRACKER=hostA:9190 RPC_KEY=h200 [RPC_LANES=N]   builds here, measures there
+#   make tune MODEL=resnet50 TRACKER=hostA:9190 RPC_KEY=h200 [RPC_LANES=N RPC_LANE_CPUS=N]   builds here, measures there
 #   make rpc-status TRACKER=hostA:9190 RPC_KEY=h200                          the servers and their GPUs
 
 MODEL     ?= resnet50

@@ -379,7 +379,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accumulate", default="", help="fp32 or fp16: accumulator dtype of fp16 convolutions/matmuls")
     p.add_argument("--buckets", default="", help="batch buckets, e.g. 1,8,32")
     p.add_argument("--tune-buckets", default="", help="buckets to tune, e.g. 1")
-    p.add_argument("--trials", type=int, help="total tuning trials per tuned bucket (0: no tuning)")
+    p.add_argument("--trials", type=int, help="trials a tuned bucket's database should hold: tunes only what it lacks (0: no tuning)")
     p.add_argument("--trials-per-task", type=int)
     p.add_argument("--max-tasks", type=int, help="tune only the N heaviest tasks (0: all)")
     p.add_argument("--split-k", type=int,

@@ -142,7 +142,7 @@ def _failure_reason(msg: str) -> str:
     reached.", and the first error is the one that says why; otherwise TVM's
     own check line."""
     for ln in str(msg).splitlines():
-        m = re.search(r"\(\d+\): (?:catastrophic )?error: (.*)", ln)
+        m = re.search(r"\(\d+\): (?:catastrophic )?error(?: #\d+(?:-D)?)?: (.*)", ln)
         if m:
             return ("CUDA compile: " + m.group(1).strip())[:300]
     return _first_line(msg)
@@ -352,7 +352,7 @@ def tune_bucket(
             db = dbs.open_for_tuning(db_dir, key)
             try:
                 _tune_tasks(todo, global_left, db, db_dir.name, key, target, profile, deadline, work, seed, pool,
-                            n_servers, usable_cpus(), summary, stats)
+                            n_servers, lane_cpus(pool, 1), summary, stats)
             finally:
                 dbs.pack(db_dir)
     summary.update(_outcome(plan, db_dir, stats, time.time() - started, deadline))

@@ -24,8 +24,13 @@ cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 POOL_ARGS=()
 if [ "${POOL:-0}" != 0 ]; then
-  read -r -a gpus <<< "${GPUS:-$(nvidia-smi -L | sed -n 's/^GPU \([0-9]*\):.*/\1/p' | tr '\n' ' ')}"
+  list=${GPUS:-$(nvidia-smi -L | sed -n 's/^GPU \([0-9]*\):.*/\1/p' | tr '\n' ' ')}
+  read -r -a gpus <<< "${list//,/ }"
+  for gpu in "${gpus[@]}"; do
+    [[ $gpu =~ ^[0-9]+$ ]] || { echo "error: GPUS must list GPU indices, e.g. \"0 1\" or 0,1 | got '$list'" >&2; exit 2; }
+  done
   n=${#gpus[@]}
+  [ "$n" -ge 1 ] || { echo "error: no GPU for the pool (nvidia-smi lists none, GPUS is empty)" >&2; exit 2; }
   tport=${TRACKER_PORT:-9190}
   pbase=${PORT_BASE:-9090}
   pids=()

@@ -120,6 +120,8 @@ Error limit reached.
 100 errors detected in the compilation of "default_program".
 Compilation terminated."""
     assert tune._failure_reason(nvrtc) == "CUDA compile: too many resources requested for launch"
+    numbered = 'NVRTC compilation failed:\nkernel.cu(7): error #20-D: identifier "y" is undefined\n1 error detected'
+    assert tune._failure_reason(numbered) == 'CUDA compile: identifier "y" is undefined'
     tvm_check = """Traceback (most recent call last):
   File "<unknown>", line 0, in tvm::ObjectMutator::Mutate(tvm::ffi::AnyView, tvm::ffi::InplaceMode)
 tvm.error.InternalError: Check failed: (!load_remap_.count(alloc_key)) is false:"""
