@@ -145,7 +145,8 @@ def cmd_run(args) -> int:
     profile = cfg.profile(target.kind)
     print(pipeline.describe(cfg, target, workdir, db_root, profile.budget, args.pool), flush=True)
     _check_pool(args, target, profile)
-    summary = pipeline.run(cfg, target, workdir, db_root, dump_ir=args.dump_ir, pool=args.pool)
+    summary = pipeline.run(cfg, target, workdir, db_root, dump_ir=args.dump_ir, pool=args.pool,
+                           compare_untuned=not args.no_untuned)
     print(pipeline.format_summary(summary), flush=True)
     return 0
 
@@ -454,6 +455,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run every stage (make tune)")
     _add_common(p)
     _add_pool(p)
+    p.add_argument("--no-untuned", action="store_true",
+                   help="skip building and timing the untuned module beside the tuned one (saves ~20 s a chunk)")
     p.set_defaults(func=cmd_run)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"run the {stage} stage alone")

@@ -88,3 +88,34 @@ def test_shipped_configs_parse():
         assert cfg.model.name == p.stem, p
     # one config per registered model
     assert sorted(p.stem for p in paths) == sorted(models.names())
+
+
+@pytest.mark.parametrize("flag, compare", [([], True), (["--no-untuned"], False)])
+def test_run_no_untuned_flag_reaches_the_pipeline(flag, compare, monkeypatch, tmp_path):
+    from deploy import cli, pipeline
+
+    seen = {}
+
+    def fake_run(cfg, target, workdir, db_root, **kw):
+        seen.update(kw)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    with pytest.raises(SystemExit):
+        cli.main(["run", "-m", "tiny_cnn", "--target", "llvm", "--workdir", str(tmp_path / "ws"), *flag])
+    assert seen["compare_untuned"] is compare
+
+
+def test_resnet50_cuda_database_holds_the_configs_trials():
+    """`make tune MODEL=resnet50` on an H200 builds from the committed batch-1
+    database without tuning only while it holds the config's `trials`: raising
+    them (or replacing the database) must come with more tuning."""
+    import lzma
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = config.load(root / "configs" / "resnet50.toml")
+    records = root / "tuning_logs/resnet50/cuda-sm_90-nvidia-h200/fp16-nhwc-b1/database_tuning_record.json.xz"
+    with lzma.open(records, "rt") as f:
+        held = sum(1 for line in f if line.strip())
+    assert cfg.cuda.split_k == 4 and held >= cfg.cuda.trials, (held, cfg.cuda.trials)
