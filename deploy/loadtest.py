@@ -99,22 +99,26 @@ def _close(out: np.ndarray, ref: np.ndarray, precision: str) -> bool:
 
 def _client_part(url: str, model: str, specs: list[dict], requests: list[list[np.ndarray]],
                  expected: list[dict], precision: str, concurrency: int, warmup_s: float, duration_s: float,
-                 sync=None) -> tuple[float, list]:
+                 shared_memory: bool = False, sync=None) -> tuple[float, list]:
     """One client process: `concurrency` closed-loop clients for `warmup_s`
     + `duration_s` seconds. `sync`, with several processes: (ready, go)
     queues; the process says it is ready once its requests are built, and
     gets the common start time (time.monotonic, shared by the processes of
-    one machine). Returns (start, [(sent, answered, status) per request])."""
+    one machine). With `shared_memory`, each client passes its inputs and
+    outputs through system shared memory regions of its own (written before
+    each request, read after it), as a client on the server's host would.
+    Returns (start, [(sent, answered, status) per request])."""
     return asyncio.run(_clients(url, model, specs, requests, expected, precision, concurrency, warmup_s,
-                                duration_s, sync))
+                                duration_s, sync, shared_memory))
 
 
 async def _clients(url, model, specs, requests, expected, precision, concurrency, warmup_s, duration_s,
-                   sync) -> tuple[float, list]:
+                   sync, shared_memory: bool = False) -> tuple[float, list]:
     from tritonclient.http.aio import InferenceServerClient, InferInput
     from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
     client = InferenceServerClient(url.removeprefix("http://"), conn_limit=concurrency)
+    regions = _ShmClients(client, concurrency, requests[0], expected[0]) if shared_memory else None
     prepared = []
     for arrays in requests:
         tensors = []
@@ -139,23 +143,95 @@ async def _clients(url, model, specs, requests, expected, precision, concurrency
             j = i % len(prepared)
             sent = time.monotonic()
             try:
-                r = await client.infer(model, prepared[j])
+                if regions is None:
+                    r = await client.infer(model, prepared[j])
+                else:
+                    inputs, outputs = regions.request(k, specs, requests[j])
+                    r = await client.infer(model, inputs, outputs=outputs)
             except InferenceServerException as e:
                 answered, status = time.monotonic(), f"http {e.status()}"
             except Exception as e:  # noqa: BLE001  counted, reported
                 answered, status = time.monotonic(), type(e).__name__
             else:
                 answered = time.monotonic()  # before the check: it is the client's work, not the server's
-                ok = all(_close(r.as_numpy(n), ref, precision) for n, ref in expected[j].items())
+                got = (lambda n: r.as_numpy(n)) if regions is None else (lambda n: regions.output(k, n))
+                ok = all(_close(got(n), ref, precision) for n, ref in expected[j].items())
                 status = "ok" if ok else "mismatch"
             records.append((sent, answered, status))
             i += concurrency
 
     try:
+        if regions is not None:
+            await regions.register()
         await asyncio.gather(*(one_client(k) for k in range(concurrency)))
     finally:
+        if regions is not None:
+            await regions.close()
         await client.close()
     return t_start, records
+
+
+class _ShmClients:
+    """Each client's input and output regions in system shared memory
+    (tritonclient.utils.shared_memory), registered with the server."""
+
+    def __init__(self, client, n: int, inputs: list[np.ndarray], outputs: dict):
+        import tritonclient.utils.shared_memory as shm
+
+        self.shm, self.client = shm, client
+        self.out_specs = {name: (a.dtype, a.shape) for name, a in outputs.items()}
+        in_bytes = sum(a.nbytes for a in inputs)
+        out_bytes = sum(a.nbytes for a in outputs.values())
+        tag = f"lt{os.getpid()}"
+        self.names = [(f"{tag}-in{k}", f"{tag}-out{k}") for k in range(n)]
+        self.handles = []
+        for name_in, name_out in self.names:
+            self.handles.append((shm.create_shared_memory_region(name_in, "/" + name_in, in_bytes),
+                                 shm.create_shared_memory_region(name_out, "/" + name_out, out_bytes)))
+        self.sizes = (in_bytes, out_bytes)
+
+    async def register(self) -> None:
+        for (name_in, name_out) in self.names:
+            await self.client.register_system_shared_memory(name_in, "/" + name_in, self.sizes[0])
+            await self.client.register_system_shared_memory(name_out, "/" + name_out, self.sizes[1])
+
+    def request(self, k: int, specs: list[dict], arrays: list[np.ndarray]) -> tuple[list, list]:
+        from tritonclient.http.aio import InferInput, InferRequestedOutput
+        from tritonclient.utils import np_to_triton_dtype
+
+        name_in, name_out = self.names[k]
+        self.shm.set_shared_memory_region(self.handles[k][0], arrays)
+        inputs, offset = [], 0
+        for spec, a in zip(specs, arrays):
+            t = InferInput(spec["name"], list(a.shape), np_to_triton_dtype(a.dtype))
+            inputs.append(t.set_shared_memory(name_in, a.nbytes, offset))
+            offset += a.nbytes
+        outputs, offset = [], 0
+        for name, (dtype, shape) in self.out_specs.items():
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            o = InferRequestedOutput(name, binary_data=True)
+            o.set_shared_memory(name_out, nbytes, offset)  # returns None, unlike InferInput's
+            outputs.append(o)
+            offset += nbytes
+        return inputs, outputs
+
+    def output(self, k: int, name: str) -> np.ndarray:
+        offset = 0
+        for n, (dtype, shape) in self.out_specs.items():
+            if n == name:
+                return self.shm.get_contents_as_numpy(self.handles[k][1], dtype, shape, offset).copy()
+            offset += int(np.prod(shape)) * dtype.itemsize
+        raise KeyError(name)
+
+    async def close(self) -> None:
+        try:
+            for name_in, name_out in self.names:
+                await self.client.unregister_system_shared_memory(name_in)
+                await self.client.unregister_system_shared_memory(name_out)
+        finally:
+            for h_in, h_out in self.handles:
+                self.shm.destroy_shared_memory_region(h_in)
+                self.shm.destroy_shared_memory_region(h_out)
 
 
 def _client_procs(cfg: LoadtestConfig) -> int:
@@ -198,6 +274,8 @@ class ServerProcess:
             argv += ["--model-name", cfg.model_name]
         if not cfg.warmup:
             argv.append("--no-warmup")
+        if cfg.shared_memory:
+            argv.append("--shared-memory")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
         self._log = open(log_path, "w")  # noqa: SIM115  open while the server runs; closed by stop()
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -332,7 +410,7 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
                 parts = _split(c, procs)
                 before = server.metrics()
                 args = [(server.url, model["name"], manifest["inputs"], requests, expected, precision, n,
-                         cfg.warmup_s, cfg.duration_s) for n in parts]
+                         cfg.warmup_s, cfg.duration_s, serve_cfg.shared_memory) for n in parts]
                 log.info("concurrency %d: %d client(s) in %d process(es) for %g + %g s", c, c, len(parts),
                          cfg.warmup_s, cfg.duration_s)
                 if pool is None:
@@ -460,7 +538,10 @@ def markdown(report: dict) -> str:
         "",
         f"    {report['command']}",
         "",
-        (f"Each request carries {cfg['request_batch']} sample(s) as binary tensors; clients are closed-loop "
+        (f"Each request carries {cfg['request_batch']} sample(s) "
+         + ("through system shared memory (a region per client for inputs and one for outputs); "
+            if cfg["serve"].get("shared_memory") else "as binary tensors; ")
+         + "clients are closed-loop "
          f"(tritonclient's asyncio HTTP client, {report['client_processes']} process(es)); each level runs "
          f"{cfg['warmup_s']:g} s unmeasured, then {cfg['duration_s']:g} s measured. Server: max queue delay "
          f"{cfg['serve']['max_queue_delay_ms']:g} ms, max concurrency {cfg['serve']['max_concurrency']}."),

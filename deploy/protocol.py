@@ -34,7 +34,7 @@ from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
 from .errors import RequestError
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "system_shared_memory"]
 
 
 class _Tensor(BaseModel):
@@ -75,7 +75,8 @@ class Decoded:
 
     arrays: list[np.ndarray]
     batch: int
-    outputs: list[tuple[str, bool]]  # (name, as binary) in the order to answer
+    # (name, as binary, shared-memory parameters or None) in the order to answer
+    outputs: list[tuple[str, bool, dict | None]]
     id: str | None
     timeout_s: float | None  # the request's own `timeout` parameter (microseconds in the protocol)
 
@@ -164,10 +165,12 @@ def _from_json(name: str, data: list, dtype: np.dtype, shape: list[int]) -> np.n
 
 
 def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: list[dict],
-           model: str | None = None, version: str | None = None) -> Decoded:
+           model: str | None = None, version: str | None = None, regions=None) -> Decoded:
     """A request body (and its Inference-Header-Content-Length, if any) ->
     arrays checked against the manifest's inputs. `model` and `version`, the
-    URL's, are what the body's `model_name`/`model_version` must say if given."""
+    URL's, are what the body's `model_name`/`model_version` must say if given.
+    `regions` (a `deploy.shm.Regions`): the registered shared memory that
+    inputs and outputs may name; None refuses them."""
     binary = memoryview(b"")
     if header_length is not None:
         try:
@@ -199,11 +202,17 @@ def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: 
         if len(t.shape) != len(spec["shape"]) + 1 or list(t.shape[1:]) != list(spec["shape"]) or t.shape[0] < 1:
             raise RequestError(f"input '{t.name}' has the wrong shape", t.shape, ["N >= 1", *spec["shape"]])
         params = t.parameters or {}
-        if "shared_memory_region" in params:
-            raise RequestError("shared-memory tensors are not supported", t.name, "data or binary_data_size")
         dtype = np.dtype(triton_to_np_dtype(want)).newbyteorder("<")
         size = params.get("binary_data_size")
-        if size is not None:
+        if "shared_memory_region" in params:
+            if regions is None:
+                raise RequestError("shared-memory tensors are not supported here", t.name, "data or binary_data_size")
+            if t.data is not None or size is not None:
+                raise RequestError(f"input '{t.name}' has data twice", "shared memory and data or binary_data_size",
+                                   "one of them")
+            raw = regions.read(params, t.name, math.prod(t.shape) * dtype.itemsize)
+            a = np.frombuffer(raw, dtype).reshape(t.shape)
+        elif size is not None:
             if t.data is not None:
                 raise RequestError(f"input '{t.name}' has data twice", "both 'data' and binary_data_size",
                                    "one of them")
@@ -236,7 +245,7 @@ def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: 
     return Decoded(
         arrays=[given[n] for n in specs],
         batch=batches.pop(),
-        outputs=_wanted_outputs(req, params, outputs),
+        outputs=_wanted_outputs(req, params, outputs, regions),
         id=req.id,
         timeout_s=_timeout(params),
     )
@@ -249,18 +258,26 @@ def _flag(params: dict, key: str, default: bool) -> bool:
     return value
 
 
-def _wanted_outputs(req: InferenceRequest, params: dict, outputs: list[dict]) -> list[tuple[str, bool]]:
+def _wanted_outputs(req: InferenceRequest, params: dict, outputs: list[dict],
+                    regions=None) -> list[tuple[str, bool, dict | None]]:
     # tritonclient asks for binary outputs with binary_data_output when it
     # names no outputs, and with binary_data per output when it does.
     default = _flag(params, "binary_data_output", False)
     names = [o["name"] for o in outputs]
     if not req.outputs:
-        return [(n, default) for n in names]
+        return [(n, default, None) for n in names]
     out = []
     for o in req.outputs:
         if o.name not in names:
             raise RequestError("unknown output name", repr(o.name), "one of " + ", ".join(map(repr, names)))
-        out.append((o.name, _flag(o.parameters or {}, "binary_data", default)))
+        p = o.parameters or {}
+        shm = None
+        if "shared_memory_region" in p:
+            if regions is None:
+                raise RequestError("shared-memory tensors are not supported here", o.name, "data or binary_data")
+            regions.check_output(p, o.name)
+            shm = {k: p[k] for k in ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset") if k in p}
+        out.append((o.name, _flag(p, "binary_data", default), shm))
     return out
 
 
@@ -274,14 +291,21 @@ def _timeout(params: dict) -> float | None:
 
 
 def encode(model: str, version: str, request_id: str | None,
-           outputs: list[tuple[str, np.ndarray, bool]]) -> tuple[bytes, int | None]:
-    """(body, header length or None): `$inference_response`, each output as
-    JSON data or, when asked, binary after the JSON. In JSON data, NaN and
-    infinities are null (binary outputs keep them)."""
+           outputs: list[tuple], regions=None) -> tuple[bytes, int | None]:
+    """(body, header length or None): `$inference_response`, each output
+    (name, array, binary[, shared-memory parameters]) as JSON data, binary
+    after the JSON when asked, or written into its shared-memory region
+    (`regions`). In JSON data, NaN and infinities are null (binary outputs
+    keep them)."""
     tensors, blobs = [], []
-    for name, a, binary in outputs:
+    for name, a, binary, *rest in outputs:
+        shm = rest[0] if rest else None
         t: dict[str, Any] = {"name": name, "datatype": np_to_triton_dtype(a.dtype), "shape": list(a.shape)}
-        if binary:
+        if shm is not None:
+            raw = np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes()
+            regions.write(shm, name, raw)
+            t["parameters"] = {**shm, "shared_memory_byte_size": len(raw)}
+        elif binary:
             raw = np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes()
             t["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)

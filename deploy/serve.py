@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import protocol
+from . import protocol, shm
 from .config import ServeConfig
 from .errors import (
     DeployError,
@@ -232,6 +232,7 @@ class InferenceServer:
         self.in_flight_bytes = 0  # request bodies being read, queued or run, as received (or decompressed)
         self.max_body = int(cfg.max_body_mb * 1024 * 1024)
         self.max_in_flight_bytes = int(cfg.max_inflight_mb * 1024 * 1024)
+        self.regions = shm.Regions() if cfg.shared_memory else None  # registered shared memory
         self.model_metadata = {
             "name": self.model,
             "versions": [MODEL_VERSION],
@@ -292,6 +293,8 @@ class InferenceServer:
         self.metrics.ready.labels(self.model).set(0)
         left = self.cfg.shutdown_grace_s - (time.monotonic() - self.stop_requested)
         await asyncio.to_thread(self.batcher.close, max(left, 0.0))
+        if self.regions is not None:
+            self.regions.close()
 
     # -- endpoints -------------------------------------------------------
 
@@ -314,6 +317,15 @@ class InferenceServer:
             Route(version + "/infer", self.infer, methods=["POST"]),
             Route("/metrics", self.prometheus),
         ]
+        if self.regions is not None:
+            shm_root = "/v2/systemsharedmemory"
+            routes += [
+                Route(shm_root + "/status", self.shm_status),
+                Route(shm_root + "/region/{region}/status", self.shm_status),
+                Route(shm_root + "/region/{region}/register", self.shm_register, methods=["POST"]),
+                Route(shm_root + "/region/{region}/unregister", self.shm_unregister, methods=["POST"]),
+                Route(shm_root + "/unregister", self.shm_unregister, methods=["POST"]),
+            ]
 
         async def http_error(request, exc: HTTPException):
             return _error(exc.status_code, f"{exc.detail} | got {request.method} {request.url.path}")
@@ -334,7 +346,8 @@ class InferenceServer:
         return _json({"ready": self.ready}, 200 if self.ready else 503)
 
     async def server_metadata(self, request):
-        return _json({"name": SERVER_NAME, "version": _version(), "extensions": protocol.EXTENSIONS})
+        return _json({"name": SERVER_NAME, "version": _version(), "extensions": [
+            e for e in protocol.EXTENSIONS if e != "system_shared_memory" or self.regions is not None]})
 
     def _check_model(self, request) -> None:
         name = request.path_params["name"]
@@ -357,6 +370,31 @@ class InferenceServer:
         except RequestError as e:
             return _error(e.status, str(e))
         return _json({"name": self.model, "ready": self.ready}, 200 if self.ready else 503)
+
+    # -- system shared memory (Triton's extension; deploy.shm) -------------
+
+    async def shm_status(self, request):
+        try:
+            return _json(self.regions.status(request.path_params.get("region")))
+        except RequestError as e:
+            return _error(e.status, str(e))
+
+    async def shm_register(self, request):
+        import json
+
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as e:
+                raise RequestError("malformed JSON", str(e).split(":")[0], '{"key": ..., "offset": ..., "byte_size": ...}') from None
+            self.regions.register(request.path_params["region"], body)
+        except RequestError as e:
+            return _error(e.status, str(e))
+        return _json({})
+
+    async def shm_unregister(self, request):
+        self.regions.unregister(request.path_params.get("region"))
+        return _json({})
 
     async def prometheus(self, request):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -424,7 +462,7 @@ class InferenceServer:
             raise RequestTimeoutError("the request body did not arrive in time", None,
                                       f"within {timeout:g} s (--timeout-s)", status=408) from None
         args = (body, request.headers.get(protocol.HEADER_LENGTH), self.manifest["inputs"], self.manifest["outputs"],
-                self.model, request.path_params.get("version", MODEL_VERSION))
+                self.model, request.path_params.get("version", MODEL_VERSION), self.regions)
         req = await asyncio.to_thread(protocol.decode, *args) if len(body) > OFFLOAD_BYTES else protocol.decode(*args)
         if req.timeout_s is not None:
             timeout = min(timeout, req.timeout_s)
@@ -444,9 +482,9 @@ class InferenceServer:
             raise RequestTimeoutError("no answer in time", f"more than {timeout:g} s",
                                       f"at most {timeout:g} s (--timeout-s or the request's timeout)")
         result = answer.result()
-        outputs = [(name, result[name], binary) for name, binary in req.outputs]
-        args = (self.model, MODEL_VERSION, req.id, outputs)
-        if sum(a.nbytes for _, a, _ in outputs) > OFFLOAD_BYTES:
+        outputs = [(name, result[name], binary, region) for name, binary, region in req.outputs]
+        args = (self.model, MODEL_VERSION, req.id, outputs, self.regions)
+        if sum(o[1].nbytes for o in outputs) > OFFLOAD_BYTES:
             body, header_length = await asyncio.to_thread(protocol.encode, *args)
         else:
             body, header_length = protocol.encode(*args)

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
+import tritonclient.utils as triton_utils
 from prometheus_client.parser import text_string_to_metric_families
 
 import deploy
@@ -868,3 +869,82 @@ def test_loadtest_writes_a_report(capsys, tmp_path, tiny_package):
     foreign.mkdir()
     rc, _, err = run_cli(capsys, "loadtest", "--package", tiny_package[0], "--out", foreign)
     assert rc == 2 and "not written by loadtest" in error_line(err)
+
+
+# ---------------------------------------------------------- shared memory ---
+
+
+@pytest.fixture(scope="module")
+def shm_served(tiny_package):
+    server = serve.start(config.serve_config(port=0, shared_memory=True), tiny_package[0])
+    yield server
+    server.stop()
+
+
+def test_system_shared_memory_round_trip(shm_served, predictor):
+    """tritonclient's own shared-memory helpers: inputs read from a region,
+    outputs written into another, the JSON body carrying neither."""
+    import tritonclient.utils.shared_memory as shm
+
+    c = client(shm_served)
+    assert "system_shared_memory" in c.get_server_metadata()["extensions"]
+    x = rng_input(7, batch=2)
+    want = predictor(x)["output"]
+    h_in = shm.create_shared_memory_region("t-in", "/tvm-deploy-test-in", x.nbytes)
+    h_out = shm.create_shared_memory_region("t-out", "/tvm-deploy-test-out", want.nbytes + 64)
+    try:
+        shm.set_shared_memory_region(h_in, [x])
+        c.register_system_shared_memory("t-in", "/tvm-deploy-test-in", x.nbytes)
+        c.register_system_shared_memory("t-out", "/tvm-deploy-test-out", want.nbytes + 64)
+        status = {r["name"]: r for r in c.get_system_shared_memory_status()}
+        assert status["t-in"]["byte_size"] == x.nbytes and status["t-out"]["key"] == "/tvm-deploy-test-out"
+        inp = triton.InferInput("input", list(x.shape), "FP32").set_shared_memory("t-in", x.nbytes)
+        out = triton.InferRequestedOutput("output", binary_data=True)
+        out.set_shared_memory("t-out", want.nbytes + 64)
+        r = c.infer(MODEL, [inp], outputs=[out])
+        meta = r.get_output("output")  # the answer is in the region, not the body
+        assert "data" not in meta and meta["parameters"]["shared_memory_region"] == "t-out"
+        got = shm.get_contents_as_numpy(h_out, np.float32, want.shape)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        # Errors, one line each: a region too small, an unknown region, a name taken, a missing key.
+        small = triton.InferRequestedOutput("output", binary_data=True)
+        small.set_shared_memory("t-out", 8)
+        with pytest.raises(triton_utils.InferenceServerException, match="does not fit its shape"):
+            c.infer(MODEL, [inp], outputs=[small])
+        ghost = triton.InferInput("input", list(x.shape), "FP32").set_shared_memory("nope", x.nbytes)
+        with pytest.raises(triton_utils.InferenceServerException, match="unregistered shared-memory region"):
+            c.infer(MODEL, [ghost])
+        with pytest.raises(triton_utils.InferenceServerException, match="already registered"):
+            c.register_system_shared_memory("t-in", "/tvm-deploy-test-in", x.nbytes)
+        with pytest.raises(triton_utils.InferenceServerException, match="cannot open shared-memory key"):
+            c.register_system_shared_memory("t-x", "/tvm-deploy-no-such-key", 16)
+        with pytest.raises(triton_utils.InferenceServerException, match="larger than its object"):
+            c.register_system_shared_memory("t-y", "/tvm-deploy-test-in", x.nbytes + 1)
+    finally:
+        c.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(h_in)
+        shm.destroy_shared_memory_region(h_out)
+    assert c.get_system_shared_memory_status() == []
+
+
+def test_shared_memory_is_off_by_default(served):
+    c = client(served)
+    assert "system_shared_memory" not in c.get_server_metadata()["extensions"]
+    assert httpx.get(served.url + "/v2/systemsharedmemory/status").status_code == 404
+    body = {"inputs": [{"name": "input", "shape": [1, 3, 16, 16], "datatype": "FP32",
+                        "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 3072}}]}
+    resp = httpx.post(served.url + f"/v2/models/{MODEL}/infer", json=body)
+    assert resp.status_code == 400 and "shared-memory tensors are not supported here" in resp.json()["error"]
+
+
+def test_loadtest_through_shared_memory(capsys, tmp_path, tiny_package):
+    out = tmp_path / "lt-shm"
+    rc, _, err = run_cli(capsys, "loadtest", "--package", tiny_package[0], "--concurrency", "2",
+                         "--duration-s", "1", "--warmup-s", "0.3", "--raw-seconds", "0.1", "--out", out,
+                         "--client-procs", 1, "--no-warmup", "--shared-memory")
+    assert rc == 0, err
+    report = json.loads((out / "results.json").read_text())
+    (level,) = report["levels"]
+    assert level["requests"] > 0 and level["statuses"] == {"ok": level["requests"]}  # every answer checked
+    assert report["config"]["serve"]["shared_memory"] is True
+    assert "through system shared memory" in (out / "results.md").read_text()

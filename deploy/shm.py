@@ -1,0 +1,128 @@
+"""System shared memory for the serving process: the extension Triton adds to
+the Open Inference Protocol (`system_shared_memory`), so that a client on the
+same host passes tensors through POSIX shared memory instead of the HTTP
+body: at hundreds of kilobytes per image, the body is what limits one
+server process's throughput.
+
+A client creates a region (`shm_open`, e.g. tritonclient.utils.shared_memory),
+registers it by name (`POST /v2/systemsharedmemory/region/{name}/register`
+with its key, offset and byte size), then names it in an input's or
+output's parameters (`shared_memory_region`, `shared_memory_byte_size`,
+`shared_memory_offset`): the server reads the input from it and writes the
+output into it. Inputs are copied out of the region when the request is
+decoded, so the client may reuse the region once it has its answer.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+from .errors import RequestError
+
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory objects
+
+
+@dataclass
+class _Region:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    map: mmap.mmap
+
+    def status(self) -> dict:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+def _int(value, what: str, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise RequestError(f"invalid {what}", repr(value), f"an integer >= {minimum}")
+    return value
+
+
+class Regions:
+    """The registered regions, by name; safe to use from several threads."""
+
+    def __init__(self):
+        self._regions: dict[str, _Region] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, body: dict) -> None:
+        if not isinstance(body, dict):
+            raise RequestError("invalid register request", type(body).__name__, '{"key": ..., "offset": ..., "byte_size": ...}')
+        key = body.get("key")
+        if not isinstance(key, str) or not key.strip("/") or "/" in key.strip("/"):
+            raise RequestError("invalid shared-memory key", repr(key), "a POSIX shared-memory name, e.g. '/input0'")
+        offset = _int(body.get("offset", 0), "offset", 0)
+        size = _int(body.get("byte_size"), "byte_size", 1)
+        path = os.path.join(SHM_DIR, key.strip("/"))
+        with self._lock:
+            if name in self._regions:
+                raise RequestError("shared-memory region already registered", repr(name),
+                                   "a new name, or unregister it first")
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as e:
+                raise RequestError("cannot open shared-memory key", repr(key),
+                                   f"an existing shared-memory object ({e.strerror})") from None
+            try:
+                have = os.fstat(fd).st_size
+                if offset + size > have:
+                    raise RequestError("shared-memory region larger than its object", f"offset {offset} + byte_size {size}",
+                                       f"at most {have} bytes")
+                m = mmap.mmap(fd, have)
+            finally:
+                os.close(fd)
+            self._regions[name] = _Region(name, key, offset, size, m)
+
+    def unregister(self, name: str | None = None) -> None:
+        """One region, or all of them (name None); unknown names are no error, as in Triton."""
+        with self._lock:
+            names = list(self._regions) if name is None else [name] if name in self._regions else []
+            for n in names:
+                self._regions.pop(n).map.close()
+
+    def status(self, name: str | None = None) -> list[dict]:
+        with self._lock:
+            if name is None:
+                return [r.status() for r in self._regions.values()]
+            if name not in self._regions:
+                raise RequestError("no such shared-memory region", repr(name), "a registered region's name")
+            return [self._regions[name].status()]
+
+    def _span(self, params: dict, tensor: str, nbytes: int, exact: bool) -> tuple[_Region, int]:
+        name = params.get("shared_memory_region")
+        size = _int(params.get("shared_memory_byte_size"), f"shared_memory_byte_size of '{tensor}'", 0)
+        offset = _int(params.get("shared_memory_offset", 0), f"shared_memory_offset of '{tensor}'", 0)
+        region = self._regions.get(name)
+        if region is None:
+            raise RequestError(f"'{tensor}' names an unregistered shared-memory region", repr(name),
+                               "a region registered with /v2/systemsharedmemory/region/{name}/register")
+        if (size != nbytes) if exact else (size < nbytes):
+            raise RequestError(f"shared_memory_byte_size of '{tensor}' does not fit its shape and datatype", size,
+                               f"{'' if exact else 'at least '}{nbytes}")
+        if offset + size > region.byte_size:
+            raise RequestError(f"'{tensor}' goes past the end of region '{name}'", f"offset {offset} + {size} bytes",
+                               f"at most {region.byte_size} bytes")
+        return region, region.offset + offset
+
+    def read(self, params: dict, tensor: str, nbytes: int) -> bytes:
+        """A copy of an input's bytes (the client may reuse the region once answered)."""
+        with self._lock:
+            region, start = self._span(params, tensor, nbytes, exact=True)
+            return region.map[start:start + nbytes]
+
+    def check_output(self, params: dict, tensor: str) -> None:
+        """That an output's region exists (its size is checked when written)."""
+        self._span(params, tensor, 0, exact=False)
+
+    def write(self, params: dict, tensor: str, data: bytes) -> None:
+        with self._lock:
+            region, start = self._span(params, tensor, len(data), exact=False)
+            region.map[start:start + len(data)] = data
+
+    def close(self) -> None:
+        self.unregister(None)
