@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -118,7 +119,7 @@ async def _clients(url, model, specs, requests, expected, precision, concurrency
     from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
     client = InferenceServerClient(url.removeprefix("http://"), conn_limit=concurrency)
-    regions = _ShmClients(client, concurrency, requests[0], expected[0]) if shared_memory else None
+    regions = None
     prepared = []
     for arrays in requests:
         tensors = []
@@ -161,7 +162,8 @@ async def _clients(url, model, specs, requests, expected, precision, concurrency
             i += concurrency
 
     try:
-        if regions is not None:
+        if shared_memory:
+            regions = _ShmClients(client, concurrency, requests[0], expected[0])
             await regions.register()
         await asyncio.gather(*(one_client(k) for k in range(concurrency)))
     finally:
@@ -184,23 +186,29 @@ class _ShmClients:
         out_bytes = sum(a.nbytes for a in outputs.values())
         tag = f"lt{os.getpid()}"
         self.names = [(f"{tag}-in{k}", f"{tag}-out{k}") for k in range(n)]
-        self.handles = []
-        for name_in, name_out in self.names:
-            self.handles.append((shm.create_shared_memory_region(name_in, "/" + name_in, in_bytes),
-                                 shm.create_shared_memory_region(name_out, "/" + name_out, out_bytes)))
+        self.handles, self.registered = [], []
         self.sizes = (in_bytes, out_bytes)
+        try:
+            for name_in, name_out in self.names:
+                h_in = shm.create_shared_memory_region(name_in, "/" + name_in, in_bytes)
+                self.handles.append(h_in)
+                self.handles.append(shm.create_shared_memory_region(name_out, "/" + name_out, out_bytes))
+        except BaseException:
+            self._destroy()
+            raise
 
     async def register(self) -> None:
         for (name_in, name_out) in self.names:
-            await self.client.register_system_shared_memory(name_in, "/" + name_in, self.sizes[0])
-            await self.client.register_system_shared_memory(name_out, "/" + name_out, self.sizes[1])
+            for name, size in ((name_in, self.sizes[0]), (name_out, self.sizes[1])):
+                await self.client.register_system_shared_memory(name, "/" + name, size)
+                self.registered.append(name)
 
     def request(self, k: int, specs: list[dict], arrays: list[np.ndarray]) -> tuple[list, list]:
         from tritonclient.http.aio import InferInput, InferRequestedOutput
         from tritonclient.utils import np_to_triton_dtype
 
         name_in, name_out = self.names[k]
-        self.shm.set_shared_memory_region(self.handles[k][0], arrays)
+        self.shm.set_shared_memory_region(self.handles[2 * k], arrays)
         inputs, offset = [], 0
         for spec, a in zip(specs, arrays):
             t = InferInput(spec["name"], list(a.shape), np_to_triton_dtype(a.dtype))
@@ -219,19 +227,23 @@ class _ShmClients:
         offset = 0
         for n, (dtype, shape) in self.out_specs.items():
             if n == name:
-                return self.shm.get_contents_as_numpy(self.handles[k][1], dtype, shape, offset).copy()
+                return self.shm.get_contents_as_numpy(self.handles[2 * k + 1], dtype, shape, offset).copy()
             offset += int(np.prod(shape)) * dtype.itemsize
         raise KeyError(name)
 
     async def close(self) -> None:
         try:
-            for name_in, name_out in self.names:
-                await self.client.unregister_system_shared_memory(name_in)
-                await self.client.unregister_system_shared_memory(name_out)
+            for name in self.registered:
+                with contextlib.suppress(Exception):  # the server may be gone; the objects still go
+                    await self.client.unregister_system_shared_memory(name)
         finally:
-            for h_in, h_out in self.handles:
-                self.shm.destroy_shared_memory_region(h_in)
-                self.shm.destroy_shared_memory_region(h_out)
+            self._destroy()
+
+    def _destroy(self) -> None:
+        for h in self.handles:
+            with contextlib.suppress(Exception):
+                self.shm.destroy_shared_memory_region(h)
+        self.handles = []
 
 
 def _client_procs(cfg: LoadtestConfig) -> int:

@@ -383,6 +383,10 @@ class InferenceServer:
         import json
 
         try:
+            peer = request.client.host if request.client else None
+            if peer not in ("127.0.0.1", "::1", "localhost"):
+                # Shared memory is this host's: a remote client could only read or overwrite it.
+                raise RequestError("shared memory is for clients on the server's host", peer, "a loopback client")
             try:
                 body = json.loads(await request.body())
             except ValueError as e:

@@ -15,8 +15,8 @@ decoded, so the client may reuse the region once it has its answer.
 
 from __future__ import annotations
 
-import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 
@@ -31,7 +31,9 @@ class _Region:
     key: str
     offset: int
     byte_size: int
-    map: mmap.mmap
+    # An open descriptor, read and written with pread/pwrite: a mapping would
+    # kill the process (SIGBUS) if the client shrank the object under it.
+    fd: int
 
     def status(self) -> dict:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -54,7 +56,7 @@ class Regions:
         if not isinstance(body, dict):
             raise RequestError("invalid register request", type(body).__name__, '{"key": ..., "offset": ..., "byte_size": ...}')
         key = body.get("key")
-        if not isinstance(key, str) or not key.strip("/") or "/" in key.strip("/"):
+        if not isinstance(key, str) or not key.strip("/") or "/" in key.strip("/") or "\x00" in key or key.strip("/") in ("..", "."):
             raise RequestError("invalid shared-memory key", repr(key), "a POSIX shared-memory name, e.g. '/input0'")
         offset = _int(body.get("offset", 0), "offset", 0)
         size = _int(body.get("byte_size"), "byte_size", 1)
@@ -64,26 +66,29 @@ class Regions:
                 raise RequestError("shared-memory region already registered", repr(name),
                                    "a new name, or unregister it first")
             try:
-                fd = os.open(path, os.O_RDWR)
+                # Not through a symbolic link: a key must name a shared-memory object, not any file.
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
             except OSError as e:
                 raise RequestError("cannot open shared-memory key", repr(key),
                                    f"an existing shared-memory object ({e.strerror})") from None
             try:
-                have = os.fstat(fd).st_size
-                if offset + size > have:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise RequestError("shared-memory key is not a shared-memory object", repr(key), "a POSIX shared-memory name")
+                if offset + size > st.st_size:
                     raise RequestError("shared-memory region larger than its object", f"offset {offset} + byte_size {size}",
-                                       f"at most {have} bytes")
-                m = mmap.mmap(fd, have)
-            finally:
+                                       f"at most {st.st_size} bytes")
+            except BaseException:
                 os.close(fd)
-            self._regions[name] = _Region(name, key, offset, size, m)
+                raise
+            self._regions[name] = _Region(name, key, offset, size, fd)
 
     def unregister(self, name: str | None = None) -> None:
         """One region, or all of them (name None); unknown names are no error, as in Triton."""
         with self._lock:
             names = list(self._regions) if name is None else [name] if name in self._regions else []
             for n in names:
-                self._regions.pop(n).map.close()
+                os.close(self._regions.pop(n).fd)
 
     def status(self, name: str | None = None) -> list[dict]:
         with self._lock:
@@ -95,6 +100,8 @@ class Regions:
 
     def _span(self, params: dict, tensor: str, nbytes: int, exact: bool) -> tuple[_Region, int]:
         name = params.get("shared_memory_region")
+        if not isinstance(name, str):
+            raise RequestError(f"invalid shared_memory_region of '{tensor}'", repr(name), "a region's name")
         size = _int(params.get("shared_memory_byte_size"), f"shared_memory_byte_size of '{tensor}'", 0)
         offset = _int(params.get("shared_memory_offset", 0), f"shared_memory_offset of '{tensor}'", 0)
         region = self._regions.get(name)
@@ -113,7 +120,11 @@ class Regions:
         """A copy of an input's bytes (the client may reuse the region once answered)."""
         with self._lock:
             region, start = self._span(params, tensor, nbytes, exact=True)
-            return region.map[start:start + nbytes]
+            data = os.pread(region.fd, nbytes, start)
+        if len(data) != nbytes:
+            raise RequestError(f"region of '{tensor}' is shorter than registered (its object shrank)",
+                               f"{len(data)} bytes", f"{nbytes}")
+        return data
 
     def check_output(self, params: dict, tensor: str) -> None:
         """That an output's region exists (its size is checked when written)."""
@@ -122,7 +133,11 @@ class Regions:
     def write(self, params: dict, tensor: str, data: bytes) -> None:
         with self._lock:
             region, start = self._span(params, tensor, len(data), exact=False)
-            region.map[start:start + len(data)] = data
+            have = os.fstat(region.fd).st_size
+            if start + len(data) > have:  # pwrite would grow the client's object
+                raise RequestError(f"region of '{tensor}' is shorter than registered (its object shrank)",
+                                   f"{have} bytes", f"at least {start + len(data)}")
+            os.pwrite(region.fd, data, start)
 
     def close(self) -> None:
         self.unregister(None)

@@ -5,6 +5,7 @@ v2 client), error cases through raw HTTP, batching, limits, shutdown."""
 import asyncio
 import gzip
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -890,14 +891,15 @@ def test_system_shared_memory_round_trip(shm_served, predictor):
     assert "system_shared_memory" in c.get_server_metadata()["extensions"]
     x = rng_input(7, batch=2)
     want = predictor(x)["output"]
-    h_in = shm.create_shared_memory_region("t-in", "/tvm-deploy-test-in", x.nbytes)
-    h_out = shm.create_shared_memory_region("t-out", "/tvm-deploy-test-out", want.nbytes + 64)
+    key_in, key_out = f"/tvm-deploy-test-in-{os.getpid()}", f"/tvm-deploy-test-out-{os.getpid()}"
+    h_in = shm.create_shared_memory_region("t-in", key_in, x.nbytes)
+    h_out = shm.create_shared_memory_region("t-out", key_out, want.nbytes + 64)
     try:
         shm.set_shared_memory_region(h_in, [x])
-        c.register_system_shared_memory("t-in", "/tvm-deploy-test-in", x.nbytes)
-        c.register_system_shared_memory("t-out", "/tvm-deploy-test-out", want.nbytes + 64)
+        c.register_system_shared_memory("t-in", key_in, x.nbytes)
+        c.register_system_shared_memory("t-out", key_out, want.nbytes + 64)
         status = {r["name"]: r for r in c.get_system_shared_memory_status()}
-        assert status["t-in"]["byte_size"] == x.nbytes and status["t-out"]["key"] == "/tvm-deploy-test-out"
+        assert status["t-in"]["byte_size"] == x.nbytes and status["t-out"]["key"] == key_out
         inp = triton.InferInput("input", list(x.shape), "FP32").set_shared_memory("t-in", x.nbytes)
         out = triton.InferRequestedOutput("output", binary_data=True)
         out.set_shared_memory("t-out", want.nbytes + 64)
@@ -915,11 +917,11 @@ def test_system_shared_memory_round_trip(shm_served, predictor):
         with pytest.raises(triton_utils.InferenceServerException, match="unregistered shared-memory region"):
             c.infer(MODEL, [ghost])
         with pytest.raises(triton_utils.InferenceServerException, match="already registered"):
-            c.register_system_shared_memory("t-in", "/tvm-deploy-test-in", x.nbytes)
+            c.register_system_shared_memory("t-in", key_in, x.nbytes)
         with pytest.raises(triton_utils.InferenceServerException, match="cannot open shared-memory key"):
             c.register_system_shared_memory("t-x", "/tvm-deploy-no-such-key", 16)
         with pytest.raises(triton_utils.InferenceServerException, match="larger than its object"):
-            c.register_system_shared_memory("t-y", "/tvm-deploy-test-in", x.nbytes + 1)
+            c.register_system_shared_memory("t-y", key_in, x.nbytes + 1)
     finally:
         c.unregister_system_shared_memory()
         shm.destroy_shared_memory_region(h_in)
@@ -948,3 +950,38 @@ def test_loadtest_through_shared_memory(capsys, tmp_path, tiny_package):
     assert level["requests"] > 0 and level["statuses"] == {"ok": level["requests"]}  # every answer checked
     assert report["config"]["serve"]["shared_memory"] is True
     assert "through system shared memory" in (out / "results.md").read_text()
+
+
+def test_shared_memory_regions_refuse_what_could_crash_or_escape(tmp_path):
+    """deploy.shm.Regions alone: a shrunk object is a 400, not SIGBUS; a
+    symbolic link, a NUL in a key or a non-string region name are refused."""
+    from deploy import shm
+    from deploy.errors import RequestError
+
+    regions = shm.Regions()
+    name = f"tvm-deploy-test-shrink-{os.getpid()}"
+    path = Path(shm.SHM_DIR) / name
+    link = Path(shm.SHM_DIR) / f"{name}-link"
+    path.write_bytes(b"\0" * 64)
+    try:
+        regions.register("r", {"key": "/" + name, "byte_size": 64})
+        params = {"shared_memory_region": "r", "shared_memory_byte_size": 64}
+        assert regions.read(params, "x", 64) == b"\0" * 64
+        os.truncate(path, 16)  # the client shrinks its object under the registered region
+        with pytest.raises(RequestError, match="shorter than registered"):
+            regions.read(params, "x", 64)
+        with pytest.raises(RequestError, match="shorter than registered"):
+            regions.write(params, "y", b"1" * 64)
+        assert path.stat().st_size == 16  # not grown by the write
+        with pytest.raises(RequestError, match="invalid shared_memory_region"):
+            regions.read({"shared_memory_region": ["r"], "shared_memory_byte_size": 64}, "x", 64)
+        with pytest.raises(RequestError, match="invalid shared-memory key"):
+            regions.register("n", {"key": "/a\x00b", "byte_size": 1})
+        link.symlink_to(tmp_path / "file")
+        (tmp_path / "file").write_bytes(b"\0" * 64)
+        with pytest.raises(RequestError, match="cannot open shared-memory key"):
+            regions.register("l", {"key": "/" + link.name, "byte_size": 8})
+    finally:
+        regions.close()
+        path.unlink(missing_ok=True)
+        link.unlink(missing_ok=True)
