@@ -16,6 +16,8 @@
 #
 # In a job: $GPUS lists its GPUs ("0 1"), and scripts/gpu_chunk.sh (POOL=1)
 # starts its servers on them alone. "" as a job leaves that half idle.
+# DB_ROOT_A / DB_ROOT_B name a half's database root instead, e.g.
+# DB_ROOT_B=/tmp/tuning_logs to go on with what a whole-machine chunk tuned.
 # On one GPU both halves share it: only for jobs that do not time kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +37,8 @@ run_half() {  # name, GPU list, CPU list, tracker port, server port base, job
   [ -n "$job" ] || return 0
   mkdir -p "$OUT/$name"
   echo "half $name: GPUs $gpus, CPUs $cpu_list: $job" | tee "$OUT/$name/half.txt"
-  OUT="$OUT/$name" WORKDIR="/tmp/ws-$name" DB_ROOT="/tmp/tuning_logs-$name" GPUS="$gpus" \
+  local db_var="DB_ROOT_${name^^}"
+  OUT="$OUT/$name" WORKDIR="/tmp/ws-$name" DB_ROOT="${!db_var:-/tmp/tuning_logs-$name}" GPUS="$gpus" \
     TRACKER_PORT=$tport PORT_BASE=$pbase CUDA_VISIBLE_DEVICES="${gpus%% *}" \
     taskset -c "$cpu_list" bash -c "$job" > "$OUT/$name/job.log" 2>&1
 }
