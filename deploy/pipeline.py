@@ -175,6 +175,8 @@ def format_summary(summary: dict) -> str:
                 f"tuning b{b}  {s['trials_after']} trials in database ({s['new_trials']} new, "
                 f"{'n/a' if vf is None else f'{vf:.0%}'} valid, {s['tasks_selected']}/{s['tasks_total']} tasks)"
                 + ("  stopped at the deadline" if s["stopped_by_deadline"] else "")
+                + (f"  done: it holds TRIALS={s['trials_wanted']} (a larger TRIALS tunes on)"
+                   if not s["new_trials"] and s.get("trials_wanted") and s["trials_after"] >= s["trials_wanted"] else "")
             )
             split = s.get("time_split_s")
             if split and split.get("Total"):

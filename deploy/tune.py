@@ -338,6 +338,7 @@ def tune_bucket(
         "tasks_selected": len(plan),
         "tasks": {},
         "trials_before": sum(p["done"] for p in plan),
+        "trials_wanted": profile.trials,  # what the database should hold (TRIALS)
         "cpus": usable_cpus(),
     }
     todo = [p for p in plan if p["left"] > 0]

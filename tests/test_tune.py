@@ -51,6 +51,8 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     # Same budget again: the task has reached it, nothing is redone.
     s2, _ = _tune(cfg, llvm_target, exported, opt, db_root, tmp_path / "t2")
     assert s2["new_trials"] == 0 and s2["trials_after"] == 2
+    text = pipeline.format_summary({"package": "p", "buckets": {}, "tuning": {"1": s2}, "validation": None})
+    assert "done: it holds TRIALS=2 (a larger TRIALS tunes on)" in text
 
     # A killed run leaves its working copy, perhaps with a torn last line:
     # folded in on the next open, the torn line dropped, the records kept.
