@@ -493,7 +493,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-batch", type=int, help=f"samples per request (default {lt.request_batch})")
     p.add_argument("--client-procs", type=int, help="client processes (default: one per 4 cores, at most 8)")
     p.add_argument("--raw-seconds", type=float, help=f"seconds timing each bucket without HTTP (default {lt.raw_seconds:g})")
-    p.add_argument("--out", help="results folder (default results/<cpu|gpu>/<date>/<model>-loadtest)")
+    p.add_argument("--out", help="results folder (default results/<cpu or the GPU's name, e.g. h200>/<date>/<model>-loadtest)")
     p.set_defaults(func=cmd_loadtest)
     p = sub.add_parser("pack-databases", help="fold tuning working copies left by killed runs into the .xz files")
     p.add_argument("root", nargs="?", default="tuning_logs")

@@ -515,7 +515,7 @@ def environment() -> dict:
 
 
 def default_out(manifest: dict) -> Path:
-    """results/<cpu | gpu>/<date>/<model>-loadtest, as the committed results are laid out."""
+    """results/<cpu | the GPU's name, e.g. h200>/<date>/<model>-loadtest, as the committed results are laid out."""
     if manifest["target"]["kind"] == "cuda":
         gpu = (manifest.get("gpu") or {}).get("name") or manifest["target"].get("arch", "gpu")
         machine = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
