@@ -120,8 +120,8 @@ async def _clients(url, model, specs, requests, expected, precision, concurrency
 
     client = InferenceServerClient(url.removeprefix("http://"), conn_limit=concurrency)
     regions = None
-    prepared = []
-    for arrays in requests:
+    prepared = []  # binary tensors, built once (through shared memory, each request writes its region)
+    for arrays in ([] if shared_memory else requests):
         tensors = []
         for spec, a in zip(specs, arrays):
             t = InferInput(spec["name"], list(a.shape), np_to_triton_dtype(a.dtype))
@@ -141,7 +141,7 @@ async def _clients(url, model, specs, requests, expected, precision, concurrency
         i = k
         await asyncio.sleep(max(0.0, t_start - time.monotonic()))
         while time.monotonic() < t_end:
-            j = i % len(prepared)
+            j = i % len(requests)
             sent = time.monotonic()
             try:
                 if regions is None:
@@ -181,9 +181,12 @@ class _ShmClients:
         import tritonclient.utils.shared_memory as shm
 
         self.shm, self.client = shm, client
-        self.out_specs = {name: (a.dtype, a.shape) for name, a in outputs.items()}
-        in_bytes = sum(a.nbytes for a in inputs)
-        out_bytes = sum(a.nbytes for a in outputs.values())
+        # Each output's place in a client's output region: (dtype, shape, offset, bytes), by name.
+        self.out_layout, offset = {}, 0
+        for name, a in outputs.items():
+            self.out_layout[name] = (a.dtype, a.shape, offset, a.nbytes)
+            offset += a.nbytes
+        in_bytes, out_bytes = sum(a.nbytes for a in inputs), offset
         tag = f"lt{os.getpid()}"
         self.names = [(f"{tag}-in{k}", f"{tag}-out{k}") for k in range(n)]
         self.handles, self.registered = [], []
@@ -214,22 +217,16 @@ class _ShmClients:
             t = InferInput(spec["name"], list(a.shape), np_to_triton_dtype(a.dtype))
             inputs.append(t.set_shared_memory(name_in, a.nbytes, offset))
             offset += a.nbytes
-        outputs, offset = [], 0
-        for name, (dtype, shape) in self.out_specs.items():
-            nbytes = int(np.prod(shape)) * dtype.itemsize
+        outputs = []
+        for name, (_, _, offset, nbytes) in self.out_layout.items():
             o = InferRequestedOutput(name, binary_data=True)
             o.set_shared_memory(name_out, nbytes, offset)  # returns None, unlike InferInput's
             outputs.append(o)
-            offset += nbytes
         return inputs, outputs
 
     def output(self, k: int, name: str) -> np.ndarray:
-        offset = 0
-        for n, (dtype, shape) in self.out_specs.items():
-            if n == name:
-                return self.shm.get_contents_as_numpy(self.handles[2 * k + 1], dtype, shape, offset).copy()
-            offset += int(np.prod(shape)) * dtype.itemsize
-        raise KeyError(name)
+        dtype, shape, offset, _ = self.out_layout[name]
+        return self.shm.get_contents_as_numpy(self.handles[2 * k + 1], dtype, shape, offset).copy()
 
     async def close(self) -> None:
         try:

@@ -301,12 +301,12 @@ def encode(model: str, version: str, request_id: str | None,
     for name, a, binary, *rest in outputs:
         shm = rest[0] if rest else None
         t: dict[str, Any] = {"name": name, "datatype": np_to_triton_dtype(a.dtype), "shape": list(a.shape)}
-        if shm is not None:
+        if shm is not None or binary:
             raw = np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes()
+        if shm is not None:
             regions.write(shm, name, raw)
             t["parameters"] = {**shm, "shared_memory_byte_size": len(raw)}
         elif binary:
-            raw = np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes()
             t["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
