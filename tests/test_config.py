@@ -106,16 +106,18 @@ def test_run_no_untuned_flag_reaches_the_pipeline(flag, compare, monkeypatch, tm
     assert seen["compare_untuned"] is compare
 
 
-def test_resnet50_cuda_database_holds_the_configs_trials():
+def test_resnet50_cuda_databases_hold_the_configs_trials():
     """`make tune MODEL=resnet50` on an H200 builds from the committed batch-1
-    database without tuning only while it holds the config's `trials`: raising
-    them (or replacing the database) must come with more tuning."""
+    and batch-64 databases without tuning only while each holds the config's
+    `trials`: raising them (or replacing a database) must come with more tuning."""
     import lzma
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     cfg = config.load(root / "configs" / "resnet50.toml")
-    records = root / "tuning_logs/resnet50/cuda-sm_90-nvidia-h200/fp16-nhwc-b1/database_tuning_record.json.xz"
-    with lzma.open(records, "rt") as f:
-        held = sum(1 for line in f if line.strip())
-    assert cfg.cuda.split_k == 4 and held >= cfg.cuda.trials, (held, cfg.cuda.trials)
+    assert cfg.cuda.split_k == 4 and list(cfg.cuda.tune_buckets) == [1, 64]
+    for bucket in cfg.cuda.tune_buckets:
+        records = root / f"tuning_logs/resnet50/cuda-sm_90-nvidia-h200/fp16-nhwc-b{bucket}/database_tuning_record.json.xz"
+        with lzma.open(records, "rt") as f:
+            held = sum(1 for line in f if line.strip())
+        assert held >= cfg.cuda.trials, (bucket, held, cfg.cuda.trials)
