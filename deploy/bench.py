@@ -3,7 +3,8 @@
 Every backend is a runner with one lifecycle (activate / infer / time /
 deactivate), as in Polygraphy, so the comparison is one loop. One timing
 method for all: inputs staged on the device once, warm-up iterations, then a
-fixed number of iterations each bracketed by device synchronization;
+fixed number of iterations each bracketed by device synchronization, split
+into rounds in which the runners take turns (`--rounds`);
 p50/p90/p99/mean and throughput (samples/s at p50). Set-up (compile, engine
 build, module load) is timed apart. Outputs of every runner are checked
 against the fp32 reference in the same run, so a fast but wrong runner is
@@ -405,16 +406,46 @@ def environment() -> dict:
     return env
 
 
+def _failure(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+
+
+def round_sizes(iters: int, rounds: int) -> list[int]:
+    """`iters` iterations over `rounds` rounds, as evenly as they go."""
+    return [iters // rounds + (1 if k < iters % rounds else 0) for k in range(rounds)]
+
+
 def run_all(runners: list[Runner], inputs: list[np.ndarray], reference: list[np.ndarray], tolerances,
-            warmup: int, iters: int) -> list[dict]:
-    """`tolerances` is the config's Tolerances; each runner is checked with
-    the one of its own precision."""
+            warmup: int, iters: int, rounds: int = 1) -> list[dict]:
+    """Set up, check and time every runner; `tolerances` is the config's
+    Tolerances, each runner checked with the one of its own precision.
+
+    rounds == 1: one runner after another, each set up, timed and released
+    before the next (the least device memory). rounds > 1: every runner that
+    set up stays loaded and the `iters` iterations are split into rounds in
+    which the runners take turns, each turn after its own warm-up, so a change
+    in the machine's state (clocks, another job's load) lands on every runner
+    alike instead of on whichever was being timed; each runner's p50 per round
+    is kept (`timing.round_p50_ms`), so such a change shows."""
     from .validate import compare
 
     batch = inputs[0].shape[0]
-    results = []
+    results, loaded = [], []  # loaded: (runner, entry, samples per round)
+
+    def release(r: Runner) -> None:
+        r.deactivate()
+        _free_device_memory()
+
+    def timed(entry: dict, per_round: list[list[float]]) -> None:
+        entry["timing"] = percentiles([t for got in per_round for t in got], batch)
+        if len(per_round) > 1:
+            entry["timing"]["round_p50_ms"] = [float(np.percentile(got, 50)) for got in per_round]
+        log.info("bench: %-22s p50 %.3f ms  (%s)", entry["name"], entry["timing"]["p50_ms"],
+                 "outputs match" if entry["check"]["passed"] else "OUTPUTS DIFFER")
+
     for r in runners:
         entry = {"name": r.name, "kind": r.kind, "status": "ok", "reason": None, "setup_s": None, "timing": None, "check": None}
+        keep = False
         try:
             t0 = time.perf_counter()
             r.activate(inputs)
@@ -429,24 +460,41 @@ def run_all(runners: list[Runner], inputs: list[np.ndarray], reference: list[np.
                 checks = [compare(o, ref, tol) for o, ref in zip(outs, reference)]
                 entry["check"] = {"passed": all(c["passed"] for c in checks),
                                   "rel_l2": max(c.get("rel_l2", float("inf")) for c in checks)}
-            entry["timing"] = percentiles(r.time(warmup, iters), batch)
-            log.info("bench: %-22s p50 %.3f ms  (%s)", r.name, entry["timing"]["p50_ms"],
-                     "outputs match" if entry["check"]["passed"] else "OUTPUTS DIFFER")
+            if rounds == 1:
+                timed(entry, [r.time(warmup, iters)])
+            else:
+                loaded.append((r, entry, []))
+                keep = True
         except RunnerUnavailable as e:
             entry.update(status="skipped", reason=str(e))
             log.warning("bench: %s skipped: %s", r.name, e)
         except Exception as e:  # a runner that breaks is reported, the others still run
-            entry.update(status="failed", reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300])
+            entry.update(status="failed", reason=_failure(e))
             log.warning("bench: %s failed: %s", r.name, entry["reason"])
         finally:
-            r.deactivate()
-            _free_device_memory()
+            if not keep:
+                release(r)
         results.append(entry)
+    if loaded:
+        for k, n in enumerate(round_sizes(iters, rounds)):
+            for r, entry, per_round in loaded:
+                if entry["status"] != "ok":
+                    continue
+                try:
+                    per_round.append(r.time(warmup, n))
+                except Exception as e:
+                    entry.update(status="failed", reason=f"round {k + 1}: {_failure(e)}")
+                    log.warning("bench: %s failed: %s", r.name, entry["reason"])
+                    release(r)
+        for r, entry, per_round in loaded:
+            if entry["status"] == "ok":
+                timed(entry, per_round)
+                release(r)
     return results
 
 
 def markdown(report: dict) -> str:
-    lines = []
+    lines, any_rounds = [], False
     for case in report["cases"]:
         rows = case["runners"]
         ok = [r for r in rows if r["status"] == "ok"]
@@ -454,8 +502,13 @@ def markdown(report: dict) -> str:
         tvm = next((r for r in ok if r["name"] == "tvm"), None)
         lines.append(f"### batch {case['batch']}, {case['precision']}")
         lines.append("")
+        by_round = any("round_p50_ms" in r["timing"] for r in ok)
+        any_rounds = any_rounds or by_round
         head = "| runner | p50 ms | p90 ms | p99 ms | mean ms | samples/s | set-up s | outputs |"
         sep = "|---|---|---|---|---|---|---|---|"
+        if by_round:
+            head += " p50 by round (min-max ms) |"
+            sep += "---|"
         if tvm:
             head += " tvm speed-up |"
             sep += "---|"
@@ -472,6 +525,9 @@ def markdown(report: dict) -> str:
             line = (f"| {r['name']} | {t['p50_ms']:.3f} | {t.get('p90_ms', float('nan')):.3f} | {t.get('p99_ms', float('nan')):.3f} | "
                     f"{t.get('mean_ms', float('nan')):.3f} | {t['throughput_per_s']:.1f} | "
                     f"{'-' if r['setup_s'] is None else r['setup_s']} | {check} |")
+            if by_round:
+                rp = t.get("round_p50_ms")
+                line += f" {min(rp):.3f}-{max(rp):.3f} |" if rp else " - |"
             if tvm:
                 line += f" {t['p50_ms'] / tvm['timing']['p50_ms']:.2f}x |"
             if trt:
@@ -479,7 +535,9 @@ def markdown(report: dict) -> str:
             lines.append(line)
         lines.append("")
     lines.append("`tvm speed-up`: this runner's p50 over TVM's (above 1: TVM is faster). "
-                 "`vs TensorRT`: p50 over TensorRT's (above 1: slower than TensorRT).")
+                 "`vs TensorRT`: p50 over TensorRT's (above 1: slower than TensorRT)."
+                 + (" `p50 by round`: the runners took turns in rounds; a wide range means the machine changed "
+                    "under the run (clocks, other load), so read the ratios with care." if any_rounds else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -520,10 +578,12 @@ def write(report: dict, folder: Path) -> None:
         artifacts.write_manifest(tmp, "bench", {"model": report["model"]})
 
 
-def case(batch: int, precision: str, runners, inputs, reference, tolerances, warmup, iters, baselines=()) -> dict:
-    rows = run_all(runners, inputs, reference, tolerances, warmup, iters)
+def case(batch: int, precision: str, runners, inputs, reference, tolerances, warmup, iters, baselines=(),
+         rounds: int = 1) -> dict:
+    rows = run_all(runners, inputs, reference, tolerances, warmup, iters, rounds)
     rows += list(baselines)
-    return {"batch": batch, "precision": precision, "warmup": warmup, "iterations": iters, "runners": rows}
+    return {"batch": batch, "precision": precision, "warmup": warmup, "iterations": iters, "rounds": rounds,
+            "runners": rows}
 
 
 ALL_RUNNERS = ("tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-fp16", "torch-compile", "tensorrt")

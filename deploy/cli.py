@@ -208,6 +208,8 @@ def cmd_bench(args) -> int:
 
     if args.iters < 1 or args.warmup < 0:
         raise ConfigError("invalid --iters/--warmup", f"{args.iters}/{args.warmup}", "iters >= 1 and warmup >= 0")
+    if not 1 <= args.rounds <= args.iters:
+        raise ConfigError("invalid --rounds", args.rounds, f"between 1 and --iters ({args.iters})")
     cfg, target, workdir, db_root = prepare(args)
     profile = cfg.profile(target.kind)
     ws = Workspace(workdir)
@@ -253,7 +255,7 @@ def _bench_cases(args, cfg, profile, ws, ex, names, factory, tmpdir: Path, repor
             for b in args.baseline or [] if _baseline_batch(Path(b)) == batch
         ]
         report["cases"].append(bench.case(batch, profile.precision, runners, inputs, reference, cfg.tolerance,
-                                          args.warmup, args.iters, baselines))
+                                          args.warmup, args.iters, baselines, args.rounds))
 
 
 def _baseline_batch(path: Path) -> int | None:
@@ -476,7 +478,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runners", default="tvm,tvm-untuned,onnxruntime,torch-eager,torch-eager-fp16,torch-compile,tensorrt",
                    help="comma-separated; see deploy.bench.ALL_RUNNERS")
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=20, help="warm-up iterations before each runner's turn")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds the iterations are split into, the runners taking turns in each (all stay loaded); "
+                        "1: one runner after another, each released before the next")
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode")
     p.add_argument("--baseline", action="append", help="baseline.json of a TensorRT run measured elsewhere (repeatable)")
     p.add_argument("--out", help="results folder (default <workdir>/bench)")

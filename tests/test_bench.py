@@ -113,6 +113,60 @@ def test_runners_on_a_tiny_model(tmp_path, tiny_package):
                            factory=factory, precision="fp32", compile_mode="default", fp16_onnx_path=None)
 
 
+class _Turns(bench.Runner):
+    """A runner on a shared machine whose clock drops during round 2; it
+    records its turns and can break on a given turn."""
+
+    def __init__(self, name, ms, machine, break_on=None):
+        self.name, self.ms, self.machine, self.break_on = name, ms, machine, break_on
+        self.loaded, self.turns = False, 0
+
+    def activate(self, inputs):
+        self.loaded = True
+
+    def infer(self):
+        return [np.ones(3, "float32")]
+
+    def time(self, warmup, iters):
+        self.turns += 1
+        self.machine["log"].append((self.name, iters, [r.loaded for r in self.machine["runners"]]))
+        if self.turns == self.break_on:
+            raise RuntimeError("device lost\nmore detail")
+        slow = 2.0 if self.turns == 2 else 1.0
+        return [self.ms * slow] * iters
+
+    def deactivate(self):
+        self.loaded = False
+
+
+def test_rounds_take_turns_and_show_a_machine_that_changed():
+    from deploy.config import Tolerances
+
+    machine = {"log": []}
+    a, b, c = _Turns("a", 1.0, machine), _Turns("b", 2.0, machine), _Turns("c", 3.0, machine, break_on=2)
+    machine["runners"] = [a, b, c]
+    rows = bench.run_all([a, b, c], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
+                         warmup=1, iters=10, rounds=3)
+    assert [(n, k) for n, k, _ in machine["log"]] == [("a", 4), ("b", 4), ("c", 4), ("a", 3), ("b", 3), ("c", 3),
+                                                      ("a", 3), ("b", 3)]
+    assert all(all(loaded) for _, _, loaded in machine["log"][:6])  # all loaded while they take turns
+    by = {r["name"]: r for r in rows}
+    assert by["a"]["timing"]["iterations"] == 10 and by["a"]["timing"]["round_p50_ms"] == [1.0, 2.0, 1.0]
+    assert by["b"]["timing"]["round_p50_ms"] == [2.0, 4.0, 2.0]
+    assert by["c"]["status"] == "failed" and by["c"]["reason"] == "round 2: RuntimeError: device lost"
+    assert not any(r.loaded for r in (a, b, c))  # every runner released
+    md = bench.markdown({"model": "m", "cases": [{"batch": 4, "precision": "fp32", "runners": rows}]})
+    assert "| a | 1.000 |" in md and "| 1.000-2.000 |" in md and "p50 by round" in md
+
+    machine["log"].clear()
+    rows = bench.run_all([a, b], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
+                         warmup=1, iters=10, rounds=1)
+    assert [(n, k) for n, k, _ in machine["log"]] == [("a", 10), ("b", 10)]
+    assert machine["log"][1][2] == [False, True, False]  # one at a time: a released before b ran
+    assert "round_p50_ms" not in rows[0]["timing"] and "p50 by round" not in bench.markdown(
+        {"model": "m", "cases": [{"batch": 4, "precision": "fp32", "runners": rows}]})
+
+
 def test_report_and_plot_from_a_results_file(tmp_path):
     """A results file as an H200 run writes it, with a TensorRT baseline row."""
     def row(name, kind, p50):
