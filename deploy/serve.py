@@ -12,9 +12,10 @@ modules, runs every bucket once, and only then is the server ready.
 Dynamic batching: one thread owns the Predictor (every TVM call is made from
 it). Requests queue; the thread
 takes the first, waits at most `max_queue_delay_ms` (from that request's
-arrival) for more, as long as their rows fit the largest bucket, and runs the
-rows through the smallest bucket that holds them (padded), then hands each
-request its own rows. A request larger than the largest bucket runs alone,
+arrival) for more, as long as their rows fit the largest bucket, copies each
+request's rows into its place in the smallest bucket that holds them (device
+tensors allocated once; the rest zeroed), runs it, then hands each request its
+own rows. A request larger than the largest bucket runs alone,
 split across buckets by the Predictor.
 
 Libraries: Starlette (routing, requests, responses) on uvicorn (HTTP/1.1,
@@ -185,10 +186,10 @@ class Batcher:
         for j in jobs:
             m.queue.labels(label).observe(start - j.enqueued)
         try:
-            n_inputs = len(jobs[0].arrays)
-            arrays = [jobs[0].arrays[i] if len(jobs) == 1 else np.concatenate([j.arrays[i] for j in jobs])
-                      for i in range(n_inputs)]
-            out = self.predictor(*arrays)  # pads to the bucket, or splits a request over the largest
+            # Each request's rows go straight to their place in the bucket's
+            # device inputs (no joined copy on the host); padded to the
+            # bucket, or a request split over the largest.
+            out = self.predictor.run_parts([j.arrays for j in jobs])
         except BaseException as e:  # noqa: BLE001  every waiting request gets the error, the thread lives on
             for j in jobs:
                 j.future.set_exception(e)

@@ -18,6 +18,15 @@ from tvm.target import Target  # noqa: F401
 from tvm.target import codegen as target_codegen  # noqa: F401
 
 tensor = tvm.runtime.tensor
+
+
+def tensor_view(t, shape, byte_offset: int):
+    """A view of `t` with `shape`, starting `byte_offset` bytes into it (no
+    copy): `Tensor._create_view`, which TVM documents as low-level and liable
+    to move."""
+    return t._create_view(shape, relative_byte_offset=byte_offset)
+
+
 from_dlpack = tvm.runtime.from_dlpack
 VirtualMachine = relax.VirtualMachine
 load_module = tvm.runtime.load_module

@@ -59,12 +59,12 @@ class Controlled:
     def __getattr__(self, name):
         return getattr(self.predictor, name)
 
-    def __call__(self, *arrays):
+    def run_parts(self, parts):  # what the batcher calls for every batch
         self.started.set()
         time.sleep(self.delay)
         if self.fail is not None:
             raise self.fail
-        return self.predictor(*arrays)
+        return self.predictor.run_parts(parts)
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +261,24 @@ def test_non_finite_outputs_are_json_null():
 
 
 # ---------------------------------------------------------------- batching ---
+
+
+def test_run_parts_puts_each_request_in_its_own_rows(tiny_package):
+    """The batcher's path: requests copied side by side into a bucket's device
+    inputs (one straddling two pieces of the largest bucket, 4), answered in
+    order, each row as if run alone; padding rows are zeroed, not left over."""
+    pred = deploy.load(tiny_package[0])
+    assert pred.buckets == [1, 4]
+    parts = [pred.random_inputs(n, seed=n) for n in (1, 2, 3, 4, 6)]  # 16 rows: 4 runs of bucket 4
+    out = pred.run_parts(parts)
+    alone = np.concatenate([pred.run_bucket(1, [x[r : r + 1] for x in p])[0] for p in parts for r in range(len(p[0]))])
+    name = pred.outputs[0]["name"]
+    assert out[name].shape == alone.shape
+    np.testing.assert_allclose(out[name], alone, rtol=1e-5, atol=1e-6)
+    three = pred.run_parts([parts[2]])  # 3 rows in bucket 4, after runs that filled all 4
+    np.testing.assert_allclose(three[name], alone[3:6], rtol=1e-5, atol=1e-6)
+    assert not pred._staged_inputs[4][0].numpy()[3].any()  # the padding row
+    np.testing.assert_allclose(pred(*parts[4])[name], alone[10:], rtol=1e-5, atol=1e-6)  # __call__: the same path
 
 
 def test_concurrent_requests_are_batched_and_answered_each(served, predictor):
