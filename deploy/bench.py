@@ -13,6 +13,7 @@ flagged. A runner that cannot run here is reported with its reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import platform
@@ -157,12 +158,32 @@ class ORTRunner(Runner):
 
 
 class TorchRunner(Runner):
+    """PyTorch eager or torch.compile. fp32 is strict by default: cuDNN
+    convolutions and matmuls in TF32 off while this runner runs (TVM's fp32
+    is strict fp32); `tf32=True` keeps PyTorch's default on Ampere and newer,
+    TF32 convolutions, whose 10-bit mantissa is checked with the fp16
+    tolerance. The switches are set around every call and restored, so
+    runners taking turns do not leak them into each other."""
+
     kind = "pytorch"
 
-    def __init__(self, name: str, factory, half: bool = False, channels_last: bool = False, compile_mode: str | None = None):
+    def __init__(self, name: str, factory, half: bool = False, channels_last: bool = False, compile_mode: str | None = None,
+                 tf32: bool = False):
         self.name, self.factory = name, factory
-        self.half, self.channels_last, self.compile_mode = half, channels_last, compile_mode
-        self.precision = "fp16" if half else "fp32"
+        self.half, self.channels_last, self.compile_mode, self.tf32 = half, channels_last, compile_mode, tf32
+        self.precision = "fp16" if half or tf32 else "fp32"
+
+    @contextlib.contextmanager
+    def _switches(self):
+        torch = self.torch
+        was = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        try:
+            with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False, allow_tf32=self.tf32):
+                with torch.inference_mode():
+                    yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = was
 
     def activate(self, inputs):
         import torch
@@ -171,7 +192,8 @@ class TorchRunner(Runner):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.half and self.device.type != "cuda":
             raise RunnerUnavailable("fp16 PyTorch runs only on a CUDA device here")
-        torch.backends.cudnn.benchmark = True
+        if self.tf32 and self.device.type != "cuda":
+            raise RunnerUnavailable("TF32 needs a CUDA device (on the CPU it is torch-eager)")
         model = self.factory().to(self.device)
         xs = [torch.from_numpy(a).to(self.device) for a in inputs]
         if self.half:
@@ -183,7 +205,7 @@ class TorchRunner(Runner):
         if self.compile_mode:
             model = torch.compile(model, mode=self.compile_mode)
         self.model, self.xs = model, xs
-        with torch.inference_mode():
+        with self._switches():
             self.model(*self.xs)  # compile, cudnn autotune
 
     def _sync(self):
@@ -191,13 +213,13 @@ class TorchRunner(Runner):
             self.torch.cuda.synchronize()
 
     def infer(self):
-        with self.torch.inference_mode():
+        with self._switches():
             out = self.model(*self.xs)
         outs = out if isinstance(out, (tuple, list)) else [out]
         return [o.float().cpu().numpy() for o in outs]
 
     def time(self, warmup, iters):
-        with self.torch.inference_mode():
+        with self._switches():
             return _timed_loop(lambda: self.model(*self.xs), self._sync, warmup, iters)
 
 
@@ -586,7 +608,8 @@ def case(batch: int, precision: str, runners, inputs, reference, tolerances, war
             "runners": rows}
 
 
-ALL_RUNNERS = ("tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-fp16", "torch-compile", "tensorrt")
+ALL_RUNNERS = ("tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-tf32", "torch-eager-fp16", "torch-compile",
+               "tensorrt")
 
 
 def fp16_onnx(factory, inputs: list[np.ndarray], opset: int, dest: Path) -> Path:
@@ -621,6 +644,8 @@ def make_runners(names, *, package: Path, untuned: Path, onnx_path: Path, input_
             out.append(_Unavailable(n, "pytorch", "no PyTorch model for an ONNX source"))
         elif n == "torch-eager":
             out.append(TorchRunner("torch-eager", factory))
+        elif n == "torch-eager-tf32":
+            out.append(TorchRunner("torch-eager-tf32", factory, tf32=True))
         elif n == "torch-eager-fp16":
             out.append(TorchRunner("torch-eager-fp16", factory, half=True, channels_last=True))
         elif n == "torch-compile":

@@ -90,7 +90,7 @@ def test_runners_on_a_tiny_model(tmp_path, tiny_package):
     reference = validate.references(cfg, ex, inputs)["onnxruntime"]
     factory = lambda: export.build_torch_model(cfg)  # noqa: E731
     runners = bench.make_runners(
-        ["tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-fp16", "tensorrt"],
+        ["tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-tf32", "torch-eager-fp16", "tensorrt"],
         package=folder, untuned=folder.parent / "no-untuned", onnx_path=ex.onnx_path, input_names=["input"],
         factory=factory, precision="fp32", compile_mode="default", fp16_onnx_path=None,
     )
@@ -103,6 +103,7 @@ def test_runners_on_a_tiny_model(tmp_path, tiny_package):
     assert rows["tvm-untuned"]["status"] == "skipped" and "make tune" in rows["tvm-untuned"]["reason"]
     assert rows["tensorrt-fp32"]["status"] == "skipped" and "tensorrt" in rows["tensorrt-fp32"]["reason"]
     assert rows["torch-eager-fp16"]["status"] == "skipped"
+    assert rows["torch-eager-tf32"]["status"] == "skipped" and "CUDA" in rows["torch-eager-tf32"]["reason"]
     assert rows["torch-other-weights"]["check"]["passed"] is False  # fast but wrong is flagged
 
     report = {"model": "tiny_cnn", "target": {}, "environment": bench.environment(), "cases": [case]}
@@ -165,6 +166,29 @@ def test_rounds_take_turns_and_show_a_machine_that_changed():
     assert machine["log"][1][2] == [False, True, False]  # one at a time: a released before b ran
     assert "round_p50_ms" not in rows[0]["timing"] and "p50 by round" not in bench.markdown(
         {"model": "m", "cases": [{"batch": 4, "precision": "fp32", "runners": rows}]})
+
+
+def test_torch_fp32_is_strict_and_its_switches_are_restored():
+    """torch-eager runs with TF32 off (TVM's fp32 is strict); whatever it
+    sets around a call is put back, so runners taking turns do not leak it."""
+    import torch
+
+    model = lambda: torch.nn.Conv2d(3, 4, 3)  # noqa: E731
+    seen = []
+    r = bench.TorchRunner("torch-eager", model)
+    r.activate([np.zeros((1, 3, 8, 8), "float32")])
+    was = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, True
+    try:
+        r.model.register_forward_hook(lambda *_: seen.append((torch.backends.cuda.matmul.allow_tf32,
+                                                              torch.backends.cudnn.allow_tf32)))
+        r.infer()
+        r.time(0, 2)
+        assert seen == [(False, False)] * 3 and r.precision == "fp32"
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # restored
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = was
+    assert bench.TorchRunner("torch-eager-tf32", model, tf32=True).precision == "fp16"  # checked like fp16
 
 
 def test_report_and_plot_from_a_results_file(tmp_path):
