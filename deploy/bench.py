@@ -451,10 +451,15 @@ def run_all(runners: list[Runner], inputs: list[np.ndarray], reference: list[np.
     is kept (`timing.round_p50_ms`), so such a change shows."""
     from .validate import compare
 
+    if not 1 <= rounds <= iters:
+        raise ConfigError("invalid rounds", rounds, f"between 1 and the iterations ({iters})")
     batch = inputs[0].shape[0]
     results, loaded = [], []  # loaded: (runner, entry, samples per round)
+    held: list[Runner] = []  # loaded for the rounds and not released yet
 
     def release(r: Runner) -> None:
+        if r in held:
+            held.remove(r)
         r.deactivate()
         _free_device_memory()
 
@@ -465,53 +470,58 @@ def run_all(runners: list[Runner], inputs: list[np.ndarray], reference: list[np.
         log.info("bench: %-22s p50 %.3f ms  (%s)", entry["name"], entry["timing"]["p50_ms"],
                  "outputs match" if entry["check"]["passed"] else "OUTPUTS DIFFER")
 
-    for r in runners:
-        entry = {"name": r.name, "kind": r.kind, "status": "ok", "reason": None, "setup_s": None, "timing": None, "check": None}
-        keep = False
-        try:
-            t0 = time.perf_counter()
-            r.activate(inputs)
-            entry["setup_s"] = round(time.perf_counter() - t0, 2)
-            entry["name"] = r.name
-            outs = r.infer()
-            tol = getattr(tolerances, r.precision)
-            if len(outs) != len(reference):
-                entry["check"] = {"passed": False, "rel_l2": float("inf"),
-                                  "error": f"{len(outs)} output(s), reference has {len(reference)}"}
-            else:
-                checks = [compare(o, ref, tol) for o, ref in zip(outs, reference)]
-                entry["check"] = {"passed": all(c["passed"] for c in checks),
-                                  "rel_l2": max(c.get("rel_l2", float("inf")) for c in checks)}
-            if rounds == 1:
-                timed(entry, [r.time(warmup, iters)])
-            else:
-                loaded.append((r, entry, []))
-                keep = True
-        except RunnerUnavailable as e:
-            entry.update(status="skipped", reason=str(e))
-            log.warning("bench: %s skipped: %s", r.name, e)
-        except Exception as e:  # a runner that breaks is reported, the others still run
-            entry.update(status="failed", reason=_failure(e))
-            log.warning("bench: %s failed: %s", r.name, entry["reason"])
-        finally:
-            if not keep:
-                release(r)
-        results.append(entry)
-    if loaded:
-        for k, n in enumerate(round_sizes(iters, rounds)):
-            for r, entry, per_round in loaded:
-                if entry["status"] != "ok":
-                    continue
-                try:
-                    per_round.append(r.time(warmup, n))
-                except Exception as e:
-                    entry.update(status="failed", reason=f"round {k + 1}: {_failure(e)}")
-                    log.warning("bench: %s failed: %s", r.name, entry["reason"])
+    try:
+        for r in runners:
+            entry = {"name": r.name, "kind": r.kind, "status": "ok", "reason": None, "setup_s": None, "timing": None, "check": None}
+            keep = False
+            try:
+                t0 = time.perf_counter()
+                r.activate(inputs)
+                entry["setup_s"] = round(time.perf_counter() - t0, 2)
+                entry["name"] = r.name
+                outs = r.infer()
+                tol = getattr(tolerances, r.precision)
+                if len(outs) != len(reference):
+                    entry["check"] = {"passed": False, "rel_l2": float("inf"),
+                                      "error": f"{len(outs)} output(s), reference has {len(reference)}"}
+                else:
+                    checks = [compare(o, ref, tol) for o, ref in zip(outs, reference)]
+                    entry["check"] = {"passed": all(c["passed"] for c in checks),
+                                      "rel_l2": max(c.get("rel_l2", float("inf")) for c in checks)}
+                if rounds == 1:
+                    timed(entry, [r.time(warmup, iters)])
+                else:
+                    loaded.append((r, entry, []))
+                    held.append(r)
+                    keep = True
+            except RunnerUnavailable as e:
+                entry.update(status="skipped", reason=str(e))
+                log.warning("bench: %s skipped: %s", r.name, e)
+            except Exception as e:  # a runner that breaks is reported, the others still run
+                entry.update(status="failed", reason=_failure(e))
+                log.warning("bench: %s failed: %s", r.name, entry["reason"])
+            finally:
+                if not keep:
                     release(r)
-        for r, entry, per_round in loaded:
-            if entry["status"] == "ok":
-                timed(entry, per_round)
-                release(r)
+            results.append(entry)
+        if loaded:
+            for k, n in enumerate(round_sizes(iters, rounds)):
+                for r, entry, per_round in loaded:
+                    if entry["status"] != "ok":
+                        continue
+                    try:
+                        per_round.append(r.time(warmup, n))
+                    except Exception as e:
+                        entry.update(status="failed", reason=f"round {k + 1}: {_failure(e)}")
+                        log.warning("bench: %s failed: %s", r.name, entry["reason"])
+                        release(r)
+            for r, entry, per_round in loaded:
+                if entry["status"] == "ok":
+                    timed(entry, per_round)
+                    release(r)
+    finally:  # whatever happened (an interrupt too), nothing stays loaded
+        for r in list(held):
+            release(r)
     return results
 
 

@@ -208,6 +208,8 @@ def cmd_bench(args) -> int:
 
     if args.iters < 1 or args.warmup < 0:
         raise ConfigError("invalid --iters/--warmup", f"{args.iters}/{args.warmup}", "iters >= 1 and warmup >= 0")
+    if args.rounds is None:
+        args.rounds = min(5, args.iters)
     if not 1 <= args.rounds <= args.iters:
         raise ConfigError("invalid --rounds", args.rounds, f"between 1 and --iters ({args.iters})")
     cfg, target, workdir, db_root = prepare(args)
@@ -479,9 +481,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated; see deploy.bench.ALL_RUNNERS")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20, help="warm-up iterations before each runner's turn")
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--rounds", type=int,
                    help="rounds the iterations are split into, the runners taking turns in each (all stay loaded); "
-                        "1: one runner after another, each released before the next")
+                        "default 5 (at most --iters); 1: one runner after another, each released before the next")
     p.add_argument("--compile-mode", default="max-autotune", help="torch.compile mode")
     p.add_argument("--baseline", action="append", help="baseline.json of a TensorRT run measured elsewhere (repeatable)")
     p.add_argument("--out", help="results folder (default <workdir>/bench)")

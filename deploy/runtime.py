@@ -84,7 +84,7 @@ class Predictor:
             lib = load_module(str(self.folder / self.manifest["buckets"][str(b)]["file"]))
             self._vms[b] = VirtualMachine(lib, self.device)
         self._staged_inputs: dict[int, list] = {}  # bucket -> its device input tensors
-        self._zeros: dict[int, list[np.ndarray]] = {}  # bucket -> host zeros for padding rows
+        self._zeros: list[np.ndarray] | None = None  # per input, host zeros: padding rows (largest bucket - 1)
         self._lock = threading.Lock()  # the staged tensors are shared: one run at a time
         # Per input: the shape of one row and its size in bytes (row views of the staged tensors).
         self._row = [(list(s["shape"]), int(np.prod(s["shape"], dtype=np.int64)) * np.dtype(s["dtype"]).itemsize)
@@ -152,13 +152,27 @@ class Predictor:
 
         staged = self._staged_inputs.get(bucket)
         if staged is None:
-            zeros = [np.zeros((bucket, *s["shape"]), s["dtype"]) for s in self.inputs]
-            staged = self._staged_inputs[bucket] = [tensor(z, self.device) for z in zeros]
-            self._zeros[bucket] = zeros
+            staged = self._staged_inputs[bucket] = [
+                tensor(np.zeros((bucket, *s["shape"]), s["dtype"]), self.device) for s in self.inputs]
+        if self._zeros is None:
+            self._zeros = [np.zeros((self.max_batch - 1, *s["shape"]), s["dtype"]) for s in self.inputs]
         return staged
+
+    def _check_rows(self, arrays: list[np.ndarray]) -> None:
+        """What the staged copies need (TVM's copyfrom would silently cast
+        another dtype): one array per input, of its dtype and row shape."""
+        if len(arrays) != len(self.inputs):
+            raise ShapeError("wrong number of inputs", len(arrays), len(self.inputs))
+        for a, spec in zip(arrays, self.inputs):
+            if str(a.dtype) != spec["dtype"] or tuple(a.shape[1:]) != tuple(spec["shape"]):
+                raise ShapeError(f"input '{spec['name']}' has the wrong dtype or shape", f"{a.dtype} {list(a.shape)}",
+                                 f"{spec['dtype']} {['batch', *spec['shape']]}")
 
     def run_bucket(self, bucket: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """Run one bucket on arrays whose batch is exactly `bucket`."""
+        self._check_rows(arrays)
+        if any(a.shape[0] != bucket for a in arrays):
+            raise ShapeError(f"run_bucket({bucket}) needs {bucket} rows", [a.shape[0] for a in arrays], bucket)
         with self._lock:
             staged = self._staged(bucket)
             for dst, src in zip(staged, arrays):
@@ -177,6 +191,10 @@ class Predictor:
             shape, nbytes = self._row[i]
             return tensor_view(t, [n, *shape], start * nbytes)
 
+        for p in parts:
+            self._check_rows(p)
+            if len({a.shape[0] for a in p}) != 1:
+                raise ShapeError("inputs disagree on the batch size", [a.shape[0] for a in p])
         rows = sum(int(p[0].shape[0]) for p in parts)
         pieces: list[list[np.ndarray]] = []
         k = at = 0  # the part being copied, and its first row not yet copied
@@ -194,7 +212,7 @@ class Predictor:
                     if at == part[0].shape[0]:
                         k, at = k + 1, 0
                 if n < bucket:  # padding: zeros, not what the last run left there
-                    for i, (dst, z) in enumerate(zip(staged, self._zeros[bucket])):
+                    for i, (dst, z) in enumerate(zip(staged, self._zeros)):
                         rows_of(i, dst, n, bucket - n).copyfrom(z[: bucket - n])
                 pieces.append([o[:n] for o in outputs_to_numpy(self._vms[bucket]["main"](*staged))])
         return {

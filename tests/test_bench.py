@@ -159,6 +159,19 @@ def test_rounds_take_turns_and_show_a_machine_that_changed():
     md = bench.markdown({"model": "m", "cases": [{"batch": 4, "precision": "fp32", "runners": rows}]})
     assert "| a | 1.000 |" in md and "| 1.000-2.000 |" in md and "p50 by round" in md
 
+    class Interrupted(_Turns):
+        def time(self, warmup, iters):
+            raise KeyboardInterrupt
+
+    stop = Interrupted("stop", 1.0, machine)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_all([a, stop, b], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
+                      warmup=1, iters=10, rounds=2)
+    assert not any(r.loaded for r in (a, stop, b))  # released all the same
+    with pytest.raises(ConfigError, match="invalid rounds"):
+        bench.run_all([a], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
+                      warmup=1, iters=2, rounds=5)
+
     machine["log"].clear()
     rows = bench.run_all([a, b], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
                          warmup=1, iters=10, rounds=1)
