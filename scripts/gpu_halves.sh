@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Two GPU-machine jobs at once, each on half of the machine: half A gets the
-# first half of the GPUs and CPU cores, half B the rest, each with its own
+# first half of the GPUs and of the physical CPU cores (with their SMT
+# siblings: scripts/cpu_halves.py), half B the rest, each with its own
 # OUT ($OUT/a, $OUT/b), WORKDIR, DB_ROOT (kept while the machine is warm, so
 # a later call's half continues its database), tracker and server ports, and
 # CUDA_VISIBLE_DEVICES (the half's first GPU, for what a job runs locally:
@@ -26,11 +27,11 @@ OUT=${OUT:-/tmp/out}
 read -r -a all_gpus <<< "$(nvidia-smi -L | sed -n 's/^GPU \([0-9]*\):.*/\1/p' | tr '\n' ' ')"
 g=${#all_gpus[@]}
 [ "$g" -ge 1 ] || { echo "error: nvidia-smi lists no GPU" >&2; exit 2; }
-read -r -a cpus <<< "$(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)))')"
-c=${#cpus[@]}
+# CPU halves of whole physical cores (SMT siblings kept together; the core map goes to $OUT/cpus.txt).
+mkdir -p "$OUT"
+{ read -r cpus_a; read -r cpus_b; } < <(python3 scripts/cpu_halves.py 2> "$OUT/cpus.txt") || true
+[ -n "${cpus_a:-}" ] && [ -n "${cpus_b:-}" ] || { echo "error: could not split the CPUs in two: $(cat "$OUT/cpus.txt")" >&2; exit 2; }
 half_g=$(( g > 1 ? g / 2 : 1 ))
-half_c=$(( c / 2 ))
-join() { local IFS=,; echo "$*"; }
 
 run_half() {  # name, GPU list, CPU list, tracker port, server port base, job
   local name=$1 gpus=$2 cpu_list=$3 tport=$4 pbase=$5 job=$6
@@ -43,8 +44,8 @@ run_half() {  # name, GPU list, CPU list, tracker port, server port base, job
     taskset -c "$cpu_list" bash -c "$job" > "$OUT/$name/job.log" 2>&1
 }
 
-run_half a "${all_gpus[*]:0:half_g}" "$(join "${cpus[@]:0:half_c}")" 9190 9090 "$1" & pa=$!
-run_half b "${all_gpus[*]:g-half_g:half_g}" "$(join "${cpus[@]:half_c}")" 9290 9300 "$2" & pb=$!
+run_half a "${all_gpus[*]:0:half_g}" "$cpus_a" 9190 9090 "$1" & pa=$!
+run_half b "${all_gpus[*]:g-half_g:half_g}" "$cpus_b" 9290 9300 "$2" & pb=$!
 wait $pa; ra=$?
 wait $pb; rb=$?
 echo "half a: exit $ra; half b: exit $rb"

@@ -1,0 +1,55 @@
+"""The GPU machine's shell helpers, run here with a fake nvidia-smi."""
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import cpu_halves  # noqa: E402
+
+
+def fake_topology(root: Path, siblings_apart: int, cores: int) -> None:
+    """`cores` cores of 2 SMT threads, CPU N and N + siblings_apart on one core."""
+    for core in range(cores):
+        for cpu in (core, core + siblings_apart):
+            topo = root / f"cpu{cpu}" / "topology"
+            topo.mkdir(parents=True)
+            (topo / "physical_package_id").write_text("0\n")
+            (topo / "core_id").write_text(f"{core}\n")
+
+
+def test_cpu_halves_keep_smt_siblings_together(tmp_path):
+    fake_topology(tmp_path, siblings_apart=4, cores=4)  # Linux's usual numbering: 0/4, 1/5, 2/6, 3/7
+    a, b, info = cpu_halves.halves(list(range(8)), tmp_path)
+    assert a == [0, 1, 4, 5] and b == [2, 3, 6, 7]  # not 0-3 / 4-7, which would share every core
+    assert "core 0:0 cpus 0,4" in info
+    a, b, info = cpu_halves.halves([0, 1, 2, 3], tmp_path / "missing")
+    assert (a, b) == ([0, 1], [2, 3]) and "by index" in info[0]
+
+
+def test_gpu_halves_runs_two_jobs_on_their_own_gpu_and_cpus(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        import pytest
+
+        pytest.skip("needs 2 CPUs")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: a)'\necho 'GPU 1: NVIDIA H200 (UUID: b)'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    job = "echo gpu=$CUDA_VISIBLE_DEVICES gpus=$GPUS db=$DB_ROOT; grep Cpus_allowed_list /proc/self/status"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    r = subprocess.run(["bash", "scripts/gpu_halves.sh", job, job], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    logs = {}
+    for name in ("a", "b"):
+        with tarfile.open(tmp_path / "out" / f"{name}.tgz") as t:
+            logs[name] = t.extractfile(f"{name}/job.log").read().decode()
+    assert "gpu=0 gpus=0 db=/tmp/tuning_logs-a" in logs["a"] and "gpu=1 gpus=1 db=/tmp/tuning_logs-b" in logs["b"]
+    cpus = [line.split()[-1] for name in ("a", "b") for line in logs[name].splitlines() if "Cpus_allowed_list" in line]
+    assert len(cpus) == 2 and cpus[0] != cpus[1]
+    assert "core" in (tmp_path / "out" / "cpus.txt").read_text()
