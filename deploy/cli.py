@@ -315,7 +315,7 @@ def _serve_config(args, base: config_mod.ServeConfig) -> config_mod.ServeConfig:
         base, host=args.host, port=args.port, model_name=args.model_name, max_queue_delay_ms=args.max_queue_delay_ms,
         timeout_s=args.timeout_s, max_concurrency=args.max_concurrency, max_body_mb=args.max_body_mb,
         max_inflight_mb=args.max_inflight_mb, shutdown_grace_s=args.shutdown_grace_s, warmup=False if args.no_warmup else None,
-        shared_memory=True if args.shared_memory else None,
+        shared_memory=True if args.shared_memory else None, gil_switch_ms=args.gil_switch_ms,
     )
 
 
@@ -374,6 +374,8 @@ def _add_package(p: argparse.ArgumentParser, d: config_mod.ServeConfig) -> None:
                    help=f"request bodies held at once, in total; more gets 503 (default {d.max_inflight_mb:g})")
     p.add_argument("--shutdown-grace-s", type=float, help=f"on SIGTERM, how long in-flight requests may take (default {d.shutdown_grace_s:g})")
     p.add_argument("--no-warmup", action="store_true", help="report ready without running every bucket once")
+    p.add_argument("--gil-switch-ms", type=float,
+                   help=f"Python's GIL switch interval in the server (default {d.gil_switch_ms:g}; Python's own: 5)")
     p.add_argument("--shared-memory", action="store_true",
                    help="accept tensors in system shared memory (Triton's extension; for clients on this host: "
                         "any of them may then read or write this host's shared-memory objects)")

@@ -170,6 +170,13 @@ class ServeConfig:
     # a client that may register any shared-memory object could read or
     # overwrite another program's on this host.
     shared_memory: bool = False
+    # Python's GIL switch interval in the serving process (sys.setswitchinterval;
+    # Python's default is 5 ms). The batcher thread drops the GIL around every
+    # TVM call (copies, the run); while the HTTP thread runs Python it gets it
+    # back only when that thread is made to yield, after up to this long, so a
+    # batch of several requests could wait ~5 ms per call (measured on the CPU
+    # machine: see README, "Dynamic batching").
+    gil_switch_ms: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +334,8 @@ def _check_values(obj, where: str) -> None:
         for name in ("timeout_s", "max_body_mb", "max_inflight_mb", "max_concurrency"):
             if getattr(obj, name) <= 0:
                 raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a positive number")
+        if not 0.05 <= obj.gil_switch_ms <= 100:
+            raise ConfigError(f"invalid {where}.gil_switch_ms", obj.gil_switch_ms, "0.05 to 100 (Python's default: 5)")
         if obj.max_inflight_mb < obj.max_body_mb:
             raise ConfigError(f"invalid {where}.max_inflight_mb (one largest body would never fit)",
                               obj.max_inflight_mb, f">= max_body_mb ({obj.max_body_mb:g})")

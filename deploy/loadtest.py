@@ -278,7 +278,7 @@ class ServerProcess:
                 "--port", str(cfg.port), "--max-queue-delay-ms", str(cfg.max_queue_delay_ms),
                 "--timeout-s", str(cfg.timeout_s), "--max-concurrency", str(cfg.max_concurrency),
                 "--max-body-mb", str(cfg.max_body_mb), "--max-inflight-mb", str(cfg.max_inflight_mb),
-                "--shutdown-grace-s", str(cfg.shutdown_grace_s)]
+                "--shutdown-grace-s", str(cfg.shutdown_grace_s), "--gil-switch-ms", str(cfg.gil_switch_ms)]
         if cfg.model_name:
             argv += ["--model-name", cfg.model_name]
         if not cfg.warmup:

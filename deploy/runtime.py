@@ -86,6 +86,7 @@ class Predictor:
         self._staged_inputs: dict[int, list] = {}  # bucket -> its device input tensors
         self._zeros: list[np.ndarray] | None = None  # per input, host zeros: padding rows (largest bucket - 1)
         self._lock = threading.Lock()  # the staged tensors are shared: one run at a time
+        self._views: dict[tuple[int, int, int, int], object] = {}  # (bucket, input, first row, rows) -> view
         # Per input: the shape of one row and its size in bytes (row views of the staged tensors).
         self._row = [(list(s["shape"]), int(np.prod(s["shape"], dtype=np.int64)) * np.dtype(s["dtype"]).itemsize)
                      for s in self.inputs]
@@ -187,9 +188,16 @@ class Predictor:
         than the largest bucket runs in pieces (see `plan`)."""
         from .tvm_compat import tensor_view
 
-        def rows_of(i: int, t, start: int, n: int):
-            shape, nbytes = self._row[i]
-            return tensor_view(t, [n, *shape], start * nbytes)
+        def rows_of(bucket: int, i: int, t, start: int, n: int):
+            # Views are kept: each one made is a TVM call, which drops the GIL (see ServeConfig.gil_switch_ms).
+            key = (bucket, i, start, n)
+            view = self._views.get(key)
+            if view is None:
+                if len(self._views) >= 4096:
+                    self._views.clear()
+                shape, nbytes = self._row[i]
+                view = self._views[key] = tensor_view(t, [n, *shape], start * nbytes)
+            return view
 
         for p in parts:
             self._check_rows(p)
@@ -207,13 +215,13 @@ class Predictor:
                     take = min(n - filled, int(part[0].shape[0]) - at)
                     for i, (dst, src) in enumerate(zip(staged, part)):
                         seg = np.ascontiguousarray(src[at : at + take])
-                        (dst if take == bucket else rows_of(i, dst, filled, take)).copyfrom(seg)
+                        (dst if take == bucket else rows_of(bucket, i, dst, filled, take)).copyfrom(seg)
                     filled, at = filled + take, at + take
                     if at == part[0].shape[0]:
                         k, at = k + 1, 0
                 if n < bucket:  # padding: zeros, not what the last run left there
                     for i, (dst, z) in enumerate(zip(staged, self._zeros)):
-                        rows_of(i, dst, n, bucket - n).copyfrom(z[: bucket - n])
+                        rows_of(bucket, i, dst, n, bucket - n).copyfrom(z[: bucket - n])
                 pieces.append([o[:n] for o in outputs_to_numpy(self._vms[bucket]["main"](*staged))])
         return {
             spec["name"]: pieces[0][i] if len(pieces) == 1 else np.concatenate([p[i] for p in pieces])

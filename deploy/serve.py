@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import queue
 import socket
+import sys
 import threading
 import time
 import zlib
@@ -686,6 +687,7 @@ def run(cfg: ServeConfig, folder: str | Path, on_listening=None) -> int:
     """Serve until SIGTERM or SIGINT, then drain; the exit status (0, or 1
     when the package could not be loaded)."""
     manifest = check(folder)
+    sys.setswitchinterval(cfg.gil_switch_ms / 1e3)  # this process only serves: see ServeConfig.gil_switch_ms
     app = InferenceServer(cfg, folder, manifest)
     sock = _bind(cfg.host, cfg.port)
     server = _uvicorn_server(app)

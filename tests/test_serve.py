@@ -809,6 +809,8 @@ def test_cli_needs_a_package_and_valid_knobs(capsys, tmp_path):
     assert rc == 2 and "no package artifact" in error_line(err)
     rc, _, err = run_cli(capsys, "serve", "--package", tmp_path, "--max-body-mb", 64, "--max-inflight-mb", 32)
     assert rc == 2 and "max_inflight_mb" in error_line(err)
+    rc, _, err = run_cli(capsys, "serve", "--package", tmp_path, "--gil-switch-ms", 0)
+    assert rc == 2 and "gil_switch_ms" in error_line(err)
     assert serve.url("::1", 8000) == "http://[::1]:8000" and serve.url("127.0.0.1", 80) == "http://127.0.0.1:80"
 
 
