@@ -190,6 +190,13 @@ def format_summary(summary: dict) -> str:
                     f"search and cost model {split['Total'] - build_s - run_s:.0f} s"
                     + (f", {s['trials_per_minute']} trials/min" if s.get("trials_per_minute") else "")
                 )
+            b = s.get("build")
+            if b:
+                lines.append(
+                    f"           building: {b['candidates']} candidates in {b['batches']} batches, "
+                    f"{b['candidate_p50_s']:.1f} s each (p90 {b['candidate_p90_s']:.1f}, max {b['candidate_max_s']:.1f}), "
+                    f"a batch {b['batch_p50_s']:.1f} s, workers busy {b['busy']:.0%} of it"
+                )
             r = s.get("rpc")
             if r:
                 per = ", ".join(f"{a} {v['measured']}" for a, v in sorted(r["servers"].items()))

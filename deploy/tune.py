@@ -89,34 +89,70 @@ def so_export(mod) -> str:
     return path
 
 
+def _timed_build(job) -> tuple[str, float]:
+    """MetaSchedule's build worker, in a build process: the artifact's path
+    and the seconds this candidate took to build and export."""
+    from .tvm_compat import ms_builder_worker
+
+    t0 = time.perf_counter()
+    path = ms_builder_worker(*job)
+    return path, time.perf_counter() - t0
+
+
+def build_stats(batch_wall_s: list[float], candidate_s: list[float], workers: int) -> dict:
+    """Where a run's build time went: per candidate (in the workers) and per
+    batch (what tuning waited for). `busy` is the workers' share of the
+    batches' wall time spent building: low means a batch waited on a few
+    slow candidates (or on starting workers), not on building in general."""
+    import numpy as np
+
+    if not batch_wall_s:
+        return {}
+    each = np.asarray(candidate_s or [0.0])
+    wall = float(sum(batch_wall_s))
+    return {
+        "batches": len(batch_wall_s), "candidates": len(candidate_s), "workers": workers,
+        "wall_s": round(wall, 1), "batch_p50_s": round(float(np.median(batch_wall_s)), 2),
+        "candidate_p50_s": round(float(np.median(each)), 2), "candidate_p90_s": round(float(np.percentile(each, 90)), 2),
+        "candidate_max_s": round(float(each.max()), 2), "candidate_sum_s": round(float(each.sum()), 1),
+        "busy": round(float(each.sum()) / (wall * workers), 3) if wall > 0 else None,
+    }
+
+
 def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
     """MetaSchedule's LocalBuilder, but with one worker pool for the whole
     run. LocalBuilder starts a fresh pool for every batch, and each worker
     then imports TVM (which imports torch): seconds of every batch on 16
     workers. TVM restarts its pools because workers leak memory after many
     builds, so each worker here is replaced after `recycle_after` builds."""
-    from .tvm_compat import PopenPoolExecutor, StatusKind, derived_object, ms, ms_builder_worker
+    from .tvm_compat import PopenPoolExecutor, StatusKind, derived_object, ms
 
     @derived_object
     class PersistentBuilder(ms.builder.PyBuilder):
         def __init__(self):
             super().__init__()
             self.pool = None
+            self.batch_wall_s: list[float] = []  # per build call (a batch)
+            self.candidate_s: list[float] = []  # per candidate built
 
         def build(self, build_inputs):
+            t0 = time.perf_counter()
             if self.pool is None:
                 self.pool = PopenPoolExecutor(
                     max_workers=max_workers, timeout=timeout_s, maximum_process_uses=recycle_after
                 )
             jobs = [(lean_build, so_export, b.mod, b.target, None) for b in build_inputs]
             results = []
-            for r in self.pool.map_with_error_catching(lambda job: ms_builder_worker(*job), jobs):
+            for r in self.pool.map_with_error_catching(_timed_build, jobs):
                 if r.status == StatusKind.COMPLETE:
-                    results.append(ms.builder.BuilderResult(r.value, None))
+                    path, seconds = r.value
+                    self.candidate_s.append(seconds)
+                    results.append(ms.builder.BuilderResult(path, None))
                 elif r.status == StatusKind.TIMEOUT:
                     results.append(ms.builder.BuilderResult(None, f"build timed out after {timeout_s:.0f} s"))
                 else:
                     results.append(ms.builder.BuilderResult(None, "build failed\n" + str(r.value)))
+            self.batch_wall_s.append(time.perf_counter() - t0)
             return results
 
         def close(self):
@@ -357,6 +393,7 @@ def tune_bucket(
             finally:
                 dbs.pack(db_dir)
     summary.update(_outcome(plan, db_dir, stats, time.time() - started, deadline))
+    summary.pop("build_times", None)  # the raw seconds behind summary["build"]
     summary["database_digest"] = dbs.digest(db_dir)
     return summary
 
@@ -506,6 +543,8 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
         if measurer is not None:
             measurer.close()
     summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
+    summary["build_times"] = {"batch_wall_s": builder.batch_wall_s, "candidate_s": builder.candidate_s, "workers": cpus}
+    summary["build"] = build_stats(builder.batch_wall_s, builder.candidate_s, cpus)
     if measurer is not None:
         summary["rpc"] = measurer.stats
         if measurer.fatal is not None:
@@ -709,9 +748,13 @@ def _lane_entry(spec: dict) -> None:
 def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -> None:
     split: dict = {}
     rpc_all = None
+    walls, each = [], []
     summary["lanes"] = []
     for r in results:
         stats.update(r["stats"])
+        times = r["summary"].get("build_times") or {}
+        walls += times.get("batch_wall_s", [])
+        each += times.get("candidate_s", [])
         for k, v in r["summary"].get("time_split_s", {}).items():
             split[k] = round(split.get(k, 0.0) + v, 2)
         summary.setdefault("unschedulable", {}).update(r["summary"].get("unschedulable", {}))
@@ -731,12 +774,15 @@ def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -
         summary["lanes"].append({"lane": r["lane"], "tasks": sorted(r["stats"]), "cpus": cpus, "seconds": r["seconds"],
                                  "new_trials": sum(s["candidates"] for s in r["stats"].values()),
                                  "time_split_s": r["summary"].get("time_split_s", {}),
+                                 "build": r["summary"].get("build", {}),
                                  "cost_model_warm_start": r["summary"].get("cost_model_warm_start")})
     if not summary.get("unschedulable"):
         summary.pop("unschedulable", None)
     if split:
         # Summed over the lanes, which ran at the same time: CPU-side seconds, not wall time.
         summary["time_split_s"] = dict(sorted(split.items(), key=lambda kv: -kv[1]))
+    if walls:
+        summary["build"] = build_stats(walls, each, cpus)  # batch walls summed over the lanes, like time_split_s
     if rpc_all is not None:
         summary["rpc"] = rpc_all
 

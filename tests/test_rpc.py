@@ -376,6 +376,8 @@ def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_pat
     assert len(s["lanes"]) == 2 and all(lane["cpus"] == tune.usable_cpus() for lane in s["lanes"])
     assert sorted(t for lane in s["lanes"] for t in lane["tasks"]) == sorted(s["tasks"])  # disjoint, all covered
     assert [lane["new_trials"] for lane in s["lanes"]] == [6, 6]
+    assert s["build"]["batches"] == sum(lane["build"]["batches"] for lane in s["lanes"]) >= 2  # combined
+    assert s["build"]["candidates"] == sum(lane["build"]["candidates"] for lane in s["lanes"]) and "build_times" not in s
     assert s["new_trials"] == 12 and s["valid_fraction"] == 1.0 and s["trials_after"] == 12
     assert all(t["trials"] == 6 and t["best_us"] is not None for t in s["tasks"].values())
     r = s["rpc"]

@@ -41,6 +41,11 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
 
     text = pipeline.format_summary({"package": "p", "buckets": {}, "tuning": {"1": s1}, "validation": None})
     assert "2 trials in database (2 new, 100% valid, 1/" in text and "s tuning: build" in text
+    # how long each candidate took to build in the workers, and what the batches waited
+    b = s1["build"]
+    assert b["candidates"] == 2 and b["batches"] == 1 and 0 < b["candidate_p50_s"] <= b["candidate_max_s"]
+    assert 0 < b["busy"] <= 1 and b["candidate_sum_s"] <= b["wall_s"] * b["workers"]
+    assert "building: 2 candidates in 1 batches" in text and "build_times" not in s1
     db_dir = a1.databases[1]
     key = json.loads((db_dir / "key.json").read_text())
     assert key["precision"] == "fp32" and key["inputs"][0]["shape"] == [1, 3, 16, 16]
