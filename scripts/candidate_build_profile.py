@@ -1,0 +1,86 @@
+"""How long MetaSchedule candidates of a model's heaviest tasks take to build
+for a CUDA target on this machine (no GPU needed): the same build and export
+the tuner's workers run (deploy.tune.lean_build + so_export), one candidate
+at a time, on random samples of each task's design space.
+
+    .venv/bin/python scripts/candidate_build_profile.py --model resnet50 --precision fp32 \\
+        --tasks 3 --candidates 24 --out results/cpu/2026-11-29/candidate-builds-fp32
+
+Writes results.json (every candidate's seconds) and results.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--precision", default="fp16", choices=["fp16", "fp32"])
+    ap.add_argument("--bucket", type=int, default=1)
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--tasks", type=int, default=3, help="the heaviest N convolution/matmul tasks")
+    ap.add_argument("--candidates", type=int, default=24, help="random candidates per task")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from deploy import config, export, frontend, optimize, targets, tune
+    from deploy.cli import resolve_config
+    from deploy.tvm_compat import ms
+
+    cfg = resolve_config(argparse.Namespace(model=args.model, config=None, input=None, checkpoint=None, seed=None))
+    target = targets.resolve(f"cuda:{args.arch}")
+    cfg = config.apply_overrides(cfg, "cuda", precision=args.precision, buckets=(args.bucket,),
+                                 tune_buckets=(args.bucket,))
+    profile = cfg.profile("cuda")
+    tgt = target.tvm_target()
+    out: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="build-profile-") as tmp:
+        work = Path(tmp)
+        ex = export.run(cfg, work / "export")
+        fe = frontend.run(profile, ex, work / "frontend")
+        opt = optimize.run(profile, target, fe, work / "optimize")
+        tasks = [t for t in tune.extract_tasks(opt.load_module(args.bucket), tgt)
+                 if "conv2d" in t.task_name or "matmul" in t.task_name]
+        tasks = sorted(tasks, key=lambda t: -tune.task_flops(t))[: args.tasks]
+        for task in tasks:
+            space, _ = tune._design_space(task.dispatched[0], tgt, seed=1)
+            ctx = ms.TuneContext(mod=task.dispatched[0], target=tgt, space_generator=space,
+                                 search_strategy=ms.search_strategy.ReplayTrace(), task_name=task.task_name,
+                                 rand_state=7)
+            spaces = ctx.generate_design_space()
+            ctx.pre_tuning(max_trials=args.candidates, num_trials_per_iter=args.candidates, design_spaces=spaces)
+            seconds = []
+            for c in ctx.generate_measure_candidates():
+                t0 = time.perf_counter()
+                try:
+                    tune.so_export(tune.lean_build(c.sch.mod, tgt, None))
+                except Exception:  # noqa: BLE001  a failed build is timed too
+                    pass
+                seconds.append(time.perf_counter() - t0)
+            out[task.task_name] = seconds
+            print(f"{task.task_name}: {len(seconds)} candidates, p50 {np.median(seconds):.2f} s", flush=True)
+    dest = Path(args.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    report = {"model": args.model, "precision": args.precision, "bucket": args.bucket, "arch": args.arch,
+              "seconds": out}
+    (dest / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# Candidate builds: {args.model} {args.precision} batch {args.bucket}, cuda {args.arch}, one at a time",
+             "", "| task | candidates | p50 s | p90 s | max s | sum s |", "|---|---|---|---|---|---|"]
+    for name, s in out.items():
+        a = np.asarray(s)
+        lines.append(f"| {name} | {a.size} | {np.median(a):.2f} | {np.percentile(a, 90):.2f} | {a.max():.2f} | {a.sum():.1f} |")
+    (dest / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
