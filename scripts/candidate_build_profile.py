@@ -6,6 +6,10 @@ at a time, on random samples of each task's design space.
     .venv/bin/python scripts/candidate_build_profile.py --model resnet50 --precision fp32 \\
         --tasks 3 --candidates 24 --out results/cpu/2026-11-29/candidate-builds-fp32
 
+With --database DIR (a tuning database folder under tuning_logs/) it builds
+measured records instead, the candidates the search actually picked: up to
+--candidates records of each of the --tasks workloads with the most records.
+
 Writes results.json (every candidate's seconds) and results.md under --out.
 """
 
@@ -28,8 +32,11 @@ def main() -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--tasks", type=int, default=3, help="the heaviest N convolution/matmul tasks")
     ap.add_argument("--candidates", type=int, default=24, help="random candidates per task")
+    ap.add_argument("--database", help="replay records of this tuning database instead of sampling")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.database:
+        return replay(args)
 
     from deploy import config, export, frontend, optimize, targets, tune
     from deploy.cli import resolve_config
@@ -57,23 +64,55 @@ def main() -> int:
                                  rand_state=7)
             spaces = ctx.generate_design_space()
             ctx.pre_tuning(max_trials=args.candidates, num_trials_per_iter=args.candidates, design_spaces=spaces)
-            seconds = []
-            for c in ctx.generate_measure_candidates():
-                t0 = time.perf_counter()
-                try:
-                    tune.so_export(tune.lean_build(c.sch.mod, tgt, None))
-                except Exception:  # noqa: BLE001  a failed build is timed too
-                    pass
-                seconds.append(time.perf_counter() - t0)
+            seconds = [_timed(c.sch.mod, tgt) for c in ctx.generate_measure_candidates()]
             out[task.task_name] = seconds
             print(f"{task.task_name}: {len(seconds)} candidates, p50 {np.median(seconds):.2f} s", flush=True)
+    return _write(args, out, f"random candidates of {args.model} {args.precision} batch {args.bucket}, cuda {args.arch}")
+
+
+def _timed(mod, tgt) -> float:
+    from deploy import tune
+
+    t0 = time.perf_counter()
+    try:
+        tune.so_export(tune.lean_build(mod, tgt, None))
+    except Exception:  # noqa: BLE001  a failed build is timed too
+        pass
+    return time.perf_counter() - t0
+
+
+def replay(args) -> int:
+    from deploy import database as dbs
+    from deploy.tvm_compat import Target, structural_hash, tvm
+
+    folder = Path(args.database)
+    key = json.loads((folder / "key.json").read_text())
+    tgt = Target(json.loads(key["target"]["target"]))
+    with tempfile.TemporaryDirectory(prefix="build-profile-") as tmp:
+        dbs._expand(folder, Path(tmp))
+        records = list(dbs._json_database(Path(tmp)).get_all_tuning_records())
+    by: dict[int, list] = {}
+    for r in records:
+        by.setdefault(structural_hash(r.workload.mod), []).append(r)
+    out: dict[str, list[float]] = {}
+    for k, (_, rs) in enumerate(sorted(by.items(), key=lambda kv: -len(kv[1]))[: args.tasks]):
+        seconds = []
+        for r in rs[: args.candidates]:
+            sch = tvm.s_tir.Schedule(r.workload.mod)
+            r.trace.apply_to_schedule(sch, remove_postproc=False)
+            seconds.append(_timed(sch.mod, tgt))
+        out[f"workload {k + 1} ({len(rs)} records)"] = seconds
+    return _write(args, out, f"records of {folder}")
+
+
+def _write(args, out: dict[str, list[float]], what: str) -> int:
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
     report = {"model": args.model, "precision": args.precision, "bucket": args.bucket, "arch": args.arch,
-              "seconds": out}
+              "what": what, "seconds": out}
     (dest / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = [f"# Candidate builds: {args.model} {args.precision} batch {args.bucket}, cuda {args.arch}, one at a time",
-             "", "| task | candidates | p50 s | p90 s | max s | sum s |", "|---|---|---|---|---|---|"]
+    lines = [f"# Candidate builds, one at a time: {what}", "",
+             "| task | candidates | p50 s | p90 s | max s | sum s |", "|---|---|---|---|---|---|"]
     for name, s in out.items():
         a = np.asarray(s)
         lines.append(f"| {name} | {a.size} | {np.median(a):.2f} | {np.percentile(a, 90):.2f} | {a.max():.2f} | {a.sum():.1f} |")
