@@ -192,10 +192,13 @@ def format_summary(summary: dict) -> str:
                 )
             b = s.get("build")
             if b:
+                busy = "" if b.get("busy") is None else f", workers busy {b['busy']:.0%} of it"
+                others = ", ".join(f"{b[k]} {k.replace('_', ' ')}" for k in ("failed", "timed_out") if b.get(k))
                 lines.append(
-                    f"           building: {b['candidates']} candidates in {b['batches']} batches, "
-                    f"{b['candidate_p50_s']:.1f} s each (p90 {b['candidate_p90_s']:.1f}, max {b['candidate_max_s']:.1f}), "
-                    f"a batch {b['batch_p50_s']:.1f} s, workers busy {b['busy']:.0%} of it"
+                    f"           building: {b['candidates']} candidates built in {b['batches']} batch(es)"
+                    + (f" ({others})" if others else "")
+                    + f", {b['candidate_p50_s']:.1f} s each (p90 {b['candidate_p90_s']:.1f}, "
+                    f"max {b['candidate_max_s']:.1f}), a batch {b['batch_p50_s']:.1f} s{busy}"
                 )
             r = s.get("rpc")
             if r:

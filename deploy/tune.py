@@ -99,11 +99,14 @@ def _timed_build(job) -> tuple[str, float]:
     return path, time.perf_counter() - t0
 
 
-def build_stats(batch_wall_s: list[float], candidate_s: list[float], workers: int) -> dict:
+def build_stats(batch_wall_s: list[float], candidate_s: list[float], workers: int, failed: int = 0,
+                timed_out: int = 0) -> dict:
     """Where a run's build time went: per candidate (in the workers) and per
     batch (what tuning waited for). `busy` is the workers' share of the
     batches' wall time spent building: low means a batch waited on a few
-    slow candidates (or on starting workers), not on building in general."""
+    slow candidates (or on starting workers), not on building in general.
+    `candidate_s` holds the candidates that built; `failed` and `timed_out`
+    count the others (a time-out held its worker for the builder's limit)."""
     import numpy as np
 
     if not batch_wall_s:
@@ -111,7 +114,8 @@ def build_stats(batch_wall_s: list[float], candidate_s: list[float], workers: in
     each = np.asarray(candidate_s or [0.0])
     wall = float(sum(batch_wall_s))
     return {
-        "batches": len(batch_wall_s), "candidates": len(candidate_s), "workers": workers,
+        "batches": len(batch_wall_s), "candidates": len(candidate_s), "failed": failed, "timed_out": timed_out,
+        "workers": workers,
         "wall_s": round(wall, 1), "batch_p50_s": round(float(np.median(batch_wall_s)), 2),
         "candidate_p50_s": round(float(np.median(each)), 2), "candidate_p90_s": round(float(np.percentile(each, 90)), 2),
         "candidate_max_s": round(float(each.max()), 2), "candidate_sum_s": round(float(each.sum()), 1),
@@ -134,6 +138,7 @@ def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
             self.pool = None
             self.batch_wall_s: list[float] = []  # per build call (a batch)
             self.candidate_s: list[float] = []  # per candidate built
+            self.failed = self.timed_out = 0  # candidates that did not build
 
         def build(self, build_inputs):
             t0 = time.perf_counter()
@@ -149,8 +154,10 @@ def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
                     self.candidate_s.append(seconds)
                     results.append(ms.builder.BuilderResult(path, None))
                 elif r.status == StatusKind.TIMEOUT:
+                    self.timed_out += 1
                     results.append(ms.builder.BuilderResult(None, f"build timed out after {timeout_s:.0f} s"))
                 else:
+                    self.failed += 1
                     results.append(ms.builder.BuilderResult(None, "build failed\n" + str(r.value)))
             self.batch_wall_s.append(time.perf_counter() - t0)
             return results
@@ -543,8 +550,9 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
         if measurer is not None:
             measurer.close()
     summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
-    summary["build_times"] = {"batch_wall_s": builder.batch_wall_s, "candidate_s": builder.candidate_s, "workers": cpus}
-    summary["build"] = build_stats(builder.batch_wall_s, builder.candidate_s, cpus)
+    summary["build_times"] = {"batch_wall_s": builder.batch_wall_s, "candidate_s": builder.candidate_s,
+                              "failed": builder.failed, "timed_out": builder.timed_out}
+    summary["build"] = build_stats(builder.batch_wall_s, builder.candidate_s, cpus, builder.failed, builder.timed_out)
     if measurer is not None:
         summary["rpc"] = measurer.stats
         if measurer.fatal is not None:
@@ -748,13 +756,15 @@ def _lane_entry(spec: dict) -> None:
 def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -> None:
     split: dict = {}
     rpc_all = None
-    walls, each = [], []
+    walls, each, failed, timed_out = [], [], 0, 0
     summary["lanes"] = []
     for r in results:
         stats.update(r["stats"])
         times = r["summary"].get("build_times") or {}
         walls += times.get("batch_wall_s", [])
         each += times.get("candidate_s", [])
+        failed += times.get("failed", 0)
+        timed_out += times.get("timed_out", 0)
         for k, v in r["summary"].get("time_split_s", {}).items():
             split[k] = round(split.get(k, 0.0) + v, 2)
         summary.setdefault("unschedulable", {}).update(r["summary"].get("unschedulable", {}))
@@ -782,7 +792,7 @@ def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -
         # Summed over the lanes, which ran at the same time: CPU-side seconds, not wall time.
         summary["time_split_s"] = dict(sorted(split.items(), key=lambda kv: -kv[1]))
     if walls:
-        summary["build"] = build_stats(walls, each, cpus)  # batch walls summed over the lanes, like time_split_s
+        summary["build"] = build_stats(walls, each, cpus, failed, timed_out)  # batch walls summed over the lanes, like time_split_s
     if rpc_all is not None:
         summary["rpc"] = rpc_all
 

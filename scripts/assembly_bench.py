@@ -5,7 +5,8 @@ inputs, the two ways the server has done it (no model runs):
          (tvm.runtime.tensor: allocate + copy), as the batcher and
          Predictor.run_bucket did before 2026-11-29 evening;
   views: each request's rows copied straight into row views of a device
-         tensor allocated once (Predictor.run_parts).
+         tensor allocated once (what Predictor.run_parts does; it also keeps
+         the views, which this makes anew every time).
 
     .venv/bin/python scripts/assembly_bench.py --out results/cpu/2026-11-29/batch-assembly
     (on a GPU machine: --device cuda)

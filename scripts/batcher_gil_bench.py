@@ -67,7 +67,7 @@ def main() -> int:
         stop.set()
         thread.join()
     report = {"package": str(args.package), "requests": args.requests, "rows_per_request": args.rows,
-              "bucket_rows": rows, "iters": args.iters, "p50_ms": results}
+              "batch_rows": rows, "iters": args.iters, "p50_ms": results}
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "results.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -70,15 +71,23 @@ def main() -> int:
     return _write(args, out, f"random candidates of {args.model} {args.precision} batch {args.bucket}, cuda {args.arch}")
 
 
+FAILED: list[str] = []  # the candidates that did not build (timed too)
+
+
 def _timed(mod, tgt) -> float:
+    import shutil
+
     from deploy import tune
 
     t0 = time.perf_counter()
     try:
-        tune.so_export(tune.lean_build(mod, tgt, None))
-    except Exception:  # noqa: BLE001  a failed build is timed too
-        pass
-    return time.perf_counter() - t0
+        path = tune.so_export(tune.lean_build(mod, tgt, None))
+    except Exception as e:  # noqa: BLE001  a failed build is timed and counted
+        FAILED.append(tune._failure_reason(str(e)))
+        return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return seconds
 
 
 def replay(args) -> int:
@@ -102,6 +111,10 @@ def replay(args) -> int:
             r.trace.apply_to_schedule(sch, remove_postproc=False)
             seconds.append(_timed(sch.mod, tgt))
         out[f"workload {k + 1} ({len(rs)} records)"] = seconds
+    # What was measured comes from the database's key, not from the command line.
+    args.model, args.precision = key["model"], key["precision"]
+    args.bucket = key["inputs"][0]["shape"][0]
+    args.arch = key["target"]["arch"]
     return _write(args, out, f"records of {folder}")
 
 
@@ -109,13 +122,14 @@ def _write(args, out: dict[str, list[float]], what: str) -> int:
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
     report = {"model": args.model, "precision": args.precision, "bucket": args.bucket, "arch": args.arch,
-              "what": what, "seconds": out}
+              "what": what, "failed": len(FAILED), "failures": sorted(set(FAILED)), "seconds": out}
     (dest / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Candidate builds, one at a time: {what}", "",
              "| task | candidates | p50 s | p90 s | max s | sum s |", "|---|---|---|---|---|---|"]
     for name, s in out.items():
         a = np.asarray(s)
         lines.append(f"| {name} | {a.size} | {np.median(a):.2f} | {np.percentile(a, 90):.2f} | {a.max():.2f} | {a.sum():.1f} |")
+    lines += ["", f"{len(FAILED)} of {sum(len(s) for s in out.values())} failed to build (timed all the same)."]
     (dest / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

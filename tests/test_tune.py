@@ -45,7 +45,13 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     b = s1["build"]
     assert b["candidates"] == 2 and b["batches"] == 1 and 0 < b["candidate_p50_s"] <= b["candidate_max_s"]
     assert 0 < b["busy"] <= 1 and b["candidate_sum_s"] <= b["wall_s"] * b["workers"]
-    assert "building: 2 candidates in 1 batches" in text and "build_times" not in s1
+    assert b["failed"] == b["timed_out"] == 0
+    assert "building: 2 candidates built in 1 batch(es), " in text and "build_times" not in s1
+    b0 = tune.build_stats([3.0], [1.0], 4, failed=2, timed_out=1)
+    assert (b0["failed"], b0["timed_out"], b0["busy"]) == (2, 1, round(1.0 / 12, 3))
+    text = pipeline.format_summary({"package": "p", "buckets": {}, "validation": None,
+                                    "tuning": {"1": {**s1, "build": b0}}})
+    assert "(2 failed, 1 timed out)" in text
     db_dir = a1.databases[1]
     key = json.loads((db_dir / "key.json").read_text())
     assert key["precision"] == "fp32" and key["inputs"][0]["shape"] == [1, 3, 16, 16]
