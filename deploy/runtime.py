@@ -159,33 +159,28 @@ class Predictor:
             self._zeros = [np.zeros((self.max_batch - 1, *s["shape"]), s["dtype"]) for s in self.inputs]
         return staged
 
-    def _check_rows(self, arrays: list[np.ndarray]) -> None:
-        """What the staged copies need (TVM's copyfrom would silently cast
-        another dtype): one array per input, of its dtype and row shape."""
-        if len(arrays) != len(self.inputs):
-            raise ShapeError("wrong number of inputs", len(arrays), len(self.inputs))
-        for a, spec in zip(arrays, self.inputs):
-            if str(a.dtype) != spec["dtype"] or tuple(a.shape[1:]) != tuple(spec["shape"]):
-                raise ShapeError(f"input '{spec['name']}' has the wrong dtype or shape", f"{a.dtype} {list(a.shape)}",
-                                 f"{spec['dtype']} {['batch', *spec['shape']]}")
-
     def run_bucket(self, bucket: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """Run one bucket on arrays whose batch is exactly `bucket`."""
-        self._check_rows(arrays)
-        if any(a.shape[0] != bucket for a in arrays):
-            raise ShapeError(f"run_bucket({bucket}) needs {bucket} rows", [a.shape[0] for a in arrays], bucket)
+        # Checked here too: TVM's copyfrom into the staged tensors would silently cast another dtype.
+        arrays = self.check_inputs(*arrays)
+        if arrays[0].shape[0] != bucket:
+            raise ShapeError(f"run_bucket({bucket}) needs {bucket} rows", arrays[0].shape[0], bucket)
         with self._lock:
             staged = self._staged(bucket)
             for dst, src in zip(staged, arrays):
-                dst.copyfrom(np.ascontiguousarray(src))
+                dst.copyfrom(src)
             return outputs_to_numpy(self._vms[bucket]["main"](*staged))
 
     def run_parts(self, parts: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
         """Run several requests' inputs as one batch: each part (one request's
-        checked arrays, in manifest order) is copied straight into its rows
-        of the bucket's device inputs, the rows past the last part are zeroed,
-        and the outputs hold the batch's rows in part order. A batch larger
-        than the largest bucket runs in pieces (see `plan`)."""
+        arrays, in manifest order, checked as `check_inputs` checks them) is
+        copied straight into its rows of the bucket's device inputs, the rows
+        past the last part are zeroed, and the outputs hold the batch's rows
+        in part order. A batch larger than the largest bucket runs in pieces
+        (see `plan`)."""
+        return self._run_checked([self.check_inputs(*p) for p in parts])
+
+    def _run_checked(self, parts: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
         from .tvm_compat import tensor_view
 
         def rows_of(bucket: int, i: int, t, start: int, n: int):
@@ -199,10 +194,6 @@ class Predictor:
                 view = self._views[key] = tensor_view(t, [n, *shape], start * nbytes)
             return view
 
-        for p in parts:
-            self._check_rows(p)
-            if len({a.shape[0] for a in p}) != 1:
-                raise ShapeError("inputs disagree on the batch size", [a.shape[0] for a in p])
         rows = sum(int(p[0].shape[0]) for p in parts)
         pieces: list[list[np.ndarray]] = []
         k = at = 0  # the part being copied, and its first row not yet copied
@@ -214,7 +205,7 @@ class Predictor:
                     part = parts[k]
                     take = min(n - filled, int(part[0].shape[0]) - at)
                     for i, (dst, src) in enumerate(zip(staged, part)):
-                        seg = np.ascontiguousarray(src[at : at + take])
+                        seg = src[at : at + take]  # rows of a C-contiguous array: contiguous
                         (dst if take == bucket else rows_of(bucket, i, dst, filled, take)).copyfrom(seg)
                     filled, at = filled + take, at + take
                     if at == part[0].shape[0]:
@@ -229,7 +220,7 @@ class Predictor:
         }
 
     def __call__(self, *args, **kwargs) -> dict[str, np.ndarray]:
-        return self.run_parts([self.check_inputs(*args, **kwargs)])
+        return self._run_checked([self.check_inputs(*args, **kwargs)])
 
     def random_inputs(self, batch: int, seed: int = 0) -> list[np.ndarray]:
         return random_inputs([(s["shape"], s["dtype"]) for s in self.inputs], batch, seed)
