@@ -99,24 +99,25 @@ def _timed_build(job) -> tuple[str, float]:
     return path, time.perf_counter() - t0
 
 
-def build_stats(batch_wall_s: list[float], candidate_s: list[float], workers: int, failed: int = 0,
-                timed_out: int = 0) -> dict:
-    """Where a run's build time went: per candidate (in the workers) and per
-    batch (what tuning waited for). `busy` is the workers' share of the
-    batches' wall time spent building: low means a batch waited on a few
-    slow candidates (or on starting workers), not on building in general.
-    `candidate_s` holds the candidates that built; `failed` and `timed_out`
-    count the others (a time-out held its worker for the builder's limit)."""
+def build_stats(times: dict) -> dict:
+    """Where a run's build time went, from a builder's `times` (or several
+    lanes' merged): per candidate (in the workers) and per batch (what
+    tuning waited for). `busy` is the workers' share of the batches' wall
+    time spent building: low means a batch waited on a few slow candidates
+    (or on starting workers), not on building in general. `candidate_s`
+    holds the candidates that built; `failed` and `timed_out` count the
+    others (a time-out held its worker for the builder's limit)."""
     import numpy as np
 
-    if not batch_wall_s:
+    walls, workers = times["batch_wall_s"], times["workers"]
+    if not walls:
         return {}
-    each = np.asarray(candidate_s or [0.0])
-    wall = float(sum(batch_wall_s))
+    each = np.asarray(times["candidate_s"] or [0.0])
+    wall = float(sum(walls))
     return {
-        "batches": len(batch_wall_s), "candidates": len(candidate_s), "failed": failed, "timed_out": timed_out,
-        "workers": workers,
-        "wall_s": round(wall, 1), "batch_p50_s": round(float(np.median(batch_wall_s)), 2),
+        "batches": len(walls), "candidates": len(times["candidate_s"]), "failed": times["failed"],
+        "timed_out": times["timed_out"], "workers": workers,
+        "wall_s": round(wall, 1), "batch_p50_s": round(float(np.median(walls)), 2),
         "candidate_p50_s": round(float(np.median(each)), 2), "candidate_p90_s": round(float(np.percentile(each, 90)), 2),
         "candidate_max_s": round(float(each.max()), 2), "candidate_sum_s": round(float(each.sum()), 1),
         "busy": round(float(each.sum()) / (wall * workers), 3) if wall > 0 else None,
@@ -136,9 +137,8 @@ def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
         def __init__(self):
             super().__init__()
             self.pool = None
-            self.batch_wall_s: list[float] = []  # per build call (a batch)
-            self.candidate_s: list[float] = []  # per candidate built
-            self.failed = self.timed_out = 0  # candidates that did not build
+            # Per build call (a batch) and per candidate built; the candidates that did not build.
+            self.times = {"batch_wall_s": [], "candidate_s": [], "failed": 0, "timed_out": 0, "workers": max_workers}
 
         def build(self, build_inputs):
             t0 = time.perf_counter()
@@ -151,15 +151,15 @@ def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
             for r in self.pool.map_with_error_catching(_timed_build, jobs):
                 if r.status == StatusKind.COMPLETE:
                     path, seconds = r.value
-                    self.candidate_s.append(seconds)
+                    self.times["candidate_s"].append(seconds)
                     results.append(ms.builder.BuilderResult(path, None))
                 elif r.status == StatusKind.TIMEOUT:
-                    self.timed_out += 1
+                    self.times["timed_out"] += 1
                     results.append(ms.builder.BuilderResult(None, f"build timed out after {timeout_s:.0f} s"))
                 else:
-                    self.failed += 1
+                    self.times["failed"] += 1
                     results.append(ms.builder.BuilderResult(None, "build failed\n" + str(r.value)))
-            self.batch_wall_s.append(time.perf_counter() - t0)
+            self.times["batch_wall_s"].append(time.perf_counter() - t0)
             return results
 
         def close(self):
@@ -400,7 +400,9 @@ def tune_bucket(
             finally:
                 dbs.pack(db_dir)
     summary.update(_outcome(plan, db_dir, stats, time.time() - started, deadline))
-    summary.pop("build_times", None)  # the raw seconds behind summary["build"]
+    times = summary.pop("build_times", None)  # this run's, or its lanes' merged: the raw seconds
+    if times is not None:
+        summary["build"] = build_stats(times)
     summary["database_digest"] = dbs.digest(db_dir)
     return summary
 
@@ -550,9 +552,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
         if measurer is not None:
             measurer.close()
     summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
-    summary["build_times"] = {"batch_wall_s": builder.batch_wall_s, "candidate_s": builder.candidate_s,
-                              "failed": builder.failed, "timed_out": builder.timed_out}
-    summary["build"] = build_stats(builder.batch_wall_s, builder.candidate_s, cpus, builder.failed, builder.timed_out)
+    summary["build_times"] = builder.times  # tune_bucket turns it into summary["build"]
     if measurer is not None:
         summary["rpc"] = measurer.stats
         if measurer.fatal is not None:
@@ -756,15 +756,14 @@ def _lane_entry(spec: dict) -> None:
 def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -> None:
     split: dict = {}
     rpc_all = None
-    walls, each, failed, timed_out = [], [], 0, 0
+    times = {"batch_wall_s": [], "candidate_s": [], "failed": 0, "timed_out": 0, "workers": cpus}
     summary["lanes"] = []
     for r in results:
         stats.update(r["stats"])
-        times = r["summary"].get("build_times") or {}
-        walls += times.get("batch_wall_s", [])
-        each += times.get("candidate_s", [])
-        failed += times.get("failed", 0)
-        timed_out += times.get("timed_out", 0)
+        lane_times = r["summary"].get("build_times")
+        if lane_times:
+            for k in ("batch_wall_s", "candidate_s", "failed", "timed_out"):
+                times[k] += lane_times[k]
         for k, v in r["summary"].get("time_split_s", {}).items():
             split[k] = round(split.get(k, 0.0) + v, 2)
         summary.setdefault("unschedulable", {}).update(r["summary"].get("unschedulable", {}))
@@ -784,15 +783,15 @@ def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -
         summary["lanes"].append({"lane": r["lane"], "tasks": sorted(r["stats"]), "cpus": cpus, "seconds": r["seconds"],
                                  "new_trials": sum(s["candidates"] for s in r["stats"].values()),
                                  "time_split_s": r["summary"].get("time_split_s", {}),
-                                 "build": r["summary"].get("build", {}),
+                                 "build": build_stats(lane_times) if lane_times else {},
                                  "cost_model_warm_start": r["summary"].get("cost_model_warm_start")})
     if not summary.get("unschedulable"):
         summary.pop("unschedulable", None)
     if split:
         # Summed over the lanes, which ran at the same time: CPU-side seconds, not wall time.
         summary["time_split_s"] = dict(sorted(split.items(), key=lambda kv: -kv[1]))
-    if walls:
-        summary["build"] = build_stats(walls, each, cpus, failed, timed_out)  # batch walls summed over the lanes, like time_split_s
+    if times["batch_wall_s"]:
+        summary["build_times"] = times  # batch walls summed over the lanes, like time_split_s
     if rpc_all is not None:
         summary["rpc"] = rpc_all
 

@@ -47,7 +47,7 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert 0 < b["busy"] <= 1 and b["candidate_sum_s"] <= b["wall_s"] * b["workers"]
     assert b["failed"] == b["timed_out"] == 0
     assert "building: 2 candidates built in 1 batch(es), " in text and "build_times" not in s1
-    b0 = tune.build_stats([3.0], [1.0], 4, failed=2, timed_out=1)
+    b0 = tune.build_stats({"batch_wall_s": [3.0], "candidate_s": [1.0], "workers": 4, "failed": 2, "timed_out": 1})
     assert (b0["failed"], b0["timed_out"], b0["busy"]) == (2, 1, round(1.0 / 12, 3))
     text = pipeline.format_summary({"package": "p", "buckets": {}, "validation": None,
                                     "tuning": {"1": {**s1, "build": b0}}})
