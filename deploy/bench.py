@@ -437,6 +437,11 @@ def round_sizes(iters: int, rounds: int) -> list[int]:
     return [iters // rounds + (1 if k < iters % rounds else 0) for k in range(rounds)]
 
 
+def check_rounds(rounds: int, iters: int) -> None:
+    if not 1 <= rounds <= iters:
+        raise ConfigError("invalid rounds (--rounds)", rounds, f"between 1 and the iterations (--iters {iters})")
+
+
 def run_all(runners: list[Runner], inputs: list[np.ndarray], reference: list[np.ndarray], tolerances,
             warmup: int, iters: int, rounds: int = 1) -> list[dict]:
     """Set up, check and time every runner; `tolerances` is the config's
@@ -451,8 +456,7 @@ def run_all(runners: list[Runner], inputs: list[np.ndarray], reference: list[np.
     is kept (`timing.round_p50_ms`), so such a change shows."""
     from .validate import compare
 
-    if not 1 <= rounds <= iters:
-        raise ConfigError("invalid rounds", rounds, f"between 1 and the iterations ({iters})")
+    check_rounds(rounds, iters)
     batch = inputs[0].shape[0]
     results, loaded = [], []  # loaded: (runner, entry, samples per round)
     held: list[Runner] = []  # loaded for the rounds and not released yet

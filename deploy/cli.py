@@ -210,8 +210,7 @@ def cmd_bench(args) -> int:
         raise ConfigError("invalid --iters/--warmup", f"{args.iters}/{args.warmup}", "iters >= 1 and warmup >= 0")
     if args.rounds is None:
         args.rounds = min(5, args.iters)
-    if not 1 <= args.rounds <= args.iters:
-        raise ConfigError("invalid --rounds", args.rounds, f"between 1 and --iters ({args.iters})")
+    bench.check_rounds(args.rounds, args.iters)  # before the set-up, not after it
     cfg, target, workdir, db_root = prepare(args)
     profile = cfg.profile(target.kind)
     ws = Workspace(workdir)
