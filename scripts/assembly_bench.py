@@ -17,12 +17,11 @@ Writes results.json and results.md under --out.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
-from pathlib import Path
 
 import numpy as np
+import results_files
 
 
 def main() -> int:
@@ -69,16 +68,11 @@ def main() -> int:
     report = {"device": args.device, "machine": platform.node(), "cpu": platform.processor() or platform.machine(),
               "requests": args.requests, "rows_per_request": args.rows, "sample_shape": shape, "batch_mib": mb,
               "iters": args.iters, "results": out}
-    dest = Path(args.out)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Batch assembly: {args.requests} requests x {args.rows} rows of {shape} fp32 ({mb:.1f} MiB), "
              f"device {args.device}", "", "| way | p50 ms | min ms | max ms |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['p50_ms']:.2f} | {v['min_ms']:.2f} | {v['max_ms']:.2f} |" for k, v in out.items()]
     lines += ["", f"join / views at p50: {out['join']['p50_ms'] / out['views']['p50_ms']:.1f}x"]
-    (dest / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return results_files.write(args.out, report, lines)
 
 
 if __name__ == "__main__":

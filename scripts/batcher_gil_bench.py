@@ -13,13 +13,12 @@ Writes results.json and results.md under --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
+import results_files
 
 
 def main() -> int:
@@ -68,14 +67,9 @@ def main() -> int:
         thread.join()
     report = {"package": str(args.package), "requests": args.requests, "rows_per_request": args.rows,
               "batch_rows": rows, "iters": args.iters, "p50_ms": results}
-    dest = Path(args.out)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# One batch of {args.requests} requests x {args.rows} rows through Predictor.run_parts", "",
              "| case | p50 ms |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in results.items()]
-    (dest / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return results_files.write(args.out, report, lines)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import results_files
 
 
 def main() -> int:
@@ -119,20 +120,15 @@ def replay(args) -> int:
 
 
 def _write(args, out: dict[str, list[float]], what: str) -> int:
-    dest = Path(args.out)
-    dest.mkdir(parents=True, exist_ok=True)
     report = {"model": args.model, "precision": args.precision, "bucket": args.bucket, "arch": args.arch,
               "what": what, "failed": len(FAILED), "failures": sorted(set(FAILED)), "seconds": out}
-    (dest / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Candidate builds, one at a time: {what}", "",
              "| task | candidates | p50 s | p90 s | max s | sum s |", "|---|---|---|---|---|---|"]
     for name, s in out.items():
         a = np.asarray(s)
         lines.append(f"| {name} | {a.size} | {np.median(a):.2f} | {np.percentile(a, 90):.2f} | {a.max():.2f} | {a.sum():.1f} |")
     lines += ["", f"{len(FAILED)} of {sum(len(s) for s in out.values())} failed to build (timed all the same)."]
-    (dest / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return results_files.write(args.out, report, lines)
 
 
 if __name__ == "__main__":
