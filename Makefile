@@ -7,6 +7,8 @@
 # Serving (after make tune, same MODEL/TARGET/PRECISION/WORKDIR, or PACKAGE=folder):
 #   make serve MODEL=resnet50 [HOST=0.0.0.0 PORT=8000 EXTRA="--max-queue-delay-ms 1 --max-concurrency 64"]
 #   make loadtest MODEL=resnet50 [CONCURRENCY=1,4,16,32,64 OUT=results/... EXTRA="--request-batch 8"]
+# Latency table (after make tune, same variables):
+#   make bench MODEL=resnet50 [RUNNERS=tvm,torch-eager-fp16,torch-compile ITERS=200 ROUNDS=5]
 # Tuning on a pool of GPUs through TVM's RPC tracker (README "Tuning on a pool of GPUs"):
 #   make rpc-tracker HOST=0.0.0.0 PORT=9190                                  once, on the build host
 #   make rpc-server TRACKER=hostA:9190 RPC_KEY=h200 GPU=0 HOST=0.0.0.0       once per GPU, on its host
@@ -80,7 +82,7 @@ tune: $(DEPS)
 	$(PY) -m deploy run $(ARGS) $(RPC_ARGS)
 
 bench: $(DEPS)
-	$(PY) -m deploy bench $(ARGS)
+	$(PY) -m deploy bench $(ARGS) $(if $(RUNNERS),--runners $(RUNNERS)) $(if $(ITERS),--iters $(ITERS)) $(if $(ROUNDS),--rounds $(ROUNDS))
 
 profile: $(DEPS)
 	$(PY) -m deploy profile $(ARGS)

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import results_files
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's deploy/, also without the venv
 
 
 def main() -> int:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import results_files
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's deploy/, also without the venv
 
 
 def main() -> int:

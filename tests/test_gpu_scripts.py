@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import cpu_halves  # noqa: E402
+import cpu_halves
 
 
 def fake_topology(root: Path, siblings_apart: int, cores: int) -> None:
@@ -53,3 +53,21 @@ def test_gpu_halves_runs_two_jobs_on_their_own_gpu_and_cpus(tmp_path):
     cpus = [line.split()[-1] for name in ("a", "b") for line in logs[name].splitlines() if "Cpus_allowed_list" in line]
     assert len(cpus) == 2 and cpus[0] != cpus[1]
     assert "core 0:" in (tmp_path / "out" / "cpus.txt").read_text()  # the topology was read, not the fallback
+
+
+def test_bench_and_loadtest_scripts_refuse_their_extra_flags_as_arguments(tmp_path):
+    # `bash scripts/gpu_bench.sh ... BENCH_EXTRA="--runners ..."` would reach make as an unknown
+    # variable and be dropped: the bench would run every default runner. Refused before anything runs.
+    for script, var in (("gpu_bench.sh", "BENCH_EXTRA"), ("gpu_loadtest.sh", "LOADTEST_EXTRA")):
+        r = subprocess.run(["bash", f"scripts/{script}", "MODEL=resnet50", f"{var}=--runners tvm"], cwd=ROOT,
+                           env={**os.environ, "OUT": str(tmp_path / "out")}, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and f"{var}=--runners tvm is read from the environment" in r.stderr
+        assert not (tmp_path / "out").exists()  # nothing built, nothing written
+
+
+def test_make_bench_passes_runners_iters_and_rounds():
+    r = subprocess.run(["make", "-n", "bench", "MODEL=tiny_cnn", "PYTHON=python3", "RUNNERS=tvm,onnxruntime", "ITERS=10",
+                        "ROUNDS=2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--runners tvm,onnxruntime --iters 10 --rounds 2" in r.stdout.splitlines()[-1]
