@@ -1,7 +1,13 @@
 """How long MetaSchedule candidates of a model's heaviest tasks take to build
-for a CUDA target on this machine (no GPU needed): the same build and export
-the tuner's workers run (deploy.tune.lean_build + so_export), one candidate
-at a time, on random samples of each task's design space.
+for a CUDA target on this machine: the same build and export the tuner's
+workers run (deploy.tune.lean_build + so_export), one candidate at a time, on
+random samples of each task's design space.
+
+Where TVM's CUDA runtime cannot load (no GPU driver), tvm.tirx.build returns
+a fallback module holding the CUDA source and compiles nothing: the times then
+cover lowering and export only, not NVRTC, and the report says so. Compile
+times are measured on the GPU machine (the tuner's "building:" line) or with
+scripts/nvrtc_profile.py.
 
     .venv/bin/python scripts/candidate_build_profile.py --model resnet50 --precision fp32 \\
         --tasks 3 --candidates 24 --out results/cpu/2026-11-29/candidate-builds-fp32
@@ -123,9 +129,15 @@ def replay(args) -> int:
 
 
 def _write(args, out: dict[str, list[float]], what: str) -> int:
+    from deploy.tvm_compat import tvm
+
+    compiled = bool(tvm.runtime.enabled("cuda"))
     report = {"model": args.model, "precision": args.precision, "bucket": args.bucket, "arch": args.arch,
-              "what": what, "failed": len(FAILED), "failures": sorted(set(FAILED)), "seconds": out}
-    lines = [f"# Candidate builds, one at a time: {what}", "",
+              "what": what, "cuda_compiled": compiled, "failed": len(FAILED), "failures": sorted(set(FAILED)),
+              "seconds": out}
+    note = [] if compiled else ["**No CUDA runtime here: the kernels were lowered and exported as source, not "
+                                "compiled (no NVRTC). These times leave out the CUDA compile.**", ""]
+    lines = [f"# Candidate builds, one at a time: {what}", "", *note,
              "| task | candidates | p50 s | p90 s | max s | sum s |", "|---|---|---|---|---|---|"]
     for name, s in out.items():
         a = np.asarray(s)
