@@ -108,7 +108,8 @@ def test_run_no_untuned_flag_reaches_the_pipeline(flag, compare, monkeypatch, tm
 
 def test_resnet50_cuda_databases_hold_the_configs_trials():
     """`make tune MODEL=resnet50` on an H200 builds from the committed batch-1
-    and batch-64 databases without tuning only while each holds the config's
+    and batch-64 databases (and `PRECISION=fp32 BUCKETS=1` from the fp32
+    batch-1 one) without tuning only while each holds the config's
     `trials`: raising them (or replacing a database) must come with more tuning."""
     import lzma
     from pathlib import Path
@@ -116,8 +117,9 @@ def test_resnet50_cuda_databases_hold_the_configs_trials():
     root = Path(__file__).resolve().parent.parent
     cfg = config.load(root / "configs" / "resnet50.toml")
     assert cfg.cuda.split_k == 4 and list(cfg.cuda.tune_buckets) == [1, 64]
-    for bucket in cfg.cuda.tune_buckets:
-        records = root / f"tuning_logs/resnet50/cuda-sm_90-nvidia-h200/fp16-nhwc-b{bucket}/database_tuning_record.json.xz"
+    # fp16 at both tuned buckets; fp32 at batch 1 (`PRECISION=fp32 BUCKETS=1`).
+    for name in [f"fp16-nhwc-b{bucket}" for bucket in cfg.cuda.tune_buckets] + ["fp32-nhwc-b1"]:
+        records = root / f"tuning_logs/resnet50/cuda-sm_90-nvidia-h200/{name}/database_tuning_record.json.xz"
         with lzma.open(records, "rt") as f:
             held = sum(1 for line in f if line.strip())
-        assert held >= cfg.cuda.trials, (bucket, held, cfg.cuda.trials)
+        assert held >= cfg.cuda.trials, (name, held, cfg.cuda.trials)
