@@ -17,6 +17,7 @@ exits 2; a finished run prints `PASSED | <seconds>s | <command>`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shlex
 import sys
@@ -99,8 +100,12 @@ def prepare(args):
     from .pipeline import DEFAULT_DB_ROOT, default_workdir
 
     cfg = resolve_config(args)
-    pool = config_mod.rpc_pool(getattr(args, "tracker", None), getattr(args, "rpc_key", None),
-                               getattr(args, "rpc_lanes", None), getattr(args, "rpc_lane_cpus", None))
+    tracker, key = getattr(args, "tracker", None), getattr(args, "rpc_key", None)
+    lanes, lane_cpus = getattr(args, "rpc_lanes", None), getattr(args, "rpc_lane_cpus", None)
+    # --rpc-lanes N (2 or more) without a tracker: N lanes on this machine's
+    # device through a loopback pool, started around the tune stage.
+    args.loopback = (lanes, lane_cpus or 0) if (lanes or 0) > 1 and not tracker and not key else None
+    pool = config_mod.rpc_pool(tracker, key, *((None, None) if args.loopback else (lanes, lane_cpus)))
     if pool is not None:
         from . import rpc
 
@@ -138,15 +143,35 @@ def _check_pool(args, target, profile) -> None:
         rpc.check_pool(args.pool, target)
 
 
+@contextlib.contextmanager
+def _loopback(args, target, profile, workdir: Path):
+    """With --rpc-lanes N and no tracker, while the block runs: a loopback
+    pool on this machine's device as args.pool (only when there is tuning
+    to do on a device here)."""
+    if args.loopback is None or not (profile.trials > 0 and profile.tune_buckets and target.has_device):
+        yield
+        return
+    from . import rpc
+
+    lanes, lane_cpus = args.loopback
+    with rpc.loopback_pool(lanes, lane_cpus, workdir / "rpc-loopback") as pool:
+        args.pool = pool
+        try:
+            yield
+        finally:
+            args.pool = None
+
+
 def cmd_run(args) -> int:
     from . import pipeline
 
     cfg, target, workdir, db_root = prepare(args)
     profile = cfg.profile(target.kind)
-    print(pipeline.describe(cfg, target, workdir, db_root, profile.budget, args.pool), flush=True)
-    _check_pool(args, target, profile)
-    summary = pipeline.run(cfg, target, workdir, db_root, dump_ir=args.dump_ir, pool=args.pool,
-                           compare_untuned=not args.no_untuned)
+    with _loopback(args, target, profile, workdir):
+        print(pipeline.describe(cfg, target, workdir, db_root, profile.budget, args.pool), flush=True)
+        _check_pool(args, target, profile)
+        summary = pipeline.run(cfg, target, workdir, db_root, dump_ir=args.dump_ir, pool=args.pool,
+                               compare_untuned=not args.no_untuned)
     print(pipeline.format_summary(summary), flush=True)
     return 0
 
@@ -171,8 +196,9 @@ def cmd_stage(args) -> int:
             print(f"optimize b{b}: {optimize.summarize(rep)}")
     elif stage == "tune":
         ex = export.load(ws.export)
-        a = tune.run(profile, target, optimize.load(ws.optimize), cfg.model.name, ex.inputs, db_root, ws.tune,
-                     config_mod.parse_duration(profile.budget), cfg.model.seed, args.pool)
+        with _loopback(args, target, profile, workdir):
+            a = tune.run(profile, target, optimize.load(ws.optimize), cfg.model.name, ex.inputs, db_root, ws.tune,
+                         config_mod.parse_duration(profile.budget), cfg.model.seed, args.pool)
         print(f"tune: databases {', '.join(map(str, a.databases.values()))}")
         for reason, n in tune.failure_reasons(a.folder):
             print(f"  {n:5d} x {reason}")
@@ -407,7 +433,9 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracker", help="HOST:PORT of a TVM RPC tracker: measure candidates on its servers (with --rpc-key)")
     p.add_argument("--rpc-key", help="the key the RPC servers registered under (one server per GPU)")
     p.add_argument("--rpc-lanes", type=int,
-                   help="tuning processes sharing this machine's CPUs, each over a share of the tasks (default: one per server)")
+                   help="tuning processes sharing this machine's CPUs, each over a share of the tasks (default: one per "
+                        "server); 2 or more without --tracker: that many on this machine's device, through a loopback "
+                        "tracker and server")
     p.add_argument("--rpc-lane-cpus", type=int,
                    help="CPUs each tuning process uses (default: this machine's CPUs divided among them; "
                         "more lets one search or build while another waits)")

@@ -460,7 +460,8 @@ def rpc_pool(tracker: str | None, key: str | None, lanes: int | None = None,
         raise ConfigError("invalid --rpc-lane-cpus", lane_cpus, "0 (an equal share of the CPUs) or more")
     for flag, value in (("--rpc-lanes", lanes), ("--rpc-lane-cpus", lane_cpus)):
         if value and not (tracker or key):
-            raise ConfigError(f"{flag} needs --tracker and --rpc-key", value, "lanes measure on an RPC pool")
+            raise ConfigError(f"{flag} needs --tracker and --rpc-key", value,
+                              "a pool to measure on, or --rpc-lanes 2 or more: lanes on this machine's device")
     if not tracker and not key:
         return None
     if not tracker or not key:

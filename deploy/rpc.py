@@ -38,6 +38,7 @@ they do not change the generated code's correctness, only its speed).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -229,6 +230,38 @@ def wait_for_servers(pool: RPCPool, n: int, wait_s: float = 90.0) -> list[str]:
                 raise RPCPoolError(f"only {len(found)} RPC server(s) registered under key '{pool.key}'", found, f"{n}")
             return found
         time.sleep(0.3)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def loopback_pool(lanes: int, lane_cpus: int, log_dir: Path, key: str = "loopback"):
+    """A tracker and one RPC server on 127.0.0.1 for this machine's device
+    (the GPU this process would use, or the CPU), so that one device is
+    tuned in `lanes` processes: each measures through the tracker, which
+    hands the one server to one lane at a time, so no two candidates are
+    timed at once. Tuning is bound by the host's search and builds, not the
+    device (two lanes on one H200: 1.85x one lane's trials/min,
+    results/h200/2026-11-30/rpc-check-x2-lanes). Yields the pool; the
+    tracker and server are stopped however the block ends."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    pool = RPCPool("127.0.0.1", port, key, lanes=lanes, lane_cpus=lane_cpus)
+    procs: list[Process] = []
+    try:
+        procs.append(start_tracker("127.0.0.1", port, log_dir / "tracker.log"))
+        procs.append(start_server(pool, port=free_port(), log_path=log_dir / "server.log"))
+        wait_for_servers(pool, 1, wait_s=pool.wait_s)
+        log.info("rpc: %d tuning lanes on this machine's device through a loopback tracker at %s", lanes, pool.address)
+        yield pool
+    finally:
+        for p in reversed(procs):
+            p.stop()
 
 
 # --------------------------------------------------------------- tracker ---

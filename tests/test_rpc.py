@@ -399,7 +399,7 @@ def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_pat
 
 @pytest.mark.parametrize("argv, message", [
     (["--rpc-lanes", "-1", "--tracker", "127.0.0.1:9190", "--rpc-key", "k"], "invalid --rpc-lanes | got -1"),
-    (["--rpc-lanes", "2"], "--rpc-lanes needs --tracker and --rpc-key"),
+    (["--rpc-lanes", "1"], "--rpc-lanes needs --tracker and --rpc-key | got 1"),
     (["--rpc-lane-cpus", "-2", "--tracker", "127.0.0.1:9190", "--rpc-key", "k"], "invalid --rpc-lane-cpus | got -2"),
     (["--rpc-lane-cpus", "8"], "--rpc-lane-cpus needs --tracker and --rpc-key"),
 ])
@@ -476,3 +476,34 @@ def test_slow_candidate_fails_without_taking_its_server(procs, llvm_target, tmp_
         m.close()
     assert res.error_msg and "timed out after 2 s" in res.error_msg and not res.error_msg.startswith(rpc.LOST), res.error_msg
     assert not m.hung and m.stats["lost_sessions"] == 0, m.stats
+
+
+def test_lanes_without_tracker_tune_through_a_loopback_pool(tmp_path, monkeypatch, capsys):
+    """`run --rpc-lanes 2` with no tracker: a tracker and one server on
+    loopback for this machine's device, checked like any pool, handed to the
+    pipeline as a pool of 2 lanes, and stopped when the run ends (here by an
+    error in the pipeline)."""
+    from deploy import cli, pipeline
+
+    seen = {}
+
+    def fake_run(cfg, target, workdir, db_root, pool=None, **kw):
+        seen["pool"] = pool
+        seen["servers"] = pool and rpc.wait_for_servers(pool, 1)
+        raise RPCPoolError("stop here", None, "the test's end")
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    argv = ["run", "-m", "tiny_cnn", "--target", "llvm", "--workdir", str(tmp_path / "ws"), "--db-root",
+            str(tmp_path / "db"), "--rpc-lanes", "2"]
+    assert cli.main(argv) == 2
+    pool = seen["pool"]
+    assert pool.host == "127.0.0.1" and pool.key == "loopback" and pool.lanes == 2 and len(seen["servers"]) == 1
+    out = capsys.readouterr()
+    assert f"measure on RPC servers under key 'loopback' at tracker {pool.address} (2 tuning lane(s))" in out.out
+    assert out.err.startswith("error: stop here")
+    with pytest.raises(RPCPoolError):  # the tracker (and its server) are gone
+        rpc.Tracker(pool.host, pool.port, timeout=2.0).close()
+    assert (tmp_path / "ws" / "rpc-loopback" / "server.log").is_file()
+    # Nothing to tune (TRIALS=0): no pool is started at all.
+    seen.clear()
+    assert cli.main([*argv, "--trials", "0"]) == 2 and seen["pool"] is None
