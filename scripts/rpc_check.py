@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import socket
 import statistics
 import sys
 import time
@@ -41,12 +40,6 @@ from deploy import database as dbs
 from deploy.pipeline import REPO_ROOT
 
 log = logging.getLogger("rpc_check")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def visible_gpus() -> int:
@@ -184,15 +177,15 @@ def main() -> int:
     opt = optimize.run(profile, target, frontend.run(profile, ex, ws / "frontend"), ws / "optimize")
 
     procs = []
-    port = free_port()
+    port = rpc.free_port()
     try:
         procs.append(rpc.start_tracker("127.0.0.1", port, out / "logs" / "tracker.log"))
         one = config.RPCPool("127.0.0.1", port, "one")
         pool = config.RPCPool("127.0.0.1", port, "all")
         gpu = (lambda i: str(i)) if target.kind == "cuda" else (lambda i: None)
-        procs.append(rpc.start_server(one, port=free_port(), gpu=gpu(0), log_path=out / "logs" / "one-0.log"))
+        procs.append(rpc.start_server(one, port=rpc.free_port(), gpu=gpu(0), log_path=out / "logs" / "one-0.log"))
         for i in range(n):
-            procs.append(rpc.start_server(pool, port=free_port(), gpu=gpu(i), log_path=out / "logs" / f"all-{i}.log"))
+            procs.append(rpc.start_server(pool, port=rpc.free_port(), gpu=gpu(i), log_path=out / "logs" / f"all-{i}.log"))
         rpc.wait_for_servers(one, 1)
         rpc.wait_for_servers(pool, n)
         remote_target = rpc.resolve_target(args.target, one)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +25,6 @@ from deploy.errors import DeviceMismatchError, RPCPoolError, TargetError
 from .conftest import make_config
 
 FAULT_SERVER = Path(__file__).with_name("rpc_fault_server.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -52,21 +45,21 @@ class Procs:
 
     def __init__(self, folder: Path):
         self.folder, self.procs = folder, []
-        self.port = free_port()
+        self.port = rpc.free_port()
         self.procs.append(rpc.start_tracker("127.0.0.1", self.port, folder / "tracker.log"))
 
     def pool(self, key: str, **kw) -> config.RPCPool:
         return config.RPCPool("127.0.0.1", self.port, key, **kw)
 
     def server(self, key: str) -> rpc.Process:
-        p = rpc.start_server(self.pool(key), port=free_port(), log_path=self.folder / f"{key}-{len(self.procs)}.log")
+        p = rpc.start_server(self.pool(key), port=rpc.free_port(), log_path=self.folder / f"{key}-{len(self.procs)}.log")
         self.procs.append(p)
         return p
 
     def fault_server(self, key: str, fault: str, at: int) -> tuple[rpc.Process, Path]:
         count = self.folder / f"{key}-{len(self.procs)}.count"
         cmd = [sys.executable, str(FAULT_SERVER), "--tracker", f"127.0.0.1:{self.port}", "--key", key,
-               "--port", str(free_port()), "--fault", fault, "--at", str(at), "--count-file", str(count)]
+               "--port", str(rpc.free_port()), "--fault", fault, "--at", str(at), "--count-file", str(count)]
         with open(self.folder / f"{key}-{len(self.procs)}.log", "ab") as log:
             p = rpc.Process(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), None)
         self.procs.append(p)
@@ -314,7 +307,7 @@ def test_every_server_lost_stops_cleanly(procs, llvm_target, tiny_opt, tmp_path,
 def test_bad_pool_arguments(argv, message, capsys):
     from deploy import cli
 
-    argv = [a.replace("{free}", str(free_port())) for a in argv]
+    argv = [a.replace("{free}", str(rpc.free_port())) for a in argv]
     assert cli.main(["tune", "-m", "tiny_cnn", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: " + message) and len(err.strip().splitlines()) == 2
