@@ -269,11 +269,17 @@ class ServerProcess:
     0 the server binds a free port itself and logs it (no race with another
     process taking a port found free here)."""
 
-    def __init__(self, cfg: ServeConfig, folder: Path, log_path: Path):
+    def __init__(self, argv: list[str], log_path: Path, cwd: Path = REPO_ROOT, env: dict | None = None,
+                 url: str | None = None):
+        self.log_path = log_path
+        self.url = url  # with port 0, known once the server logs it
+        self._log = open(log_path, "w")  # noqa: SIM115  open while the server runs; closed by stop()
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @classmethod
+    def for_package(cls, cfg: ServeConfig, folder: Path, log_path: Path) -> ServerProcess:
         from .serve import url
 
-        self.log_path = log_path
-        self.url = url(cfg.host, cfg.port) if cfg.port else None  # known once the server logs it
         argv = [sys.executable, "-m", "deploy", "serve", "--package", str(folder), "--host", cfg.host,
                 "--port", str(cfg.port), "--max-queue-delay-ms", str(cfg.max_queue_delay_ms),
                 "--timeout-s", str(cfg.timeout_s), "--max-concurrency", str(cfg.max_concurrency),
@@ -286,8 +292,7 @@ class ServerProcess:
         if cfg.shared_memory:
             argv.append("--shared-memory")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-        self._log = open(log_path, "w")  # noqa: SIM115  open while the server runs; closed by stop()
-        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        return cls(argv, log_path, REPO_ROOT, env, url(cfg.host, cfg.port) if cfg.port else None)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -403,7 +408,7 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
     procs = _client_procs(cfg)
     levels = []
     with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
-        server = ServerProcess(serve_cfg, folder, Path(tmp) / "server.log")
+        server = ServerProcess.for_package(serve_cfg, folder, Path(tmp) / "server.log")
         pool = manager = None
         try:
             server.wait_ready(600)

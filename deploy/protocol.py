@@ -22,6 +22,7 @@ Every problem with a request raises `RequestError` (HTTP 400) with a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -81,9 +82,16 @@ class Decoded:
     timeout_s: float | None  # the request's own `timeout` parameter (microseconds in the protocol)
 
 
+@functools.lru_cache(maxsize=64)  # a few dtypes, looked up for every tensor of every request
 def datatype(dtype: str) -> str:
     """Manifest dtype ('float32') -> protocol datatype ('FP32')."""
     return np_to_triton_dtype(np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _wire_dtype(name: str) -> np.dtype:
+    """Protocol datatype ('FP32') -> the little-endian numpy dtype of its bytes."""
+    return np.dtype(triton_to_np_dtype(name)).newbyteorder("<")
 
 
 def tensor_metadata(specs: list[dict]) -> list[dict]:
@@ -202,7 +210,7 @@ def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: 
         if len(t.shape) != len(spec["shape"]) + 1 or list(t.shape[1:]) != list(spec["shape"]) or t.shape[0] < 1:
             raise RequestError(f"input '{t.name}' has the wrong shape", t.shape, ["N >= 1", *spec["shape"]])
         params = t.parameters or {}
-        dtype = np.dtype(triton_to_np_dtype(want)).newbyteorder("<")
+        dtype = _wire_dtype(want)
         size = params.get("binary_data_size")
         if "shared_memory_region" in params:
             if regions is None:

@@ -98,6 +98,18 @@ class Metrics:
         self.in_flight = Gauge(p + "in_flight", "Inference requests being read, queued or run", ["model"], registry=r)
         self.ready = Gauge(p + "ready", "1 once the package is loaded and warmed up", ["model"], registry=r)
         self.model = model
+        self._children: dict = {}
+
+    def child(self, metric, *labels: str):
+        """`metric.labels(self.model, *labels)`, looked up once: labels()
+        validates, locks and builds a key on every call, several times per
+        request. Children are still created on first use (a series appears
+        when it is first counted, as before)."""
+        key = (metric, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(self.model, *labels)
+        return c
 
 
 # ------------------------------------------------------------------ batcher ---
@@ -182,10 +194,11 @@ class Batcher:
             self._run(jobs, rows)
 
     def _run(self, jobs: list[_Job], rows: int) -> None:
-        m, label = self.metrics, self.metrics.model
+        m = self.metrics
         start = time.perf_counter()
+        queued = m.child(m.queue)
         for j in jobs:
-            m.queue.labels(label).observe(start - j.enqueued)
+            queued.observe(start - j.enqueued)
         try:
             # Each request's rows go straight to their place in the bucket's
             # device inputs (no joined copy on the host); padded to the
@@ -195,12 +208,12 @@ class Batcher:
             for j in jobs:
                 j.future.set_exception(e)
             return
-        m.compute.labels(label).observe(time.perf_counter() - start)
-        m.batch_rows.labels(label).observe(rows)
-        m.batch_requests.labels(label).observe(len(jobs))
+        m.child(m.compute).observe(time.perf_counter() - start)
+        m.child(m.batch_rows).observe(rows)
+        m.child(m.batch_requests).observe(len(jobs))
         for bucket, n in self.predictor.plan(rows):  # one piece, or the pieces of a split request
-            m.bucket_runs.labels(label, str(bucket)).inc()
-            m.padded_rows.labels(label).inc(bucket - n)
+            m.child(m.bucket_runs, str(bucket)).inc()
+            m.child(m.padded_rows).inc(bucket - n)
         begin = 0
         for j in jobs:
             j.future.set_result({k: v[begin : begin + j.rows] for k, v in out.items()})
@@ -307,7 +320,11 @@ class InferenceServer:
 
         model = "/v2/models/{name}"
         version = "/v2/models/{name}/versions/{version}"
+        # The inference routes first: the router tries routes in order (no
+        # two of these paths match the same URL, so the order changes nothing else).
         routes = [
+            Route(model + "/infer", self.infer, methods=["POST"]),
+            Route(version + "/infer", self.infer, methods=["POST"]),
             Route("/v2/health/live", self.live),
             Route("/v2/health/ready", self.server_ready),
             Route("/v2", self.server_metadata),
@@ -315,8 +332,6 @@ class InferenceServer:
             Route(version, self.model_meta),
             Route(model + "/ready", self.model_ready),
             Route(version + "/ready", self.model_ready),
-            Route(model + "/infer", self.infer, methods=["POST"]),
-            Route(version + "/infer", self.infer, methods=["POST"]),
             Route("/metrics", self.prometheus),
         ]
         if self.regions is not None:
@@ -336,8 +351,41 @@ class InferenceServer:
             log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
             return _error(500, _internal(exc))
 
-        return Starlette(routes=routes, lifespan=self.lifespan,
-                         exception_handlers={HTTPException: http_error, Exception: internal_error})
+        starlette = Starlette(routes=routes, lifespan=self.lifespan,
+                              exception_handlers={HTTPException: http_error, Exception: internal_error})
+        return self._fast_infer(starlette)
+
+    def _fast_infer(self, starlette):
+        """The ASGI app: POST .../infer straight to `infer`, everything else
+        (and lifespan) through Starlette. Starlette's middleware, router and
+        route wrappers are ~100 Python calls per request, a third of what
+        an inference request costs the event loop; `infer` answers every
+        exception itself (only cancellation passes), so they add nothing to it.
+        The path is matched as the router matches the two infer routes
+        ({name} and {version} are one path segment each)."""
+        import re
+
+        from starlette.requests import Request
+
+        path = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+        infer = self.infer
+
+        async def app(scope, receive, send):
+            if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+                m = path.fullmatch(scope["path"])
+                if m is not None:
+                    name, version = m.groups()
+                    scope["path_params"] = {"name": name} if version is None else {"name": name, "version": version}
+                    try:
+                        response = await infer(Request(scope, receive, send))
+                    except Exception as e:  # as Starlette's handler would (infer answers its own)
+                        log.error("internal error on POST %s", scope["path"], exc_info=e)
+                        response = _error(500, _internal(e))
+                    await response(scope, receive, send)
+                    return
+            await starlette(scope, receive, send)
+
+        return app
 
     async def live(self, request):
         return _json({"live": True})
@@ -423,19 +471,20 @@ class InferenceServer:
                 raise UnavailableError("too many requests in flight", self.in_flight,
                                        f"at most {self.cfg.max_concurrency} (--max-concurrency); retry later")
             self.in_flight += 1
-            m.in_flight.labels(label).inc()
+            in_flight = m.child(m.in_flight)
+            in_flight.inc()
             reserved = [0]  # body bytes this request holds in in_flight_bytes
             try:
                 response = await self._infer(request, start, reserved)
             finally:
                 self.in_flight -= 1
                 self.in_flight_bytes -= reserved[0]
-                m.in_flight.labels(label).dec()
+                in_flight.dec()
             if response is None:  # the client left while its request waited
                 outcome = "disconnected"
                 return _error(499, "the client closed the connection before the answer")
             outcome = "success"
-            m.latency.labels(label).observe(time.perf_counter() - start)
+            m.child(m.latency).observe(time.perf_counter() - start)
             return response
         except RequestError as e:
             outcome = e.outcome
@@ -454,7 +503,7 @@ class InferenceServer:
             log.error("internal error in inference on %s", label, exc_info=e)
             return _error(500, _internal(e))
         finally:
-            m.requests.labels(label, outcome).inc()
+            m.child(m.requests, outcome).inc()
 
     async def _infer(self, request, start: float, reserved: list[int]):
         """The response, or None if the client disconnected while waiting."""
@@ -472,22 +521,41 @@ class InferenceServer:
         req = await asyncio.to_thread(protocol.decode, *args) if len(body) > OFFLOAD_BYTES else protocol.decode(*args)
         if req.timeout_s is not None:
             timeout = min(timeout, req.timeout_s)
-        answer = asyncio.wrap_future(self.batcher.submit(req.arrays, req.batch))
-        gone = asyncio.ensure_future(_disconnected(request))
+        # Wait for the first of: the answer, the client's disconnect, the
+        # deadline. One future that each of them completes (what
+        # asyncio.wait(FIRST_COMPLETED) builds, without its sets, per-future
+        # checks and the asyncio copy of the job's future that wrap_future
+        # makes and chains both ways).
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake(_=None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        def answered(_) -> None:  # in the batcher's thread (or here, when cancelled below)
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(wake)
+
+        job = self.batcher.submit(req.arrays, req.batch)
+        job.add_done_callback(answered)
+        gone = loop.create_task(_disconnected(request))
+        gone.add_done_callback(wake)
+        timer = loop.call_later(max(timeout - (time.perf_counter() - start), 0.0), wake)
         try:
-            done, _ = await asyncio.wait({answer, gone}, timeout=max(timeout - (time.perf_counter() - start), 0.0),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            await waiter
         finally:
+            timer.cancel()
             gone.cancel()
             # A request still queued is then dropped by the batcher; one
             # already running finishes unseen.
-            answer.cancel()
-        if answer not in done:
-            if gone in done:
+            job.cancel()
+        if not job.done() or job.cancelled():
+            if gone.done() and not gone.cancelled():
                 return None
             raise RequestTimeoutError("no answer in time", f"more than {timeout:g} s",
                                       f"at most {timeout:g} s (--timeout-s or the request's timeout)")
-        result = answer.result()
+        result = job.result()
         outputs = [(name, result[name], binary, region) for name, binary, region in req.outputs]
         args = (self.model, MODEL_VERSION, req.id, outputs, self.regions)
         if sum(o[1].nbytes for o in outputs) > OFFLOAD_BYTES:
