@@ -314,11 +314,15 @@ class ServerProcess:
         from prometheus_client.parser import text_string_to_metric_families
 
         _, body = _get(self.url + "/metrics")
-        out = {}
+        out = {"_t": time.perf_counter()}
         for family in text_string_to_metric_families(body.decode()):
             for s in family.samples:
-                if s.name.endswith(("_sum", "_count")) and "batch" in s.name:
+                if s.name.startswith("tvm_serve_") and s.name.endswith(("_sum", "_count")):
                     out[s.name] = s.value
+        try:  # the event loop's thread (the server's main thread): seconds on the CPU, Linux only
+            out["_loop_cpu_s"] = int(Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
         return out
 
     def stop(self) -> int:
@@ -367,8 +371,16 @@ def _level(concurrency: int, records: list, cfg: LoadtestConfig, t_measure: floa
     def pct(values: list[float], q: float) -> float | None:
         return float(np.percentile(values, q)) if values else None
 
+    def mean(name: str, scale: float = 1.0) -> float | None:
+        n = delta(name + "_count")
+        return delta(name + "_sum") / n * scale if n else None
+
     batches = delta("tvm_serve_batch_rows_count")
     samples = len(ok) * cfg.request_batch / window
+    # Server side, over the whole level (warm-up included): where a request's time goes.
+    span = after["_t"] - before["_t"]
+    answered = delta("tvm_serve_request_seconds_count")
+    loop_cpu = delta("_loop_cpu_s") if "_loop_cpu_s" in after and "_loop_cpu_s" in before else None
     return {
         "concurrency": concurrency,
         "requests": len(done),
@@ -385,6 +397,12 @@ def _level(concurrency: int, records: list, cfg: LoadtestConfig, t_measure: floa
         "ok_mean_ms": float(np.mean(correct)) if correct else None,
         "mean_batch_rows": delta("tvm_serve_batch_rows_sum") / batches if batches else None,
         "mean_batch_requests": delta("tvm_serve_batch_requests_sum") / batches if batches else None,
+        "server_ms": mean("tvm_serve_request_seconds", 1e3),
+        "queue_ms": mean("tvm_serve_queue_seconds", 1e3),
+        "batch_ms": mean("tvm_serve_compute_seconds", 1e3),
+        "batcher_busy": delta("tvm_serve_compute_seconds_sum") / span if span > 0 else None,
+        "loop_cpu_us": loop_cpu / answered * 1e6 if loop_cpu is not None and answered else None,
+        "loop_busy": loop_cpu / span if loop_cpu is not None and span > 0 else None,
         "vs_raw_best": samples / raw_best if raw_best else None,
     }
 
@@ -586,6 +604,19 @@ def markdown(report: dict) -> str:
             f"{_fmt(lv['p50_ms'])} | {_fmt(lv['p90_ms'])} | {_fmt(lv['p99_ms'])} | "
             f"{_fmt(lv.get('ok_p50_ms'))} | {_fmt(lv.get('ok_p99_ms'))} | {_fmt(lv['mean_batch_rows'], '.1f')} | "
             f"{lv['requests']} | {', '.join(f'{k}: {v}' for k, v in bad.items()) or 'none'} |")
+    lines += [
+        "",
+        "Server side, over each level's warm-up and measured window (from /metrics and the server's event-loop thread):",
+        "",
+        ("| concurrency | in server (ms) | queued (ms) | batch run (ms) | batcher busy | loop CPU per request (us) "
+         "| loop busy |"),
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lv in report["levels"]:
+        lines.append(
+            f"| {lv['concurrency']} | {_fmt(lv.get('server_ms'))} | {_fmt(lv.get('queue_ms'))} | "
+            f"{_fmt(lv.get('batch_ms'))} | {_fmt(lv.get('batcher_busy'), '.0%')} | {_fmt(lv.get('loop_cpu_us'), '.0f')} | "
+            f"{_fmt(lv.get('loop_busy'), '.0%')} |")
     t = report["target_check"]
     if t is not None:
         lines += ["", (f"Target (concurrency {t['concurrency']}, at least {t['required_ratio']:.0%} of the raw best): "
@@ -597,7 +628,11 @@ def markdown(report: dict) -> str:
          "included (an overloaded server answering 503 at once lowers them: read them next to `not ok`); "
          "ok p50/p99 over the correct answers alone. mean batch: rows per batch (warm-up included), from the "
          "server's /metrics. not ok: errors by status, and answers that differ from the raw Predictor's output "
-         "for the same input (`mismatch`)."),
+         "for the same input (`mismatch`). Server side: in server, arrival to response of a successful request "
+         "(its client-side latency minus this is the client and the network); queued, waiting for its batch; "
+         "batch run, one batch through the module (copies in and out included); batcher busy, the share of the "
+         "time the batcher ran batches (near 100%: the batcher is the limit); loop CPU per request and loop busy, "
+         "the event loop's thread (HTTP, decoding, answers; near 100%: the loop is the limit)."),
         "",
     ]
     return "\n".join(lines)

@@ -885,11 +885,15 @@ def test_loadtest_writes_a_report(capsys, tmp_path, tiny_package):
     for lv in report["levels"]:
         assert lv["samples_per_s"] > 0 and lv["statuses"] == {"ok": lv["requests"]}
         assert lv["p50_ms"] <= lv["p99_ms"] and lv["ok_p50_ms"] == lv["p50_ms"]  # no errors: the same answers
+        # Server side: a request spends part of its client-side latency in the server, part of that queued.
+        assert 0 < lv["queue_ms"] < lv["server_ms"] <= lv["ok_mean_ms"] * 1.5 and lv["batch_ms"] > 0
+        assert 0 < lv["batcher_busy"] <= 1.05 and 0 < lv["loop_busy"] <= 1.05 and lv["loop_cpu_us"] > 0
     assert report["client_processes"] == 2
     assert '"warmup": false' in (out / "server.log").read_text()  # --no-warmup reached the server
     assert set(report["raw"]["buckets"]) == {"1", "4"} and report["raw"]["best_samples_per_s"] > 0
     assert report["server_exit_status"] == 0 and report["target_check"] is None
     assert "| concurrency | samples/s |" in (out / "results.md").read_text()
+    assert "| concurrency | in server (ms) | queued (ms) | batch run (ms) |" in (out / "results.md").read_text()
     foreign = tmp_path / "mine"
     foreign.mkdir()
     rc, _, err = run_cli(capsys, "loadtest", "--package", tiny_package[0], "--out", foreign)
