@@ -102,8 +102,9 @@ def prepare(args):
     cfg = resolve_config(args)
     tracker, key = getattr(args, "tracker", None), getattr(args, "rpc_key", None)
     lanes, lane_cpus = getattr(args, "rpc_lanes", None), getattr(args, "rpc_lane_cpus", None)
+    config_mod.check_lanes(lanes, lane_cpus)
     # --rpc-lanes N (2 or more) without a tracker: N lanes on this machine's
-    # device through a loopback pool, started around the tune stage.
+    # device through a loopback pool (see _loopback).
     args.loopback = (lanes, lane_cpus or 0) if (lanes or 0) > 1 and not tracker and not key else None
     pool = config_mod.rpc_pool(tracker, key, *((None, None) if args.loopback else (lanes, lane_cpus)))
     if pool is not None:
@@ -145,15 +146,23 @@ def _check_pool(args, target, profile) -> None:
 
 @contextlib.contextmanager
 def _loopback(args, target, profile, workdir: Path):
-    """With --rpc-lanes N and no tracker, while the block runs: a loopback
-    pool on this machine's device as args.pool (only when there is tuning
-    to do on a device here)."""
-    if args.loopback is None or not (profile.trials > 0 and profile.tune_buckets and target.has_device):
+    """With --rpc-lanes N and no tracker, while the block runs (for `run`,
+    the whole pipeline: the pool is up before export and stopped after the
+    last stage): a loopback pool on this machine's device as args.pool,
+    only when there is tuning to do on a device here."""
+    if args.loopback is None:
+        yield
+        return
+    if not (profile.trials > 0 and profile.tune_buckets and target.has_device):
+        log.info("--rpc-lanes: no tuning on a %s device here, so no lanes are started", target.kind)
         yield
         return
     from . import rpc
 
     lanes, lane_cpus = args.loopback
+    if target.kind == "llvm":
+        log.warning("--rpc-lanes on the CPU target: a lane's candidates are timed on the same cores that the other "
+                    "lanes search and build on, so CPU timings will be noisy")
     with rpc.loopback_pool(lanes, lane_cpus, workdir / "rpc-loopback") as pool:
         args.pool = pool
         try:

@@ -449,15 +449,20 @@ def parse_address(text: str, where: str = "--tracker") -> tuple[str, int]:
     return host, int(port)
 
 
+def check_lanes(lanes: int | None, lane_cpus: int | None) -> None:
+    """--rpc-lanes and --rpc-lane-cpus, with a pool or without one."""
+    if lanes is not None and lanes < 0:
+        raise ConfigError("invalid --rpc-lanes", lanes, "0 (one per server) or more")
+    if lane_cpus is not None and lane_cpus < 0:
+        raise ConfigError("invalid --rpc-lane-cpus", lane_cpus, "0 (an equal share of the CPUs) or more")
+
+
 def rpc_pool(tracker: str | None, key: str | None, lanes: int | None = None,
              lane_cpus: int | None = None) -> RPCPool | None:
     """The pool named by --tracker and --rpc-key (both or neither), tuned
     from `lanes` processes (--rpc-lanes; default one per server) of
     `lane_cpus` CPUs each (--rpc-lane-cpus; default an equal share)."""
-    if lanes is not None and lanes < 0:
-        raise ConfigError("invalid --rpc-lanes", lanes, "0 (one per server) or more")
-    if lane_cpus is not None and lane_cpus < 0:
-        raise ConfigError("invalid --rpc-lane-cpus", lane_cpus, "0 (an equal share of the CPUs) or more")
+    check_lanes(lanes, lane_cpus)
     for flag, value in (("--rpc-lanes", lanes), ("--rpc-lane-cpus", lane_cpus)):
         if value and not (tracker or key):
             raise ConfigError(f"{flag} needs --tracker and --rpc-key", value,

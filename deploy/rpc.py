@@ -157,34 +157,71 @@ class Process:
         return " / ".join(ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def _spawn(cmd: list[str], log_path: Path | None, env: dict | None = None) -> Process:
+# Runs a command tied to its parent, as the leader of the command's process
+# group: on Linux, PR_SET_PDEATHSIG sends it SIGTERM when the process that
+# started it dies, even by SIGKILL, and it then ends the whole group (TVM's
+# tracker and server do their work in child processes); elsewhere it just
+# runs the command. Process.stop's SIGTERM to the group lands here too.
+_TIED = """import ctypes, os, signal, subprocess, sys
+child = None
+def end(*_):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)
+    try:
+        child and child.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGTERM, end)
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+child = subprocess.Popen(sys.argv[1:])
+sys.exit(child.wait())
+"""
+
+
+def _spawn(cmd: list[str], log_path: Path | None, env: dict | None = None, tied: bool = False) -> Process:
+    """`tied`: the child dies with this process (for helpers of one run)."""
+    if tied:
+        cmd = [sys.executable, "-c", _TIED, *cmd]
     with open(log_path or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                             start_new_session=True)
     return Process(p, log_path)
 
 
-def start_tracker(host: str, port: int, log_path: Path | None = None, wait_s: float = 60.0) -> Process:
-    """Start a tracker and wait until it answers."""
+def start_tracker(host: str, port: int, log_path: Path | None = None, wait_s: float = 60.0, tied: bool = False) -> Process:
+    """Start a tracker and wait until it answers (it, not another process
+    that took the port meanwhile: the tracker must still be running)."""
     check_port_free(host, port, "RPC tracker")
-    proc = _spawn(tracker_command(host, port), log_path)
+    proc = _spawn(tracker_command(host, port), log_path, tied=tied)
     deadline = time.time() + wait_s
-    while True:
-        try:
-            Tracker(host if host not in ("0.0.0.0", "::") else "127.0.0.1", port, timeout=2.0).close()
-            return proc
-        except RPCPoolError:
+    try:
+        while True:
+            try:
+                Tracker(host if host not in ("0.0.0.0", "::") else "127.0.0.1", port, timeout=2.0).close()
+                if proc.alive():
+                    return proc
+            except RPCPoolError:
+                pass
             if not proc.alive() or time.time() > deadline:
-                proc.stop()
-                raise RPCPoolError("the RPC tracker did not start", proc.log_tail() or f"{host}:{port}") from None
+                raise RPCPoolError("the RPC tracker did not start", proc.log_tail() or f"{host}:{port}")
             time.sleep(0.3)
+    except BaseException:  # an interrupt while it starts too: never leave it running
+        proc.stop()
+        raise
 
 
 def start_server(pool: RPCPool, host: str = "127.0.0.1", port: int = 9090, port_end: int | None = None,
-                 gpu: str | None = None, log_path: Path | None = None, custom_addr: str | None = None) -> Process:
+                 gpu: str | None = None, log_path: Path | None = None, custom_addr: str | None = None,
+                 tied: bool = False) -> Process:
     """Start an RPC server registering with the pool's tracker (it is listed
     a few seconds later: see `wait_for_servers`)."""
     check_server_address(host, pool.host)
-    return _spawn(server_command(pool.address, pool.key, host, port, port_end or port + 100, custom_addr), log_path, server_env(gpu))
+    return _spawn(server_command(pool.address, pool.key, host, port, port_end or port + 100, custom_addr), log_path,
+                  server_env(gpu), tied)
 
 
 def _listening() -> bool:
@@ -219,12 +256,17 @@ def serve_watched(pool: RPCPool, host: str, port: int, port_end: int, custom_add
         server.terminate()
 
 
-def wait_for_servers(pool: RPCPool, n: int, wait_s: float = 90.0) -> list[str]:
-    """Wait until `n` servers are registered under the key; their addresses."""
+def wait_for_servers(pool: RPCPool, n: int, wait_s: float = 90.0, started: list[Process] = ()) -> list[str]:
+    """Wait until `n` servers are registered under the key; their addresses.
+    Fails at once when one of the servers `started` here has exited."""
     deadline = time.time() + wait_s
     while True:
         with Tracker(pool.host, pool.port) as t:
             found = t.servers(pool.key)
+        dead = [p for p in started if not p.alive()]
+        if dead and len(found) < n:
+            raise RPCPoolError("an RPC server exited before it registered", dead[0].log_tail() or f"pid {dead[0].pid}",
+                               f"{n} server(s) under key '{pool.key}' (see its log)")
         if len(found) >= n or time.time() > deadline:
             if len(found) < n:
                 raise RPCPoolError(f"only {len(found)} RPC server(s) registered under key '{pool.key}'", found, f"{n}")
@@ -240,7 +282,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextlib.contextmanager
-def loopback_pool(lanes: int, lane_cpus: int, log_dir: Path, key: str = "loopback"):
+def _signals_exit():
+    """While the block runs (in the main thread): SIGTERM and SIGHUP raise
+    SystemExit, so `finally` blocks run and stop what was started (Python's
+    default for them ends the process without running any)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(sig, _frame):
+        raise SystemExit(128 + sig)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h if h is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def loopback_pool(lanes: int, lane_cpus: int, log_dir: Path, tries: int = 3):
     """A tracker and one RPC server on 127.0.0.1 for this machine's device
     (the GPU this process would use, or the CPU), so that one device is
     tuned in `lanes` processes: each measures through the tracker, which
@@ -248,20 +310,32 @@ def loopback_pool(lanes: int, lane_cpus: int, log_dir: Path, key: str = "loopbac
     timed at once. Tuning is bound by the host's search and builds, not the
     device (two lanes on one H200: 1.85x one lane's trials/min,
     results/h200/2026-11-30/rpc-check-x2-lanes). Yields the pool; the
-    tracker and server are stopped however the block ends."""
+    tracker and server are stopped however the block ends (an exception,
+    Ctrl-C, SIGTERM or SIGHUP; and they get SIGTERM if this process is
+    killed). The key is this process's own, and a port taken between
+    choosing it and the tracker binding it is tried again with another."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    pool = RPCPool("127.0.0.1", port, key, lanes=lanes, lane_cpus=lane_cpus)
+    key = f"loopback-{os.getpid()}"
     procs: list[Process] = []
-    try:
-        procs.append(start_tracker("127.0.0.1", port, log_dir / "tracker.log"))
-        procs.append(start_server(pool, port=free_port(), log_path=log_dir / "server.log"))
-        wait_for_servers(pool, 1, wait_s=pool.wait_s)
-        log.info("rpc: %d tuning lanes on this machine's device through a loopback tracker at %s", lanes, pool.address)
-        yield pool
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    with _signals_exit():
+        try:
+            for attempt in range(tries):
+                port = free_port()
+                try:
+                    procs.append(start_tracker("127.0.0.1", port, log_dir / "tracker.log", tied=True))
+                    break
+                except (RPCPoolError, ConfigError):
+                    if attempt == tries - 1:
+                        raise
+            pool = RPCPool("127.0.0.1", port, key, lanes=lanes, lane_cpus=lane_cpus)
+            procs.append(start_server(pool, port=free_port(), log_path=log_dir / "server.log", tied=True))
+            wait_for_servers(pool, 1, wait_s=pool.wait_s, started=procs[1:])
+            log.info("rpc: %d tuning lanes on this machine's device through a loopback tracker at %s", lanes,
+                     pool.address)
+            yield pool
+        finally:
+            for p in reversed(procs):
+                p.stop()
 
 
 # --------------------------------------------------------------- tracker ---

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -395,6 +396,7 @@ def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_pat
     (["--rpc-lanes", "1"], "--rpc-lanes needs --tracker and --rpc-key | got 1"),
     (["--rpc-lane-cpus", "-2", "--tracker", "127.0.0.1:9190", "--rpc-key", "k"], "invalid --rpc-lane-cpus | got -2"),
     (["--rpc-lane-cpus", "8"], "--rpc-lane-cpus needs --tracker and --rpc-key"),
+    (["--rpc-lanes", "2", "--rpc-lane-cpus", "-3"], "invalid --rpc-lane-cpus | got -3"),  # lanes on this machine too
 ])
 def test_bad_lanes(argv, message, capsys):
     from deploy import cli
@@ -490,9 +492,10 @@ def test_lanes_without_tracker_tune_through_a_loopback_pool(tmp_path, monkeypatc
             str(tmp_path / "db"), "--rpc-lanes", "2"]
     assert cli.main(argv) == 2
     pool = seen["pool"]
-    assert pool.host == "127.0.0.1" and pool.key == "loopback" and pool.lanes == 2 and len(seen["servers"]) == 1
+    assert pool.host == "127.0.0.1" and pool.key == f"loopback-{os.getpid()}" and pool.lanes == 2
+    assert len(seen["servers"]) == 1
     out = capsys.readouterr()
-    assert f"measure on RPC servers under key 'loopback' at tracker {pool.address} (2 tuning lane(s))" in out.out
+    assert f"measure on RPC servers under key '{pool.key}' at tracker {pool.address} (2 tuning lane(s))" in out.out
     assert out.err.startswith("error: stop here")
     with pytest.raises(RPCPoolError):  # the tracker (and its server) are gone
         rpc.Tracker(pool.host, pool.port, timeout=2.0).close()
@@ -500,3 +503,61 @@ def test_lanes_without_tracker_tune_through_a_loopback_pool(tmp_path, monkeypatc
     # Nothing to tune (TRIALS=0): no pool is started at all.
     seen.clear()
     assert cli.main([*argv, "--trials", "0"]) == 2 and seen["pool"] is None
+
+
+def test_loopback_pool_stopped_when_the_run_is_terminated(tmp_path):
+    """SIGTERM to a process holding a loopback pool (what `timeout` and job
+    schedulers send) stops its tracker and server too: they run in sessions
+    of their own, so the signal would not reach them by itself."""
+    import signal
+    import time
+
+    script = ("import sys, time; from pathlib import Path; from deploy import rpc\n"
+              "with rpc.loopback_pool(2, 0, Path(sys.argv[1])) as pool:\n"
+              "    print(pool.port, flush=True); time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    try:
+        port = int(p.stdout.readline())
+        rpc.Tracker("127.0.0.1", port, timeout=2.0).close()  # up
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 128 + signal.SIGTERM
+    finally:
+        p.kill()
+    deadline = time.time() + 10
+    while True:
+        try:
+            rpc.Tracker("127.0.0.1", port, timeout=1.0).close()
+        except RPCPoolError:
+            break  # the tracker is gone
+        assert time.time() < deadline, "the loopback tracker outlived the terminated run"
+        time.sleep(0.3)
+    assert (tmp_path / "server.log").is_file()
+
+
+def test_loopback_pool_dies_with_a_killed_run(tmp_path):
+    """SIGKILL (no handler runs): the tracker and server still go, by the
+    parent-death signal they were started with."""
+    import signal
+    import time
+
+    script = ("import sys, time; from pathlib import Path; from deploy import rpc\n"
+              "with rpc.loopback_pool(2, 0, Path(sys.argv[1])) as pool:\n"
+              "    print(pool.port, flush=True); time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    try:
+        port = int(p.stdout.readline())
+        rpc.Tracker("127.0.0.1", port, timeout=2.0).close()
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    finally:
+        p.kill()
+    deadline = time.time() + 15
+    while True:
+        try:
+            rpc.Tracker("127.0.0.1", port, timeout=1.0).close()
+        except RPCPoolError:
+            break
+        assert time.time() < deadline, "the loopback tracker outlived the killed run"
+        time.sleep(0.3)
