@@ -314,11 +314,13 @@ class ServerProcess:
         from prometheus_client.parser import text_string_to_metric_families
 
         _, body = _get(self.url + "/metrics")
-        out = {"_t": time.perf_counter()}
+        out = {}
         for family in text_string_to_metric_families(body.decode()):
             for s in family.samples:
                 if s.name.startswith("tvm_serve_") and s.name.endswith(("_sum", "_count")):
                     out[s.name] = s.value
+                elif s.name == "tvm_serve_requests_total":  # every outcome
+                    out[s.name] = out.get(s.name, 0.0) + s.value
         try:  # the event loop's thread (the server's main thread): seconds on the CPU, Linux only
             out["_loop_cpu_s"] = int(Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/schedstat").read_text().split()[0]) / 1e9
         except (OSError, ValueError, IndexError):
@@ -377,9 +379,10 @@ def _level(concurrency: int, records: list, cfg: LoadtestConfig, t_measure: floa
 
     batches = delta("tvm_serve_batch_rows_count")
     samples = len(ok) * cfg.request_batch / window
-    # Server side, over the whole level (warm-up included): where a request's time goes.
-    span = after["_t"] - before["_t"]
-    answered = delta("tvm_serve_request_seconds_count")
+    # Server side, over the level's warm-up and measured window (the metrics
+    # were read just before and after it; the clients sent nothing outside it).
+    span = t_end - (t_measure - cfg.warmup_s)
+    answered = delta("tvm_serve_requests_total")
     loop_cpu = delta("_loop_cpu_s") if "_loop_cpu_s" in after and "_loop_cpu_s" in before else None
     return {
         "concurrency": concurrency,
@@ -631,8 +634,9 @@ def markdown(report: dict) -> str:
          "for the same input (`mismatch`). Server side: in server, arrival to response of a successful request "
          "(its client-side latency minus this is the client and the network); queued, waiting for its batch; "
          "batch run, one batch through the module (copies in and out included); batcher busy, the share of the "
-         "time the batcher ran batches (near 100%: the batcher is the limit); loop CPU per request and loop busy, "
-         "the event loop's thread (HTTP, decoding, answers; near 100%: the loop is the limit)."),
+         "time the batcher ran batches (near 100%: the batcher is the limit); loop CPU per request (any outcome) and "
+         "loop busy, the event loop's thread (HTTP, and decoding and answers of bodies under 256 KiB, larger ones "
+         "go to worker threads; near 100%: the loop is the limit)."),
         "",
     ]
     return "\n".join(lines)

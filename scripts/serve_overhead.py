@@ -425,7 +425,7 @@ def main() -> int:
                         r = one_run(args, pool, sync, package, roots[name], mode, manifest["inputs"], requests,
                                     expected, manifest.get("precision", "fp32"), c, work, None)
                         runs.append({"mode": mode, "variant": name, "repeat": rep, **r})
-                        print(f"{mode:6} {name:8} c={c} #{rep}: {r['loop_cpu_us_per_request']:.0f} us/request on the "
+                        print(f"{mode:6} {name:8} c={c} #{rep}: {r['loop_cpu_us_per_request'] or float('nan'):.0f} us/request on the "
                               f"loop, {r['requests_per_s']:.0f} requests/s, loop busy {r['loop_busy']:.0%}, "
                               f"{r['statuses']}", flush=True)
             if args.profile:
@@ -507,7 +507,7 @@ def markdown(report: dict) -> list[str]:
                      f"{', '.join(f'{v:.1f}' for v in s['p50_ms'])} | "
                      f"{', '.join(f'{v:.0%}' for v in s['loop_busy'])} |")
     for key, p in report["profiles"].items():
-        r = p["run"]
+        r = dict(p["run"], loop_cpu_us_per_request=p["run"]["loop_cpu_us_per_request"] or float("nan"))
         lines += ["", (f"## cProfile, {key} (concurrency {r['concurrency']}): loop CPU "
                        f"{r['loop_cpu_us_per_request']:.0f} us/request under the profiler"), "",
                   "| where (self time) | us/request |", "|---|---:|"]
