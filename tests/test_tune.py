@@ -2,6 +2,7 @@
 (The first TuneContext of a process imports TVM's tensor intrinsics: ~60 s here.)"""
 
 import json
+import os
 
 import pytest
 
@@ -139,3 +140,44 @@ Compilation terminated."""
   File "<unknown>", line 0, in tvm::ObjectMutator::Mutate(tvm::ffi::AnyView, tvm::ffi::InplaceMode)
 tvm.error.InternalError: Check failed: (!load_remap_.count(alloc_key)) is false:"""
     assert tune._failure_reason(tvm_check) == "tvm.error.InternalError: Check failed: (!load_remap_.count(alloc_key)) is false:"
+
+
+def test_build_workers_get_nvrtc_pch_options_only_from_a_new_enough_nvrtc(monkeypatch):
+    import sys
+    import types
+
+    from deploy import tune
+
+    def with_nvrtc(version):
+        nvrtc = types.SimpleNamespace(nvrtcVersion=lambda: (0, *version))
+        bindings = types.ModuleType("cuda.bindings")
+        bindings.nvrtc = nvrtc
+        monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+        monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+        monkeypatch.delenv("TVM_CUDA_NVRTC_EXTRA_OPTS", raising=False)
+        tune._build_worker_init()
+        return os.environ.get("TVM_CUDA_NVRTC_EXTRA_OPTS")
+
+    assert with_nvrtc((13, 0)) == tune.NVRTC_PCH_OPTS and "-pch" in tune.NVRTC_PCH_OPTS
+    assert with_nvrtc((12, 4)) is None  # may not take -pch: left as TVM has it
+    monkeypatch.setenv("TVM_CUDA_NVRTC_EXTRA_OPTS", "")  # the user's choice (here: off) stands
+    tune._build_worker_init()
+    assert os.environ["TVM_CUDA_NVRTC_EXTRA_OPTS"] == ""
+
+
+def test_sweep_removes_precompiled_headers_of_dead_workers_only(tmp_path):
+    import subprocess
+    import sys
+
+    from deploy import tune
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    gone = tmp_path / f"__nvrtc_auto_pch_{int(dead.stdout)}_0"
+    alive = tmp_path / f"__nvrtc_auto_pch_{os.getpid()}_0"
+    other = tmp_path / "__nvrtc_auto_pch_notapid"
+    for d in (gone, alive, other):
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "pch").write_bytes(b"x" * 10)
+    assert tune.sweep_nvrtc_pch(str(tmp_path)) == 1
+    assert not gone.exists() and alive.exists() and other.exists()
