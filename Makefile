@@ -83,7 +83,7 @@ tune: $(DEPS)
 	$(PY) -m deploy run $(ARGS) $(RPC_ARGS)
 
 bench: $(DEPS)
-	$(PY) -m deploy bench $(ARGS) $(if $(RUNNERS),--runners $(RUNNERS)) $(if $(ITERS),--iters $(ITERS)) $(if $(ROUNDS),--rounds $(ROUNDS))
+	$(PY) -m deploy bench $(ARGS) $(if $(RUNNERS),--runners "$(RUNNERS)") $(if $(ITERS),--iters $(ITERS)) $(if $(ROUNDS),--rounds $(ROUNDS))
 
 profile: $(DEPS)
 	$(PY) -m deploy profile $(ARGS)
