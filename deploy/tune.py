@@ -128,7 +128,7 @@ def build_stats(times: dict) -> dict:
 # kernel includes pre-included, NVRTC's automatic precompiled header (-pch)
 # holds them, so a worker parses them once instead of for every candidate
 # (TVM's preamble puts code right after its first #include, which ends what
-# -pch alone would precompile). On the CPU machine: 2.5-4x less NVRTC time
+# -pch alone would precompile). On the CPU machine: 0.26-0.39 of the NVRTC time
 # per ResNet-50 candidate (p50 1.31 -> 0.51 s fp16 b1, 2.33 -> 1.10 s b64,
 # 1.65 -> 0.54 s fp32), the same SASS bytes in 48 of 48 candidates
 # (results/cpu/2026-11-30/nvrtc-compile, scripts/nvrtc_profile.py).

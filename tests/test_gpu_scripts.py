@@ -58,7 +58,7 @@ def test_gpu_halves_runs_two_jobs_on_their_own_gpu_and_cpus(tmp_path):
 def test_bench_and_loadtest_scripts_refuse_their_extra_flags_as_arguments(tmp_path):
     # `bash scripts/gpu_bench.sh ... BENCH_EXTRA="--runners ..."` would reach make as an unknown
     # variable and be dropped: the bench would run every default runner. Refused before anything runs.
-    for script, var in (("gpu_bench.sh", "BENCH_EXTRA"), ("gpu_loadtest.sh", "LOADTEST_EXTRA")):
+    for script, var in (("gpu_bench.sh", "BENCH_EXTRA"), ("gpu_loadtest.sh", "LOADTEST_EXTRA"), ("gpu_chunk.sh", "EXTRA")):
         r = subprocess.run(["bash", f"scripts/{script}", "MODEL=resnet50", f"{var}=--runners tvm"], cwd=ROOT,
                            env={**os.environ, "OUT": str(tmp_path / "out")}, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2, r.stderr
