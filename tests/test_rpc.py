@@ -505,10 +505,12 @@ def test_lanes_without_tracker_tune_through_a_loopback_pool(tmp_path, monkeypatc
     assert cli.main([*argv, "--trials", "0"]) == 2 and seen["pool"] is None
 
 
-def test_loopback_pool_stopped_when_the_run_is_terminated(tmp_path):
-    """SIGTERM to a process holding a loopback pool (what `timeout` and job
-    schedulers send) stops its tracker and server too: they run in sessions
-    of their own, so the signal would not reach them by itself."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_loopback_pool_ends_with_a_terminated_or_killed_run(tmp_path, sig):
+    """A process holding a loopback pool gets SIGTERM (what `timeout` and job
+    schedulers send: handlers stop the pool) or SIGKILL (no handler runs:
+    the parent-death signal its tracker and server were started with ends
+    them): either way they go, though they run in sessions of their own."""
     import signal
     import time
 
@@ -520,37 +522,9 @@ def test_loopback_pool_stopped_when_the_run_is_terminated(tmp_path):
     try:
         port = int(p.stdout.readline())
         rpc.Tracker("127.0.0.1", port, timeout=2.0).close()  # up
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(60) == 128 + signal.SIGTERM
-    finally:
-        p.kill()
-    deadline = time.time() + 10
-    while True:
-        try:
-            rpc.Tracker("127.0.0.1", port, timeout=1.0).close()
-        except RPCPoolError:
-            break  # the tracker is gone
-        assert time.time() < deadline, "the loopback tracker outlived the terminated run"
-        time.sleep(0.3)
-    assert (tmp_path / "server.log").is_file()
-
-
-def test_loopback_pool_dies_with_a_killed_run(tmp_path):
-    """SIGKILL (no handler runs): the tracker and server still go, by the
-    parent-death signal they were started with."""
-    import signal
-    import time
-
-    script = ("import sys, time; from pathlib import Path; from deploy import rpc\n"
-              "with rpc.loopback_pool(2, 0, Path(sys.argv[1])) as pool:\n"
-              "    print(pool.port, flush=True); time.sleep(600)\n")
-    p = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)
-    try:
-        port = int(p.stdout.readline())
-        rpc.Tracker("127.0.0.1", port, timeout=2.0).close()
-        p.send_signal(signal.SIGKILL)
-        p.wait(30)
+        p.send_signal(getattr(signal, sig))
+        rc = p.wait(60)
+        assert rc == (128 + signal.SIGTERM if sig == "SIGTERM" else -signal.SIGKILL)
     finally:
         p.kill()
     deadline = time.time() + 15
@@ -558,6 +532,7 @@ def test_loopback_pool_dies_with_a_killed_run(tmp_path):
         try:
             rpc.Tracker("127.0.0.1", port, timeout=1.0).close()
         except RPCPoolError:
-            break
-        assert time.time() < deadline, "the loopback tracker outlived the killed run"
+            break  # the tracker is gone
+        assert time.time() < deadline, f"the loopback tracker outlived the run ({sig})"
         time.sleep(0.3)
+    assert (tmp_path / "server.log").is_file()
