@@ -320,11 +320,7 @@ class InferenceServer:
 
         model = "/v2/models/{name}"
         version = "/v2/models/{name}/versions/{version}"
-        # The inference routes first: the router tries routes in order (no
-        # two of these paths match the same URL, so the order changes nothing else).
         routes = [
-            Route(model + "/infer", self.infer, methods=["POST"]),
-            Route(version + "/infer", self.infer, methods=["POST"]),
             Route("/v2/health/live", self.live),
             Route("/v2/health/ready", self.server_ready),
             Route("/v2", self.server_metadata),
@@ -332,6 +328,8 @@ class InferenceServer:
             Route(version, self.model_meta),
             Route(model + "/ready", self.model_ready),
             Route(version + "/ready", self.model_ready),
+            Route(model + "/infer", self.infer, methods=["POST"]),
+            Route(version + "/infer", self.infer, methods=["POST"]),
             Route("/metrics", self.prometheus),
         ]
         if self.regions is not None:
@@ -353,14 +351,15 @@ class InferenceServer:
 
         starlette = Starlette(routes=routes, lifespan=self.lifespan,
                               exception_handlers={HTTPException: http_error, Exception: internal_error})
-        return self._fast_infer(starlette)
+        return self._fast_infer(starlette, internal_error)
 
-    def _fast_infer(self, starlette):
+    def _fast_infer(self, starlette, internal_error):
         """The ASGI app: POST .../infer straight to `infer`, everything else
         (and lifespan) through Starlette. Starlette's middleware, router and
         route wrappers are ~100 Python calls per request, a third of what
         an inference request costs the event loop; `infer` answers every
-        exception itself (only cancellation passes), so they add nothing to it.
+        exception itself (only cancellation passes), so they add nothing to it
+        (one that escaped would get Starlette's `internal_error` answer all the same).
         The path is matched as the router matches the two infer routes
         ({name} and {version} are one path segment each)."""
         import re
@@ -376,11 +375,11 @@ class InferenceServer:
                 if m is not None:
                     name, version = m.groups()
                     scope["path_params"] = {"name": name} if version is None else {"name": name, "version": version}
+                    request = Request(scope, receive, send)
                     try:
-                        response = await infer(Request(scope, receive, send))
-                    except Exception as e:  # as Starlette's handler would (infer answers its own)
-                        log.error("internal error on POST %s", scope["path"], exc_info=e)
-                        response = _error(500, _internal(e))
+                        response = await infer(request)
+                    except Exception as e:  # noqa: BLE001  as Starlette would (infer answers its own)
+                        response = await internal_error(request, e)
                     await response(scope, receive, send)
                     return
             await starlette(scope, receive, send)
