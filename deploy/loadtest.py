@@ -377,7 +377,6 @@ def _level(concurrency: int, records: list, cfg: LoadtestConfig, t_measure: floa
         n = delta(name + "_count")
         return delta(name + "_sum") / n * scale if n else None
 
-    batches = delta("tvm_serve_batch_rows_count")
     samples = len(ok) * cfg.request_batch / window
     # Server side, over the level's warm-up and measured window (the metrics
     # were read just before and after it; the clients sent nothing outside it).
@@ -398,8 +397,8 @@ def _level(concurrency: int, records: list, cfg: LoadtestConfig, t_measure: floa
         "ok_p90_ms": pct(correct, 90),
         "ok_p99_ms": pct(correct, 99),
         "ok_mean_ms": float(np.mean(correct)) if correct else None,
-        "mean_batch_rows": delta("tvm_serve_batch_rows_sum") / batches if batches else None,
-        "mean_batch_requests": delta("tvm_serve_batch_requests_sum") / batches if batches else None,
+        "mean_batch_rows": mean("tvm_serve_batch_rows"),
+        "mean_batch_requests": mean("tvm_serve_batch_requests"),
         "server_ms": mean("tvm_serve_request_seconds", 1e3),
         "queue_ms": mean("tvm_serve_queue_seconds", 1e3),
         "batch_ms": mean("tvm_serve_compute_seconds", 1e3),
