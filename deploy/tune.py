@@ -99,6 +99,12 @@ def _timed_build(job) -> tuple[str, float]:
     return path, time.perf_counter() - t0
 
 
+def empty_build_times(workers: int) -> dict:
+    """An empty record of build times: per build call (a batch) and per
+    candidate built; the candidates that did not build."""
+    return {"batch_wall_s": [], "candidate_s": [], "failed": 0, "timed_out": 0, "workers": workers}
+
+
 def build_stats(times: dict) -> dict:
     """Where a run's build time went, from a builder's `times` (or several
     lanes' merged): per candidate (in the workers) and per batch (what
@@ -193,8 +199,7 @@ def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
         def __init__(self):
             super().__init__()
             self.pool = None
-            # Per build call (a batch) and per candidate built; the candidates that did not build.
-            self.times = {"batch_wall_s": [], "candidate_s": [], "failed": 0, "timed_out": 0, "workers": max_workers}
+            self.times = empty_build_times(max_workers)
 
         def build(self, build_inputs):
             t0 = time.perf_counter()
@@ -815,7 +820,7 @@ def _lane_entry(spec: dict) -> None:
 def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -> None:
     split: dict = {}
     rpc_all = None
-    times = {"batch_wall_s": [], "candidate_s": [], "failed": 0, "timed_out": 0, "workers": cpus}
+    times = empty_build_times(cpus)
     summary["lanes"] = []
     for r in results:
         stats.update(r["stats"])
