@@ -632,8 +632,9 @@ def markdown(report: dict) -> str:
          "server's /metrics. not ok: errors by status, and answers that differ from the raw Predictor's output "
          "for the same input (`mismatch`). Server side: in server, arrival to response of a successful request "
          "(its client-side latency minus this is the client and the network); queued, waiting for its batch; "
-         "batch run, one batch through the module (copies in and out included); batcher busy, the share of the "
-         "time the batcher ran batches (near 100%: the batcher is the limit); loop CPU per request (any outcome) and "
+         "batch run, one batch from its launch (its rows already copied into host memory while the previous "
+         "batch ran) to its outputs back, the copies to and from the device included; batcher busy, the share of "
+         "the time a batch was launched and not yet collected (near 100%: the device side is the limit); loop CPU per request (any outcome) and "
          "loop busy, the event loop's thread (HTTP, and decoding and answers of bodies under 256 KiB, larger ones "
          "go to worker threads; near 100%: the loop is the limit)."),
         "",

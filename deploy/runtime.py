@@ -2,10 +2,13 @@
 checks input names, shapes and dtypes, picks the smallest batch bucket that
 fits (padding the batch), and splits larger batches across buckets.
 
-Each bucket's inputs live on the device in tensors allocated once: a run
-copies the host rows straight into them (several requests' rows side by side,
-without joining them on the host first) instead of allocating and freeing a
-device tensor per input per run.
+A run goes in three steps (`stage`, `launch`, `collect`; `run_parts` and
+`run_bucket` take all three): the requests' rows are copied side by side into
+a host buffer of the bucket (page-locked memory on a GPU), then one copy per
+input takes them to device tensors allocated once per bucket, the module
+runs, and its outputs come back to host buffers, all queued on the device
+without waiting; `collect` waits. The serving batcher stages the next batch
+while the last one runs.
 
 The package's manifest and the sha256 of every module are checked before any
 native code is loaded."""
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import artifacts
-from .errors import ShapeError, StaleArtifactError, TargetError
+from .errors import DeployError, ShapeError, StaleArtifactError, TargetError
 
 log = logging.getLogger(__name__)
 PACKAGE_STAGE = "package"
@@ -67,11 +71,43 @@ def check_device(manifest: dict):
     return dev
 
 
+@dataclass(eq=False)
+class _Slot:
+    """Host buffers for one batch of a bucket: its inputs (page-locked on a
+    GPU, with numpy views) and, after its first run, its outputs."""
+
+    key: tuple
+    host: list
+    views: list[np.ndarray]
+    busy: bool = False
+    out_host: list | None = None
+    out_views: list[np.ndarray] | None = None
+
+
+@dataclass(eq=False)
+class Batch:
+    """A batch from `Predictor.stage` to `Predictor.collect`."""
+
+    bucket: int
+    rows: int
+    slot: _Slot | None
+    part_rows: list[int]  # rows of each part, in order
+    errors: dict[int, BaseException]  # part index -> why it could not be read
+    pieces: list | None = None  # the parts of a batch over the largest bucket (run piece by piece)
+    outs: list | None = None  # the module's output tensors, until collected
+    result: dict | None = None
+    locked: bool = False
+
+
+def _rows(a) -> int:
+    return int(a.shape[0])
+
+
 class Predictor:
     def __init__(self, folder: str | Path, warn_unvalidated: bool = True, manifest: dict | None = None):
         """`manifest`: what `check_package(folder)` returned, when the caller
         checked the package already (each module is then hashed once)."""
-        from .tvm_compat import VirtualMachine, load_module
+        from .tvm_compat import VirtualMachine, host_device, load_module
 
         self.folder = Path(folder)
         self.manifest = manifest if manifest is not None else check_package(self.folder)
@@ -84,9 +120,13 @@ class Predictor:
             lib = load_module(str(self.folder / self.manifest["buckets"][str(b)]["file"]))
             self._vms[b] = VirtualMachine(lib, self.device)
         self._staged_inputs: dict[int, list] = {}  # bucket -> its device input tensors
-        self._zeros: list[np.ndarray] | None = None  # per input, host zeros: padding rows (largest bucket - 1)
-        self._lock = threading.Lock()  # the staged tensors are shared: one run at a time
-        self._views: dict[tuple[int, int, int, int], object] = {}  # (bucket, input, first row, rows) -> view
+        self._clean_from: dict[int, int] = {}  # bucket -> first row from which its device inputs are zeros
+        self._host_dev = host_device(self.device)
+        self._slots: dict[int, list[_Slot]] = {}  # bucket -> its host staging buffers
+        self._slots_lock = threading.Lock()
+        self._zeros: list | None = None  # per input, host zeros for padding rows
+        self._lock = threading.Lock()  # the device inputs are shared: one launched batch at a time
+        self._views: dict[tuple, object] = {}  # row views of staged and host tensors
         # Per input: the shape of one row and its size in bytes (row views of the staged tensors).
         self._row = [(list(s["shape"]), int(np.prod(s["shape"], dtype=np.int64)) * np.dtype(s["dtype"]).itemsize)
                      for s in self.inputs]
@@ -133,7 +173,10 @@ class Predictor:
         arrays, batch = [], None
         for spec in self.inputs:
             a = kwargs[spec["name"]]
-            a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+            if hasattr(a, "detach"):
+                a = a.detach().cpu().numpy()
+            elif not hasattr(a, "read_into"):  # an input read at staging (a shared-memory tensor) stays as it is
+                a = np.asarray(a)
             if str(a.dtype) != spec["dtype"]:
                 raise ShapeError(f"input '{spec['name']}' has the wrong dtype", str(a.dtype), spec["dtype"])
             want = tuple(spec["shape"])
@@ -144,7 +187,7 @@ class Predictor:
             if batch is not None and a.shape[0] != batch:
                 raise ShapeError("inputs disagree on the batch size", a.shape[0], batch)
             batch = a.shape[0]
-            arrays.append(np.ascontiguousarray(a))
+            arrays.append(np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a)
         return arrays
 
     def _staged(self, bucket: int) -> list:
@@ -155,72 +198,205 @@ class Predictor:
         if staged is None:
             staged = self._staged_inputs[bucket] = [
                 tensor(np.zeros((bucket, *s["shape"]), s["dtype"]), self.device) for s in self.inputs]
-        if self._zeros is None:
-            self._zeros = [np.zeros((self.max_batch - 1, *s["shape"]), s["dtype"]) for s in self.inputs]
+            self._clean_from[bucket] = 0
         return staged
 
     def run_bucket(self, bucket: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """Run one bucket on arrays whose batch is exactly `bucket`."""
-        # Checked here too: TVM's copyfrom into the staged tensors would silently cast another dtype.
+        # Checked here too: TVM's copies into the staged tensors would silently cast another dtype.
         arrays = self.check_inputs(*arrays)
         if arrays[0].shape[0] != bucket:
             raise ShapeError(f"run_bucket({bucket}) needs {bucket} rows", arrays[0].shape[0], bucket)
-        with self._lock:
-            staged = self._staged(bucket)
-            for dst, src in zip(staged, arrays):
-                dst.copyfrom(src)
-            return outputs_to_numpy(self._vms[bucket]["main"](*staged))
+        out = self.collect(self.launch(self.stage([arrays])))
+        return [out[o["name"]] for o in self.outputs]
 
     def run_parts(self, parts: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
         """Run several requests' inputs as one batch: each part (one request's
         arrays, in manifest order, checked as `check_inputs` checks them) is
-        copied straight into its rows of the bucket's device inputs, the rows
-        past the last part are zeroed, and the outputs hold the batch's rows
-        in part order. A batch larger than the largest bucket runs in pieces
-        (see `plan`)."""
+        copied into its rows of the bucket's host staging buffer, and the
+        outputs hold the batch's rows in part order. A batch larger than the
+        largest bucket runs in pieces (see `plan`). One part that cannot be
+        read fails the call (the serving batcher, which calls `stage`,
+        `launch` and `collect` itself, fails only that part's request)."""
         return self._run_checked([self.check_inputs(*p) for p in parts])
 
-    def _run_checked(self, parts: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
+    # -- the three steps of a run, for callers that overlap them ------------
+    #
+    # stage(parts)   host only: each part's rows into a host buffer of the
+    #                bucket (page-locked on a GPU); no device call, so the
+    #                next batch is staged while the last one runs;
+    # launch(batch)  queues, without waiting: the rows to the bucket's device
+    #                inputs, zeros over rows a larger earlier batch left,
+    #                the module, and its outputs back to host buffers;
+    # collect(batch) waits for the device and returns the outputs (numpy,
+    #                the batch's rows in part order).
+    # One batch is launched at a time: launch holds the Predictor until
+    # collect (or release) of that batch, from any thread.
+
+    def stage(self, parts: list[list]) -> Batch:
+        """Copy checked parts (numpy arrays, or inputs with `read_into`, e.g.
+        a shared-memory tensor) into a free host buffer of the batch's
+        bucket. A part that fails to read is recorded in `errors` (by its
+        index; its rows are zeroed) instead of failing the others."""
+        rows = sum(_rows(p[0]) for p in parts)
+        plan = self.plan(rows)
+        if len(plan) > 1:  # rows past the largest bucket: run piece by piece at launch
+            return Batch(plan[-1][0], rows, None, [_rows(p[0]) for p in parts], {}, pieces=parts)
+        bucket = plan[0][0]
+        slot = self._take_slot(bucket)
+        errors, at = {}, 0
+        try:
+            for k, part in enumerate(parts):
+                n = _rows(part[0])
+                for view, src in zip(slot.views, part):
+                    dst = view[at : at + n]
+                    try:
+                        if isinstance(src, np.ndarray):
+                            np.copyto(dst, src)  # numpy drops the GIL for large copies
+                        else:
+                            src.read_into(dst)
+                    except DeployError as e:
+                        errors[k] = e
+                if k in errors:
+                    for view in slot.views:
+                        view[at : at + n] = 0
+                at += n
+        except BaseException:
+            slot.busy = False
+            raise
+        return Batch(bucket, rows, slot, [_rows(p[0]) for p in parts], errors)
+
+    def launch(self, batch: Batch) -> Batch:
+        self._lock.acquire()
+        batch.locked = True
+        try:
+            self._launch_locked(batch)
+        except BaseException:
+            self.release(batch)
+            raise
+        return batch
+
+    def collect(self, batch: Batch) -> dict[str, np.ndarray]:
+        try:
+            return self._collect_locked(batch)
+        finally:
+            self.release(batch)
+
+    def release(self, batch: Batch) -> None:
+        """Give back what a batch holds (its host buffer; the Predictor, if
+        launched). `collect` does this; a caller that staged or launched a
+        batch and then gives up on it calls this."""
+        batch.outs = None
+        if batch.slot is not None:
+            batch.slot.busy = False
+        if batch.locked:
+            batch.locked = False
+            self._lock.release()
+
+    def _launch_locked(self, batch: Batch) -> None:
+        if batch.pieces is not None:
+            batch.result = self._run_pieces(batch.pieces)
+            return
+        bucket, n, slot = batch.bucket, batch.rows, batch.slot
+        staged = self._staged(bucket)
+        # Host tensor to device tensor: queued on the device's stream, not
+        # waited for (a copy from numpy would wait for the whole device).
+        for i, (dst, src) in enumerate(zip(staged, slot.host)):
+            if n == bucket:
+                dst.copyfrom(src)
+            else:
+                self._rows_of(("dev", bucket), dst, i, 0, n).copyfrom(self._rows_of(slot.key, src, i, 0, n))
+        clean = self._clean_from[bucket]
+        if clean > n:  # rows a larger earlier batch left: zeros, not its data
+            zeros = self._host_zeros()
+            for i, dst in enumerate(staged):
+                self._rows_of(("dev", bucket), dst, i, n, clean - n).copyfrom(
+                    self._rows_of(("zeros",), zeros[i], i, 0, clean - n))
+        self._clean_from[bucket] = n
+        out = self._vms[bucket]["main"](*staged)
+        outs = [out] if hasattr(out, "shape") else list(out)
+        if slot.out_host is None:
+            slot.out_host = [self._host_tensor(tuple(o.shape), str(o.dtype)) for o in outs]
+            slot.out_views = [np.from_dlpack(h) for h in slot.out_host]
+        for o, h in zip(outs, slot.out_host):
+            o.copyto(h)  # queued after the module on the same stream
+        batch.outs = outs
+
+    def _collect_locked(self, batch: Batch) -> dict[str, np.ndarray]:
+        if batch.result is not None:
+            return batch.result
+        self.device.sync()
+        n = batch.rows
+        return {spec["name"]: v[:n].copy() for spec, v in zip(self.outputs, batch.slot.out_views)}
+
+    def _take_slot(self, bucket: int) -> _Slot:
+        """A host buffer of the bucket that no staged or launched batch holds
+        (a second one is made when a batch is staged while one runs)."""
+        with self._slots_lock:
+            slots = self._slots.setdefault(bucket, [])
+            for slot in slots:
+                if not slot.busy:
+                    slot.busy = True
+                    return slot
+            host = [self._host_tensor((bucket, *spec["shape"]), spec["dtype"]) for spec in self.inputs]
+            slot = _Slot(("host", bucket, len(slots)), host, [np.from_dlpack(h) for h in host], busy=True)
+            slots.append(slot)
+            return slot
+
+    def _host_tensor(self, shape: tuple, dtype: str):
+        from .tvm_compat import empty
+
+        return empty(shape, dtype, self._host_dev)
+
+    def _host_zeros(self) -> list:
+        """Per input, host zeros of the largest bucket less one row (padding)."""
+        if self._zeros is None:
+            self._zeros = []
+            for spec in self.inputs:
+                z = self._host_tensor((self.max_batch, *spec["shape"]), spec["dtype"])
+                np.from_dlpack(z)[...] = 0
+                self._zeros.append(z)
+        return self._zeros
+
+    def _rows_of(self, key: tuple, t, i: int, start: int, n: int):
+        """Rows [start, start + n) of `t`, a tensor of input i's rows (a view,
+        kept: each one made is a TVM call, which drops the GIL)."""
         from .tvm_compat import tensor_view
 
-        def rows_of(bucket: int, i: int, t, start: int, n: int):
-            # Views are kept: each one made is a TVM call, which drops the GIL (see ServeConfig.gil_switch_ms).
-            key = (bucket, i, start, n)
-            view = self._views.get(key)
-            if view is None:
-                if len(self._views) >= 4096:
-                    self._views.clear()
-                shape, nbytes = self._row[i]
-                view = self._views[key] = tensor_view(t, [n, *shape], start * nbytes)
-            return view
+        k = (*key, i, start, n)
+        view = self._views.get(k)
+        if view is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            shape, nbytes = self._row[i]
+            view = self._views[k] = tensor_view(t, [n, *shape], start * nbytes)
+        return view
 
-        rows = sum(int(p[0].shape[0]) for p in parts)
-        pieces: list[list[np.ndarray]] = []
-        k = at = 0  # the part being copied, and its first row not yet copied
-        with self._lock:
-            for bucket, n in self.plan(rows):
-                staged = self._staged(bucket)
-                filled = 0
-                while filled < n:
-                    part = parts[k]
-                    take = min(n - filled, int(part[0].shape[0]) - at)
-                    for i, (dst, src) in enumerate(zip(staged, part)):
-                        seg = src[at : at + take]  # rows of a C-contiguous array: contiguous
-                        (dst if take == bucket else rows_of(bucket, i, dst, filled, take)).copyfrom(seg)
-                    filled, at = filled + take, at + take
-                    if at == part[0].shape[0]:
-                        k, at = k + 1, 0
-                if n < bucket:  # padding: zeros, not what the last run left there
-                    for i, (dst, z) in enumerate(zip(staged, self._zeros)):
-                        rows_of(bucket, i, dst, n, bucket - n).copyfrom(z[: bucket - n])
-                pieces.append([o[:n] for o in outputs_to_numpy(self._vms[bucket]["main"](*staged))])
-        return {
-            spec["name"]: pieces[0][i] if len(pieces) == 1 else np.concatenate([p[i] for p in pieces])
-            for i, spec in enumerate(self.outputs)
-        }
+    def _run_pieces(self, parts: list[list]) -> dict[str, np.ndarray]:
+        """A batch over the largest bucket, piece by piece (holding the lock)."""
+        arrays = [[a if isinstance(a, np.ndarray) else np.asarray(a) for a in p] for p in parts]
+        joined = [np.concatenate([p[i] for p in arrays]) for i in range(len(self.inputs))]
+        pieces, start = [], 0
+        for bucket, n in self.plan(joined[0].shape[0]):
+            batch = self.stage([[a[start : start + n] for a in joined]])
+            try:
+                self._launch_locked(batch)
+                pieces.append(self._collect_locked(batch))
+            finally:
+                batch.outs = None
+                batch.slot.busy = False
+            start += n
+        return {spec["name"]: np.concatenate([p[spec["name"]] for p in pieces]) for spec in self.outputs}
 
     def __call__(self, *args, **kwargs) -> dict[str, np.ndarray]:
         return self._run_checked([self.check_inputs(*args, **kwargs)])
+
+    def _run_checked(self, parts: list[list]) -> dict[str, np.ndarray]:
+        batch = self.stage(parts)
+        if batch.errors:
+            self.release(batch)
+            raise next(iter(batch.errors.values()))
+        return self.collect(self.launch(batch))
 
     def random_inputs(self, batch: int, seed: int = 0) -> list[np.ndarray]:
         return random_inputs([(s["shape"], s["dtype"]) for s in self.inputs], batch, seed)

@@ -10,12 +10,16 @@ The HTTP side then starts at once (live); the batcher thread loads the
 modules, runs every bucket once, and only then is the server ready.
 
 Dynamic batching: one thread owns the Predictor (every TVM call is made from
-it). Requests queue; the thread
-takes the first, waits at most `max_queue_delay_ms` (from that request's
-arrival) for more, as long as their rows fit the largest bucket, copies each
-request's rows into its place in the smallest bucket that holds them (device
-tensors allocated once; the rest zeroed), runs it, then hands each request its
-own rows. A request larger than the largest bucket runs alone,
+it). Requests queue; the thread takes the first, waits at most
+`max_queue_delay_ms` (from that request's arrival) for more, as long as their
+rows fit the largest bucket, and copies each request's rows into its place
+in a host buffer of the smallest bucket that holds them (page-locked memory
+on a GPU; shared-memory inputs are read straight into it). It then collects
+the batch running on the device, if any, answers its requests with their own
+rows, and launches the new one: the copies to the device, the module and the
+copies back are queued without waiting, so the next batch is gathered and
+staged while this one runs. When nothing is queued, the running batch is
+collected at once. A request larger than the largest bucket runs alone,
 split across buckets by the Predictor.
 
 Libraries: Starlette (routing, requests, responses) on uvicorn (HTTP/1.1,
@@ -86,7 +90,7 @@ class Metrics:
                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(p + "queue_seconds", "Enqueued to the start of its batch", ["model"],
                                buckets=LATENCY_BUCKETS, registry=r)
-        self.compute = Histogram(p + "compute_seconds", "One batch through the module(s) (copies included)",
+        self.compute = Histogram(p + "compute_seconds", "One batch from its launch (rows already in host memory) to its outputs back",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_rows = Histogram(p + "batch_rows", "Samples per batch, before padding", ["model"],
                                     buckets=ROW_BUCKETS, registry=r)
@@ -172,9 +176,19 @@ class Batcher:
         self._loop()
 
     def _loop(self) -> None:
+        # One batch at a time runs on the device; the next one is gathered
+        # and staged (its rows copied into host memory) meanwhile, then the
+        # running one is collected and answered and the staged one launched.
+        running = None  # (jobs, batch, launched at)
         while True:
-            first = self._next(None)
+            first = self._next(None if running is None else 0)
+            if first is None:  # nothing more has arrived while the batch ran: answer it
+                self._finish(*running)
+                running = None
+                continue
             if first is _STOP:
+                if running is not None:
+                    self._finish(*running)
                 return
             # A job whose request timed out while queued was cancelled: skip it.
             if not first.future.set_running_or_notify_cancel():
@@ -191,23 +205,47 @@ class Batcher:
                 if job.future.set_running_or_notify_cancel():
                     jobs.append(job)
                     rows += job.rows
-            self._run(jobs, rows)
+            batch = self._stage(jobs)
+            if running is not None:
+                self._finish(*running)
+                running = None
+            if batch is not None:
+                running = self._launch(jobs, batch)
 
-    def _run(self, jobs: list[_Job], rows: int) -> None:
+    def _stage(self, jobs: list[_Job]):
         m = self.metrics
         start = time.perf_counter()
         queued = m.child(m.queue)
         for j in jobs:
             queued.observe(start - j.enqueued)
         try:
-            # Each request's rows go straight to their place in the bucket's
-            # device inputs (no joined copy on the host); padded to the
-            # bucket, or a request split over the largest.
-            out = self.predictor.run_parts([j.arrays for j in jobs])
+            # Each request's rows go to their place in the bucket's host
+            # buffer (padded to the bucket, or a request split over the largest).
+            batch = self.predictor.stage([j.arrays for j in jobs])
         except BaseException as e:  # noqa: BLE001  every waiting request gets the error, the thread lives on
-            for j in jobs:
-                j.future.set_exception(e)
+            _fail(jobs, e)
+            return None
+        for k, e in batch.errors.items():  # a request whose input could not be read; the others run
+            jobs[k].future.set_exception(e)
+        return batch
+
+    def _launch(self, jobs: list[_Job], batch):
+        start = time.perf_counter()
+        try:
+            self.predictor.launch(batch)
+        except BaseException as e:  # noqa: BLE001
+            _fail(jobs, e)
+            return None
+        return jobs, batch, start
+
+    def _finish(self, jobs: list[_Job], batch, start: float) -> None:
+        m = self.metrics
+        try:
+            out = self.predictor.collect(batch)
+        except BaseException as e:  # noqa: BLE001
+            _fail(jobs, e)
             return
+        rows = batch.rows
         m.child(m.compute).observe(time.perf_counter() - start)
         m.child(m.batch_rows).observe(rows)
         m.child(m.batch_requests).observe(len(jobs))
@@ -216,8 +254,15 @@ class Batcher:
             m.child(m.padded_rows).inc(bucket - n)
         begin = 0
         for j in jobs:
-            j.future.set_result({k: v[begin : begin + j.rows] for k, v in out.items()})
+            if not j.future.done():
+                j.future.set_result({k: v[begin : begin + j.rows] for k, v in out.items()})
             begin += j.rows
+
+
+def _fail(jobs: list[_Job], e: BaseException) -> None:
+    for j in jobs:
+        if not j.future.done():
+            j.future.set_exception(e)
 
 
 # ------------------------------------------------------------------- server ---

@@ -9,8 +9,10 @@ registers it by name (`POST /v2/systemsharedmemory/region/{name}/register`
 with its key, offset and byte size), then names it in an input's or
 output's parameters (`shared_memory_region`, `shared_memory_byte_size`,
 `shared_memory_offset`): the server reads the input from it and writes the
-output into it. Inputs are copied out of the region when the request is
-decoded, so the client may reuse the region once it has its answer.
+output into it. An input is read from the region when its batch is staged
+(`ShmInput.read_into`: one pread straight into the batch's host buffer,
+in the batcher's thread), before the answer, so the client may reuse the
+region once it has its answer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
+
+import numpy as np
 
 from .errors import RequestError
 
@@ -37,6 +41,55 @@ class _Region:
 
     def status(self) -> dict:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+def _shrank(tensor: str, got: int, nbytes: int) -> RequestError:
+    return RequestError(f"region of '{tensor}' is shorter than registered (its object shrank)",
+                        f"{got} bytes", f"{nbytes}")
+
+
+class ShmInput:
+    """An input tensor in a client's shared-memory region: shape and dtype
+    like an array's; `read_into` copies it (one pread: no mapping, which a
+    client shrinking its object would turn into SIGBUS) into a C-contiguous
+    array of its shape and dtype; numpy reads it with np.asarray."""
+
+    __slots__ = ("name", "_fd", "_offset", "shape", "dtype", "nbytes")
+
+    def __init__(self, name: str, fd: int, offset: int, shape: tuple, dtype: np.dtype):
+        self.name, self._fd, self._offset = name, fd, offset
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def read_into(self, dst: np.ndarray) -> None:
+        if self._fd < 0:
+            raise RequestError(f"input '{self.name}' was already released", None, "a pending request's input")
+        view = memoryview(dst).cast("B")
+        if view.nbytes != self.nbytes:
+            raise ValueError(f"read_into: {view.nbytes} bytes for {self.nbytes}")
+        done = 0
+        while done < self.nbytes:
+            got = os.preadv(self._fd, [view[done:]], self._offset + done)
+            if got == 0:
+                raise _shrank(self.name, done, self.nbytes)
+            done += got
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.empty(self.shape, self.dtype)
+        self.read_into(a)
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __del__(self):
+        self.close()
 
 
 def _int(value, what: str, minimum: int) -> int:
@@ -116,15 +169,18 @@ class Regions:
                                f"at most {region.byte_size} bytes")
         return region, region.offset + offset
 
-    def read(self, params: dict, tensor: str, nbytes: int) -> bytes:
-        """A copy of an input's bytes (the client may reuse the region once answered)."""
+    def input(self, params: dict, tensor: str, shape: list[int], dtype: np.dtype) -> ShmInput:
+        """An input left in its region until its batch is staged (no copy
+        here, on the event loop). It holds its own descriptor of the object,
+        so unregistering the region meanwhile does not pull it away."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         with self._lock:
             region, start = self._span(params, tensor, nbytes, exact=True)
-            data = os.pread(region.fd, nbytes, start)
-        if len(data) != nbytes:
-            raise RequestError(f"region of '{tensor}' is shorter than registered (its object shrank)",
-                               f"{len(data)} bytes", f"{nbytes}")
-        return data
+            have = os.fstat(region.fd).st_size
+            if start + nbytes > have:
+                raise _shrank(tensor, max(have - start, 0), nbytes)
+            fd = os.dup(region.fd)
+        return ShmInput(tensor, fd, start, tuple(shape), dtype)
 
     def check_output(self, params: dict, tensor: str) -> None:
         """That an output's region exists (its size is checked when written)."""

@@ -27,6 +27,21 @@ def tensor_view(t, shape, byte_offset: int):
     return t._create_view(shape, relative_byte_offset=byte_offset)
 
 
+def host_device(dev):
+    """Where a run's host-side buffers live for device `dev`: page-locked
+    host memory (`cuda_host`, cudaMallocHost) for a CUDA GPU, so that copies
+    to and from it run asynchronously at full speed; plain host memory for
+    the CPU."""
+    kinds = tvm_ffi.DLDeviceType
+    if dev.dlpack_device_type() == kinds.kDLCUDA:
+        return tvm_ffi.Device(int(kinds.kDLCUDAHost), dev.index)
+    return tvm.cpu(0)
+
+
+def empty(shape, dtype: str, dev):
+    return tvm.runtime.empty(shape, dtype, dev)
+
+
 from_dlpack = tvm.runtime.from_dlpack
 VirtualMachine = relax.VirtualMachine
 load_module = tvm.runtime.load_module

@@ -17,8 +17,8 @@ Starlette, protocol, shm, asyncio, prometheus, logging...); the profiler
 inflates Python-heavy parts, so those shares are a guide, the unprofiled
 runs the numbers.
 
-`--compute null` (the default) replaces the module run by zeros of the
-outputs' shapes in the server (the batcher, its metrics and the HTTP path
+`--compute null` (the default) replaces the batch's staging, module run and
+collection by zeros of the outputs' shapes in the server (the batcher, its metrics and the HTTP path
 are unchanged), so that the server path is what is measured even on a
 2-core machine (the clients check the answers against those zeros).
 `--compute real` runs the package.
@@ -74,9 +74,16 @@ if compute == "null":
         def __getattr__(self, name):
             return getattr(self.predictor, name)
 
-        def run_parts(self, parts):
-            rows = sum(p[0].shape[0] for p in parts)
-            return {o["name"]: np.zeros((rows, *o["shape"]), o["dtype"]) for o in self.outputs}
+        # The batcher's three steps (Predictor.stage, launch, collect), no copies, no module.
+        def stage(self, parts):
+            rows = [int(p[0].shape[0]) for p in parts]
+            return runtime.Batch(0, sum(rows), None, rows, {})
+
+        def launch(self, batch):
+            return batch
+
+        def collect(self, batch):
+            return {o["name"]: np.zeros((batch.rows, *o["shape"]), o["dtype"]) for o in self.outputs}
 
     def load(folder, *args, **kwargs):
         p = real_load(folder, *args, **kwargs)

@@ -59,12 +59,13 @@ class Controlled:
     def __getattr__(self, name):
         return getattr(self.predictor, name)
 
-    def run_parts(self, parts):  # what the batcher calls for every batch
+    def launch(self, batch):  # what the batcher calls for every batch, after staging it
         self.started.set()
         time.sleep(self.delay)
         if self.fail is not None:
+            self.predictor.release(batch)
             raise self.fail
-        return self.predictor.run_parts(parts)
+        return self.predictor.launch(batch)
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +286,48 @@ def test_run_parts_puts_each_request_in_its_own_rows(tiny_package):
         pred.run_parts([[parts[0][0].astype("float64")]])
 
 
+
+
+def test_a_batch_staged_while_another_runs(tiny_package, tmp_path):
+    """The batcher's overlap: batch B is staged into another host buffer while
+    A is launched, and each is answered with its own rows; B (2 rows) runs
+    after A (4) with zeros, not A's rows, in its padding; a part that cannot
+    be read fails alone (its rows zeroed), the others run."""
+    from deploy import shm
+    from deploy.errors import RequestError
+
+    pred = deploy.load(tiny_package[0])
+    name = pred.outputs[0]["name"]
+    xa, xb, xc = pred.random_inputs(4, seed=1), pred.random_inputs(2, seed=2), pred.random_inputs(1, seed=3)
+    want = {"a": pred.run_bucket(4, xa)[0],
+            "b": pred.run_bucket(4, [np.concatenate([xb[0], np.zeros_like(xb[0])])])[0][:2]}
+    a = pred.launch(pred.stage([xa]))
+    b = pred.stage([xb])
+    assert b.slot is not a.slot  # A's buffer is still being read by the device
+    got_a = pred.collect(a)
+    got_b = pred.collect(pred.launch(b))
+    np.testing.assert_allclose(got_a[name], want["a"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_b[name], want["b"], rtol=1e-5, atol=1e-6)
+    assert not pred._staged_inputs[4][0].numpy()[2:].any()  # A's last rows were zeroed for B
+
+    # A shared-memory part whose object shrank: that part fails, the batch runs.
+    path = Path(shm.SHM_DIR) / f"tvm-deploy-test-stage-{os.getpid()}"
+    path.write_bytes(xc[0].tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        gone = shm.ShmInput("input", os.dup(fd), 0, xc[0].shape, xc[0].dtype)
+        os.truncate(path, 8)
+        batch = pred.stage([xb, [gone], xc])
+        assert list(batch.errors) == [1] and isinstance(batch.errors[1], RequestError)
+        out = pred.collect(pred.launch(batch))[name]
+        np.testing.assert_allclose(out[:2], want["b"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out[3:], pred.run_bucket(1, xc)[0], rtol=1e-5, atol=1e-6)
+        with pytest.raises(RequestError, match="shorter than registered"):
+            pred.run_parts([xb, [gone]])
+        assert not pred._lock.locked() and not any(s.busy for ss in pred._slots.values() for s in ss)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
 def test_concurrent_requests_are_batched_and_answered_each(served, predictor):
     """Distinct inputs of 1 to 3 rows (and one of 6, over the largest bucket)
     at once: every answer is the Predictor's output for its own input."""
@@ -994,15 +1037,25 @@ def test_shared_memory_regions_refuse_what_could_crash_or_escape(tmp_path):
     try:
         regions.register("r", {"key": "/" + name, "byte_size": 64})
         params = {"shared_memory_region": "r", "shared_memory_byte_size": 64}
-        assert regions.read(params, "x", 64) == b"\0" * 64
-        os.truncate(path, 16)  # the client shrinks its object under the registered region
+        f2 = np.dtype("<f2")
+        early, late = regions.input(params, "x", [32], f2), regions.input(params, "x", [32], f2)
+        assert not np.asarray(early).any() and np.asarray(early).shape == (32,)
+        regions.unregister("r")  # the pending input keeps its own descriptor
+        os.truncate(path, 16)  # the client shrinks its object under the pending input ...
         with pytest.raises(RequestError, match="shorter than registered"):
-            regions.read(params, "x", 64)
+            late.read_into(np.empty(32, f2))  # ... which is then a 400 when staged, not SIGBUS
+        regions.register("r", {"key": "/" + name, "byte_size": 16})
+        os.truncate(path, 64)
+        regions.register("r2", {"key": "/" + name, "byte_size": 64})
+        params = {"shared_memory_region": "r2", "shared_memory_byte_size": 64}
+        os.truncate(path, 16)
+        with pytest.raises(RequestError, match="shorter than registered"):
+            regions.input(params, "x", [32], f2)  # shrunk before the request: refused when decoded
         with pytest.raises(RequestError, match="shorter than registered"):
             regions.write(params, "y", b"1" * 64)
         assert path.stat().st_size == 16  # not grown by the write
         with pytest.raises(RequestError, match="invalid shared_memory_region"):
-            regions.read({"shared_memory_region": ["r"], "shared_memory_byte_size": 64}, "x", 64)
+            regions.input({"shared_memory_region": ["r"], "shared_memory_byte_size": 64}, "x", [32], f2)
         with pytest.raises(RequestError, match="invalid shared-memory key"):
             regions.register("n", {"key": "/a\x00b", "byte_size": 1})
         link.symlink_to(tmp_path / "file")
