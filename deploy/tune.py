@@ -12,18 +12,25 @@ committed, because tuning is the expensive part. A run:
     MetaSchedule's own logs only count;
   - measures on this machine's device, or on a pool of RPC servers through
     TVM's tracker (`deploy/rpc.py`; same database, one server per GPU).
-JSONDatabase appends one line per measured candidate, so a killed run loses
-nothing already measured; a line cut short by the kill is dropped on the
-next open.
+  - stops cleanly on the first Ctrl-C (SIGINT, which `timeout --signal=INT`
+    sends too): no new candidates, and what is built or being measured is
+    measured and saved; a second Ctrl-C stops at once.
+MetaSchedule saves a batch's results when it comes back to that task, which
+in its first round is after every other task has had a batch (minutes, for
+ResNet-50 at batch 64): a run killed outright loses the batches measured but
+not yet saved. JSONDatabase appends one line per saved candidate; a line cut
+short by a kill is dropped on the next open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -255,10 +262,10 @@ def _failure_reason(msg: str) -> str:
     return _first_line(msg)
 
 
-def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int, stop=None):
+def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int, stop=()):
     """An EvolutionarySearch that stops at a wall-clock deadline, after
-    `budget` new trials (what is left of this task's budget), or once the
-    `stop` event is set (the RPC pool is gone)."""
+    `budget` new trials (what is left of this task's budget), or once one of
+    the `stop` events is set (the RPC pool is gone, the run was interrupted)."""
     from .tvm_compat import ms
     from .tvm_compat import derived_object
 
@@ -281,7 +288,7 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
         def generate_measure_candidates(self):
             if deadline is not None and time.time() >= deadline:
                 return None
-            if stop is not None and stop.is_set():
+            if any(e.is_set() for e in stop):
                 return None
             return self.inner.generate_measure_candidates()
 
@@ -533,6 +540,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     for p in todo:
         stats[p["name"]] = _new_stats()
     stop = threading.Event()  # set by the RPC runner when its pool is lost
+    interrupted = threading.Event()  # set by the first Ctrl-C
     logs = work / "logs" / label_name
     _drop_unnamed_handlers()
     loggers = ms.logging.get_loggers_from_work_dir(str(logs), [p["name"] for p in todo])
@@ -544,7 +552,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
             target=tvm_target,
             space_generator=_design_space(p["mod"], tvm_target, s)[0],
             search_strategy=_make_deadline_search(
-                deadline, p["left"], profile.search_population, profile.search_generations, stop,
+                deadline, p["left"], profile.search_population, profile.search_generations, (stop, interrupted),
             ),
             task_name=p["name"],
             logger=lg,
@@ -591,7 +599,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     measurer = getattr(runner, "measurer", None)  # the RPC pool's state
     try:
         with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True, position=lane or 0) as bar, \
-                ms.Profiler() as prof:
+                ms.Profiler() as prof, _wind_down_on_interrupt(interrupted, label):
             ms.tune_tasks(
                 tasks=contexts,
                 task_weights=[p["weight"] for p in todo],
@@ -615,6 +623,8 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
         builder.close()
         if measurer is not None:
             measurer.close()
+    if interrupted.is_set():  # every measured candidate is saved: now stop as Ctrl-C does
+        raise KeyboardInterrupt
     summary["time_split_s"] = {k: round(float(v), 2) for k, v in sorted(prof.get().items(), key=lambda kv: -kv[1])}
     summary["build_times"] = builder.times  # tune_bucket turns it into summary["build"]
     if measurer is not None:
@@ -622,6 +632,30 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
         if measurer.fatal is not None:
             log.error("tune: %s", measurer.fatal)
             raise measurer.fatal
+
+
+@contextlib.contextmanager
+def _wind_down_on_interrupt(event: threading.Event, label: str):
+    """While tuning, the first SIGINT sets `event` (the searches then give no
+    new candidates, and MetaSchedule saves what it built or is measuring);
+    a second one raises KeyboardInterrupt as usual. Python runs signal
+    handlers in the main thread only: elsewhere this changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+        log.warning("tune: %s: interrupted: no new candidates; those built are measured and saved "
+                    "(interrupt again to stop at once)", label)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # Records per task the cost model is warmed with: replaying and featurizing

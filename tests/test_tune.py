@@ -90,6 +90,42 @@ def test_deadline_stops_cleanly(tmp_path, llvm_target, tiny_opt):
     assert (a.folder / "manifest.json").is_file()
 
 
+def test_first_interrupt_saves_every_candidate_built(tmp_path, llvm_target, tiny_opt, monkeypatch):
+    """The first SIGINT while tuning (Ctrl-C, or gpu_chunk.sh's `timeout
+    --signal=INT`) stops new candidates, and every candidate already built
+    is measured and saved, also batches MetaSchedule had not come back to
+    yet; then the run ends as Ctrl-C ends it, the usual handler back."""
+    import signal
+
+    exported, opt = tiny_opt
+    built = []
+    real = tune._make_builder
+
+    def make(*args, **kwargs):
+        b = real(*args, **kwargs)
+        inner = b._inst.build  # the Python method (b.build is the FFI one, which calls back into this)
+
+        def build(inputs):
+            out = inner(inputs)
+            built.append(len(inputs))
+            if len(built) == 2:  # both tasks have a batch built, neither saved yet
+                signal.raise_signal(signal.SIGINT)
+            return out
+
+        b.build = build
+        return b
+
+    monkeypatch.setattr(tune, "_make_builder", make)
+    cfg = make_config(trials=16, trials_per_task=8, trials_per_iter=2, max_tasks=2)
+    with pytest.raises(KeyboardInterrupt):
+        _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert built == [2, 2]  # no batch after the interrupt
+    (db_dir,) = [d for d in (tmp_path / "db").rglob("key.json")]
+    _, records = dbs._all_lines(db_dir.parent)
+    assert len(records) == 4
+
+
 def test_database_for_another_target_is_refused(tmp_path, llvm_target, tiny_opt):
     exported, opt = tiny_opt
     cfg = make_config(trials=2, trials_per_task=2, max_tasks=1)
