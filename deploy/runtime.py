@@ -256,7 +256,7 @@ class Predictor:
                         else:
                             src.read_into(dst)
                     except DeployError as e:
-                        errors[k] = e
+                        errors[k] = e.with_traceback(None)  # no frame of this loop (and its parts) kept alive
                 if k in errors:
                     for view in slot.views:
                         view[at : at + n] = 0
@@ -325,6 +325,8 @@ class Predictor:
     def _collect_locked(self, batch: Batch) -> dict[str, np.ndarray]:
         if batch.result is not None:
             return batch.result
+        if batch.outs is None:
+            raise RuntimeError("collect() of a batch that was not launched (or was released)")
         self.device.sync()
         n = batch.rows
         return {spec["name"]: v[:n].copy() for spec, v in zip(self.outputs, batch.slot.out_views)}

@@ -18,7 +18,8 @@ on a GPU; shared-memory inputs are read straight into it). It then collects
 the batch running on the device, if any, answers its requests with their own
 rows, and launches the new one: the copies to the device, the module and the
 copies back are queued without waiting, so the next batch is gathered and
-staged while this one runs. When nothing is queued, the running batch is
+staged while this one runs (waiting for more requests only until the running
+batch is expected to be done). When nothing is queued, the running batch is
 collected at once. A request larger than the largest bucket runs alone,
 split across buckets by the Predictor.
 
@@ -142,6 +143,7 @@ class Batcher:
         self.max_rows = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._carry = None  # a job taken from the queue that did not fit the last batch
+        self._device_s: dict[int, float] = {}  # bucket -> recent seconds from launch to outputs back
         self._thread = threading.Thread(target=self._main, args=(load,), name="batcher", daemon=True)
         self._thread.start()
 
@@ -179,6 +181,9 @@ class Batcher:
         # One batch at a time runs on the device; the next one is gathered
         # and staged (its rows copied into host memory) meanwhile, then the
         # running one is collected and answered and the staged one launched.
+        # While a batch runs, the next one waits for company only until the
+        # running one is expected to be done (its bucket's last device time):
+        # past that, waiting would hold up the finished batch's answers.
         running = None  # (jobs, batch, launched at)
         while True:
             first = self._next(None if running is None else 0)
@@ -195,6 +200,8 @@ class Batcher:
                 continue
             jobs, rows = [first], first.rows
             deadline = first.enqueued + self.max_delay
+            if running is not None:
+                deadline = min(deadline, running[2] + self._device_s.get(running[1].bucket, 0.0))
             while rows < self.max_rows:
                 job = self._next(deadline - time.perf_counter())
                 if job is None:
@@ -227,6 +234,9 @@ class Batcher:
             return None
         for k, e in batch.errors.items():  # a request whose input could not be read; the others run
             jobs[k].future.set_exception(e)
+        if len(batch.errors) == len(jobs):
+            self.predictor.release(batch)
+            return None
         return batch
 
     def _launch(self, jobs: list[_Job], batch):
@@ -240,13 +250,19 @@ class Batcher:
 
     def _finish(self, jobs: list[_Job], batch, start: float) -> None:
         m = self.metrics
+        t0 = time.perf_counter()
         try:
             out = self.predictor.collect(batch)
         except BaseException as e:  # noqa: BLE001
             _fail(jobs, e)
             return
+        done = time.perf_counter()
+        if done - t0 > 1e-4:  # collect waited for the device: the batch ended about now
+            last = self._device_s.get(batch.bucket)
+            took = done - start
+            self._device_s[batch.bucket] = took if last is None else 0.7 * last + 0.3 * took
         rows = batch.rows
-        m.child(m.compute).observe(time.perf_counter() - start)
+        m.child(m.compute).observe(done - start)
         m.child(m.batch_rows).observe(rows)
         m.child(m.batch_requests).observe(len(jobs))
         for bucket, n in self.predictor.plan(rows):  # one piece, or the pieces of a split request

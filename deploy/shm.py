@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import RequestError
+from .errors import RequestError, UnavailableError
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory objects
 
@@ -52,7 +52,8 @@ class ShmInput:
     """An input tensor in a client's shared-memory region: shape and dtype
     like an array's; `read_into` copies it (one pread: no mapping, which a
     client shrinking its object would turn into SIGBUS) into a C-contiguous
-    array of its shape and dtype; numpy reads it with np.asarray."""
+    array of its shape and dtype, once (a pending request's input is read
+    when its batch is staged); numpy reads it with np.asarray."""
 
     __slots__ = ("name", "_fd", "_offset", "shape", "dtype", "nbytes")
 
@@ -66,17 +67,22 @@ class ShmInput:
         return len(self.shape)
 
     def read_into(self, dst: np.ndarray) -> None:
+        """Read the tensor into `dst`, once: the descriptor is closed after
+        (read or failed), not left to the garbage collector."""
         if self._fd < 0:
-            raise RequestError(f"input '{self.name}' was already released", None, "a pending request's input")
-        view = memoryview(dst).cast("B")
-        if view.nbytes != self.nbytes:
-            raise ValueError(f"read_into: {view.nbytes} bytes for {self.nbytes}")
-        done = 0
-        while done < self.nbytes:
-            got = os.preadv(self._fd, [view[done:]], self._offset + done)
-            if got == 0:
-                raise _shrank(self.name, done, self.nbytes)
-            done += got
+            raise RequestError(f"input '{self.name}' was already read", None, "one read per request")
+        try:
+            view = memoryview(dst).cast("B")
+            if view.nbytes != self.nbytes:
+                raise ValueError(f"read_into: {view.nbytes} bytes for {self.nbytes}")
+            done = 0
+            while done < self.nbytes:
+                got = os.preadv(self._fd, [view[done:]], self._offset + done)
+                if got == 0:
+                    raise _shrank(self.name, done, self.nbytes)
+                done += got
+        finally:
+            self.close()
 
     def __array__(self, dtype=None, copy=None):
         a = np.empty(self.shape, self.dtype)
@@ -179,7 +185,11 @@ class Regions:
             have = os.fstat(region.fd).st_size
             if start + nbytes > have:
                 raise _shrank(tensor, max(have - start, 0), nbytes)
-            fd = os.dup(region.fd)
+            try:
+                fd = os.dup(region.fd)
+            except OSError as e:  # out of descriptors: too many inputs pending
+                raise UnavailableError("cannot hold another shared-memory input", e.strerror,
+                                       "fewer requests in flight; retry later") from None
         return ShmInput(tensor, fd, start, tuple(shape), dtype)
 
     def check_output(self, params: dict, tensor: str) -> None:

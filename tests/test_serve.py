@@ -322,12 +322,36 @@ def test_a_batch_staged_while_another_runs(tiny_package, tmp_path):
         out = pred.collect(pred.launch(batch))[name]
         np.testing.assert_allclose(out[:2], want["b"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(out[3:], pred.run_bucket(1, xc)[0], rtol=1e-5, atol=1e-6)
+        assert gone._fd < 0  # closed once read (here: once it failed), not left to the garbage collector
+        again = shm.ShmInput("input", os.dup(fd), 0, xc[0].shape, xc[0].dtype)
         with pytest.raises(RequestError, match="shorter than registered"):
-            pred.run_parts([xb, [gone]])
+            pred.run_parts([xb, [again]])
         assert not pred._lock.locked() and not any(s.busy for ss in pred._slots.values() for s in ss)
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
+def test_a_running_batch_is_answered_without_waiting_for_the_next_ones_company(tiny_package):
+    """The batcher gathers the next batch while one runs, but waits for more
+    requests only until the running batch is expected to be done: its answer
+    is not held up by the next batch's --max-queue-delay-ms window."""
+    from deploy.serve import Batcher, Metrics
+
+    pred = Controlled(deploy.load(tiny_package[0]))
+    pred.delay = 0.05  # the running batch takes 50 ms
+    batcher = Batcher(lambda: pred, 0.5, Metrics("t"))
+    x = pred.random_inputs(1)
+    try:
+        first = batcher.submit(x, 1)
+        assert pred.started.wait(30)
+        t0 = time.perf_counter()
+        second = batcher.submit(x, 1)  # queued while the first runs; its window would be 0.5 s
+        first.result(timeout=30)
+        assert time.perf_counter() - t0 < 0.3
+        np.testing.assert_allclose(second.result(timeout=30)["output"], first.result()["output"])
+    finally:
+        batcher.close(30)
+
+
 def test_concurrent_requests_are_batched_and_answered_each(served, predictor):
     """Distinct inputs of 1 to 3 rows (and one of 6, over the largest bucket)
     at once: every answer is the Predictor's output for its own input."""
@@ -1039,7 +1063,10 @@ def test_shared_memory_regions_refuse_what_could_crash_or_escape(tmp_path):
         params = {"shared_memory_region": "r", "shared_memory_byte_size": 64}
         f2 = np.dtype("<f2")
         early, late = regions.input(params, "x", [32], f2), regions.input(params, "x", [32], f2)
-        assert not np.asarray(early).any() and np.asarray(early).shape == (32,)
+        first = np.asarray(early)
+        assert not first.any() and first.shape == (32,)
+        with pytest.raises(RequestError, match="already read"):  # one read: its descriptor is closed after
+            np.asarray(early)
         regions.unregister("r")  # the pending input keeps its own descriptor
         os.truncate(path, 16)  # the client shrinks its object under the pending input ...
         with pytest.raises(RequestError, match="shorter than registered"):
