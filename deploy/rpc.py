@@ -690,6 +690,17 @@ def _measure(host, port, matchkey, session_timeout, artifact_path, device_type, 
             _KEPT.update(address=address, sess=sess)
 
 
+def ignore_sigint() -> None:
+    """In a worker process (building, measuring): leave SIGINT to the parent.
+    Ctrl-C, and `timeout --signal=INT`, reach the whole process group; the
+    tuning process winds down on the first one (finishing and saving what
+    its workers build and measure), which a worker killed by it would turn
+    into failed candidates."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _warm() -> None:
     """What `_measure` imports, loaded before a server is requested: the
     server gives up on a match key not used within ~5 s, and a fresh worker
@@ -771,7 +782,7 @@ class Measurer:
 
         w = getattr(self.local, "worker", None)
         if w is None:
-            w = self.local.worker = PopenWorker()
+            w = self.local.worker = PopenWorker(initializer=ignore_sigint)
             with self.lock:
                 self.workers.append(w)
         if not w.is_alive():

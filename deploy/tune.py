@@ -39,7 +39,7 @@ from . import artifacts
 from . import database as dbs
 from .config import InputSpec, Profile, RPCPool
 from .errors import DeployError, TargetError
-from .rpc import LOST
+from .rpc import LOST, ignore_sigint
 from .optimize import OptimizeArtifact
 from .targets import TargetInfo
 
@@ -151,8 +151,10 @@ NVRTC_PCH_MIN = (12, 8)  # older NVRTC may reject -pch: then every candidate wou
 
 
 def _build_worker_init() -> None:
-    """In each build worker: NVRTC_PCH_OPTS, with an NVRTC that takes it,
-    unless the user set TVM_CUDA_NVRTC_EXTRA_OPTS (empty turns it off)."""
+    """In each build worker: SIGINT ignored (see `rpc.ignore_sigint`), and
+    NVRTC_PCH_OPTS, with an NVRTC that takes it, unless the user set
+    TVM_CUDA_NVRTC_EXTRA_OPTS (empty turns it off)."""
+    ignore_sigint()
     if "TVM_CUDA_NVRTC_EXTRA_OPTS" in os.environ:
         return
     try:
@@ -407,7 +409,8 @@ def _runner(target: TargetInfo, profile: Profile, pool: RPCPool | None = None, n
         from . import rpc
 
         return rpc.make_runner(pool, target, n_servers, _evaluator_config(target), profile.runner_timeout_s, stop)
-    return ms.runner.LocalRunner(timeout_sec=profile.runner_timeout_s, evaluator_config=_evaluator_config(target))
+    return ms.runner.LocalRunner(timeout_sec=profile.runner_timeout_s, evaluator_config=_evaluator_config(target),
+                                 initializer=ignore_sigint)
 
 
 def task_flops(task) -> float:
@@ -599,7 +602,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     measurer = getattr(runner, "measurer", None)  # the RPC pool's state
     try:
         with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True, position=lane or 0) as bar, \
-                ms.Profiler() as prof, _wind_down_on_interrupt(interrupted, label):
+                ms.Profiler() as prof, _wind_down_on_interrupt(interrupted, label), _second_interrupt(interrupted):
             ms.tune_tasks(
                 tasks=contexts,
                 task_weights=[p["weight"] for p in todo],
@@ -635,11 +638,24 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
 
 
 @contextlib.contextmanager
+def _second_interrupt(interrupted: threading.Event):
+    """A KeyboardInterrupt raised in a MetaSchedule callback comes out of
+    TVM as another error: after an interrupt, any error is that one."""
+    try:
+        yield
+    except Exception as e:
+        if interrupted.is_set():
+            raise KeyboardInterrupt from e
+        raise
+
+
+@contextlib.contextmanager
 def _wind_down_on_interrupt(event: threading.Event, label: str):
     """While tuning, the first SIGINT sets `event` (the searches then give no
     new candidates, and MetaSchedule saves what it built or is measuring);
-    a second one raises KeyboardInterrupt as usual. Python runs signal
-    handlers in the main thread only: elsewhere this changes nothing."""
+    a second one stops at once (raises KeyboardInterrupt). Python runs
+    signal handlers in the main thread only: elsewhere this changes nothing.
+    Workers (builds, measuring) ignore SIGINT (`rpc.ignore_sigint`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
