@@ -16,6 +16,7 @@ native code is loaded."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,25 @@ def _rows(a) -> int:
     return int(a.shape[0])
 
 
+# Staging copies of batches from this size on are spread over threads, in
+# slices of about STAGE_SLICE_BYTES.
+PARALLEL_STAGE_BYTES = 4 << 20
+STAGE_SLICE_BYTES = 2 << 20
+
+
+def _copy_one(copy: tuple):
+    """One staging copy; (part index, error) if the input could not be read."""
+    k, dst, src = copy
+    try:
+        if isinstance(src, np.ndarray):
+            np.copyto(dst, src)
+        else:
+            src.read_into(dst)
+    except DeployError as e:
+        return k, e.with_traceback(None)  # no frame (and its batch) kept alive
+    return None
+
+
 class Predictor:
     def __init__(self, folder: str | Path, warn_unvalidated: bool = True, manifest: dict | None = None):
         """`manifest`: what `check_package(folder)` returned, when the caller
@@ -126,6 +146,8 @@ class Predictor:
         self._slots_lock = threading.Lock()
         self._zeros: list | None = None  # per input, host zeros for padding rows
         self._lock = threading.Lock()  # the device inputs are shared: one launched batch at a time
+        self._stage_threads = min(4, os.cpu_count() or 1)
+        self._stage_pool = None  # made on the first large batch
         self._views: dict[tuple, object] = {}  # row views of staged and host tensors
         # Per input: the shape of one row and its size in bytes (row views of the staged tensors).
         self._row = [(list(s["shape"]), int(np.prod(s["shape"], dtype=np.int64)) * np.dtype(s["dtype"]).itemsize)
@@ -244,20 +266,20 @@ class Predictor:
             return Batch(plan[-1][0], rows, None, [_rows(p[0]) for p in parts], {}, pieces=parts)
         bucket = plan[0][0]
         slot = self._take_slot(bucket)
-        errors, at = {}, 0
         try:
+            copies, at = [], 0  # (part index, destination rows, source)
             for k, part in enumerate(parts):
                 n = _rows(part[0])
-                for view, src in zip(slot.views, part):
-                    dst = view[at : at + n]
-                    try:
-                        if isinstance(src, np.ndarray):
-                            np.copyto(dst, src)  # numpy drops the GIL for large copies
-                        else:
-                            src.read_into(dst)
-                    except DeployError as e:
-                        errors[k] = e.with_traceback(None)  # no frame of this loop (and its parts) kept alive
-                if k in errors:
+                copies += [(k, view[at : at + n], src) for view, src in zip(slot.views, part)]
+                at += n
+            failed = self._copy_all(copies)
+            errors = {}
+            for k, e in failed:
+                errors.setdefault(k, e)
+            at = 0
+            for k, part in enumerate(parts):
+                n = _rows(part[0])
+                if k in errors:  # its rows: zeros, not half of its input
                     for view in slot.views:
                         view[at : at + n] = 0
                 at += n
@@ -265,6 +287,29 @@ class Predictor:
             slot.busy = False
             raise
         return Batch(bucket, rows, slot, [_rows(p[0]) for p in parts], errors)
+
+    def _copy_all(self, copies: list[tuple]) -> list[tuple[int, DeployError]]:
+        """Do the staging copies; those of a large batch are spread over a few
+        threads (numpy's copy and `pread` drop the GIL; one thread copied
+        at ~3 GB/s on an H200 host, a 19 MB batch in ~6 ms), a large array
+        in slices of rows. Returns (part index, error) of inputs that could
+        not be read."""
+        total = sum(dst.nbytes for _, dst, _ in copies)
+        if total < PARALLEL_STAGE_BYTES or self._stage_threads < 2:
+            return [r for r in map(_copy_one, copies) if r is not None]
+        pieces = []
+        for k, dst, src in copies:
+            n = _rows(dst)
+            if isinstance(src, np.ndarray) and dst.nbytes > STAGE_SLICE_BYTES and n > 1:
+                step = max(1, int(n * STAGE_SLICE_BYTES // dst.nbytes))
+                pieces += [(k, dst[i : i + step], src[i : i + step]) for i in range(0, n, step)]
+            else:
+                pieces.append((k, dst, src))
+        if self._stage_pool is None:
+            import concurrent.futures
+
+            self._stage_pool = concurrent.futures.ThreadPoolExecutor(self._stage_threads, "stage")
+        return [r for r in self._stage_pool.map(_copy_one, pieces) if r is not None]
 
     def launch(self, batch: Batch) -> Batch:
         self._lock.acquire()

@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--bucket", type=int, default=0, help="rows of the bucket padded to (views+pad); default: no padding")
     ap.add_argument("--package", help="a package built for --device: time its --bucket module's call")
+    ap.add_argument("--stage-threads", type=int, default=4, help="threads of the staging copies to compare with 1")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -73,6 +74,18 @@ def main() -> int:
         dev.sync()
 
     ways = [("join", join), ("views", views)]
+
+    # The server's staging copies (Predictor._copy_all): the requests' rows into
+    # a host buffer of the bucket, in the calling thread or spread over threads.
+    from types import SimpleNamespace
+
+    from deploy import runtime
+
+    host_buf = np.empty((bucket, *shape), dt)
+    stage_copies = [(k, host_buf[k * args.rows : (k + 1) * args.rows], p) for k, p in enumerate(parts)]
+    for threads in sorted({1, args.stage_threads}):
+        state = SimpleNamespace(_stage_threads=threads, _stage_pool=None)
+        ways.append((f"stage, {threads} thread(s)", lambda s=state: runtime.Predictor._copy_all(s, stage_copies)))
     pinned_error = None
     if args.device == "cuda":
         from deploy.tvm_compat import tvm_ffi
@@ -104,9 +117,25 @@ def main() -> int:
             to_pinned()
             pinned_h2d()
 
+        def pinned_full():  # the whole bucket, tensor to tensor (no views)
+            staged.copyfrom(pinned)
+            dev.sync()
+
+        out_dev = tensor(np.ones((bucket, 1000), dt), dev)
+        out_host = tvm.runtime.empty((bucket, 1000), dt, tvm_ffi.Device(3, 0))
+
+        def d2h_pinned():  # a (bucket, 1000) output back into page-locked memory
+            out_dev.copyto(out_host)
+            dev.sync()
+
+        def sync_idle():
+            dev.sync()
+
         ways.append(("views+pad", views_pad))
         if pinned_error is None:
-            ways += [("to-pinned", to_pinned), ("pinned-h2d", pinned_h2d), ("pinned", both)]
+            ways += [("to-pinned", to_pinned), ("pinned-h2d", pinned_h2d), ("pinned", both),
+                     ("pinned-full-bucket-h2d", pinned_full), ("d2h-pinned (bucket x 1000)", d2h_pinned),
+                     ("sync, device idle", sync_idle)]
 
     out = {}
     for name, f in ways:

@@ -330,6 +330,25 @@ def test_a_batch_staged_while_another_runs(tiny_package, tmp_path):
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
+def test_large_batches_are_staged_by_several_threads(tiny_package, monkeypatch):
+    """Staging copies spread over threads, large arrays in slices of rows
+    (forced here on the tiny model): the same outputs as one thread."""
+    from deploy import runtime
+
+    pred = deploy.load(tiny_package[0])
+    parts = [pred.random_inputs(n, seed=10 + n) for n in (1, 3)]
+    name = pred.outputs[0]["name"]
+    alone = pred.run_parts(parts)[name]
+    monkeypatch.setattr(runtime, "PARALLEL_STAGE_BYTES", 0)
+    monkeypatch.setattr(runtime, "STAGE_SLICE_BYTES", parts[1][0][0].nbytes)  # one row a slice
+    pred._stage_threads = 2
+    sliced = []
+    real = runtime._copy_one
+    monkeypatch.setattr(runtime, "_copy_one", lambda c: sliced.append(c[1].shape[0]) or real(c))
+    np.testing.assert_array_equal(pred.run_parts(parts)[name], alone)
+    assert sorted(sliced) == [1, 1, 1, 1] and pred._stage_pool is not None
+
+
 def test_a_running_batch_is_answered_without_waiting_for_the_next_ones_company(tiny_package):
     """The batcher gathers the next batch while one runs, but waits for more
     requests only until the running batch is expected to be done: its answer
