@@ -73,11 +73,23 @@ def measure_raw(predictor, seconds: float) -> dict:
             predictor.run_bucket(b, arrays)  # returns numpy: synchronized
             times.append(time.perf_counter() - t0)
         median = float(np.median(times))
+        # The host part alone: the rows into the bucket's host buffer, what
+        # the server's batcher does for the next batch while one runs.
+        staging = []
+        for _ in range(min(max(len(times), 5), 50)):
+            t0 = time.perf_counter()
+            batch = predictor.stage([arrays])
+            staging.append(time.perf_counter() - t0)
+            predictor.release(batch)
+        stage = float(np.median(staging))
+        nbytes = sum(a.nbytes for a in arrays)
         module = predictor.latency(b)["median_ms"] / 1e3
         out[str(b)] = {
             "run_bucket_median_ms": median * 1e3,
             "run_bucket_samples_per_s": b / median,
             "iterations": len(times),
+            "staging_median_ms": stage * 1e3,
+            "staging_gb_per_s": nbytes / stage / 1e9 if stage > 0 else None,
             "module_median_ms": module * 1e3,
             "module_samples_per_s": b / module,
         }
@@ -582,16 +594,21 @@ def markdown(report: dict) -> str:
         "",
         "## Raw module (this process, no HTTP)",
         "",
-        "| bucket | run_bucket p50 (ms) | samples/s | module only p50 (ms) | samples/s |",
-        "|---:|---:|---:|---:|---:|",
+        "| bucket | run_bucket p50 (ms) | samples/s | module only p50 (ms) | samples/s | staging p50 (ms) | GB/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b, r in raw["buckets"].items():
+        staged = r.get("staging_median_ms")  # absent in reports written before it was measured
         lines.append(f"| {b} | {r['run_bucket_median_ms']:.3f} | {r['run_bucket_samples_per_s']:.1f} | "
-                     f"{r['module_median_ms']:.3f} | {r['module_samples_per_s']:.1f} |")
+                     f"{r['module_median_ms']:.3f} | {r['module_samples_per_s']:.1f} | "
+                     f"{_fmt(staged, '.3f')} | {_fmt(r.get('staging_gb_per_s'), '.1f')} |")
     lines += [
         "",
         (f"Reference: bucket {raw['best_bucket']}, {raw['best_samples_per_s']:.1f} samples/s through run_bucket "
-         "(numpy in and out, the copies the server pays too)."),
+         "(numpy in and out, the copies the server pays too). Staging: the rows copied into the bucket's host "
+         "buffer alone (page-locked on a GPU), what the server's batcher does for the next batch while one runs; "
+         "the host's copy speed, which differs between machines, bounds the server when staging takes longer "
+         "than the module."),
         "",
         "## Served (HTTP, KServe v2)",
         "",

@@ -977,6 +977,8 @@ def test_loadtest_writes_a_report(capsys, tmp_path, tiny_package):
     assert report["client_processes"] == 2
     assert '"warmup": false' in (out / "server.log").read_text()  # --no-warmup reached the server
     assert set(report["raw"]["buckets"]) == {"1", "4"} and report["raw"]["best_samples_per_s"] > 0
+    four = report["raw"]["buckets"]["4"]  # the host copy alone, timed apart from the run
+    assert 0 < four["staging_median_ms"] < four["run_bucket_median_ms"] and four["staging_gb_per_s"] > 0
     assert report["server_exit_status"] == 0 and report["target_check"] is None
     assert "| concurrency | samples/s |" in (out / "results.md").read_text()
     assert "| concurrency | in server (ms) | queued (ms) | batch run (ms) |" in (out / "results.md").read_text()
