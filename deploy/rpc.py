@@ -695,7 +695,8 @@ def ignore_sigint() -> None:
     Ctrl-C, and `timeout --signal=INT`, reach the whole process group; the
     tuning process winds down on the first one (finishing and saving what
     its workers build and measure), which a worker killed by it would turn
-    into failed candidates."""
+    into failed candidates. A worker starting (importing TVM, a few seconds)
+    has not set this yet: an interrupt then still ends it."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

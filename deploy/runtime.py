@@ -111,14 +111,15 @@ STAGE_SLICE_BYTES = 2 << 20
 
 
 def _copy_one(copy: tuple):
-    """One staging copy; (part index, error) if the input could not be read."""
+    """One staging copy; (part index, error) if it failed (never raises, so
+    that every copy of the batch has ended before its buffer is given back)."""
     k, dst, src = copy
     try:
         if isinstance(src, np.ndarray):
             np.copyto(dst, src)
         else:
             src.read_into(dst)
-    except DeployError as e:
+    except Exception as e:  # noqa: BLE001
         return k, e.with_traceback(None)  # no frame (and its batch) kept alive
     return None
 
@@ -154,6 +155,12 @@ class Predictor:
                      for s in self.inputs]
         if warn_unvalidated and self.manifest.get("validation") is None:
             log.warning("package %s was not validated", self.folder)
+
+    @property
+    def launch_waits(self) -> bool:
+        """Whether `launch` returns only once the module has run (a CPU
+        device), so that `collect` never waits."""
+        return self.device.dlpack_device_type() == 1  # kDLCPU
 
     @property
     def max_batch(self) -> int:
@@ -272,9 +279,12 @@ class Predictor:
                 n = _rows(part[0])
                 copies += [(k, view[at : at + n], src) for view, src in zip(slot.views, part)]
                 at += n
-            failed = self._copy_all(copies)
+            failed = self._copy_all(copies)  # every copy has ended: none still writes the buffer
+            bug = next((e for _, e in failed if not isinstance(e, DeployError)), None)
+            if bug is not None:
+                raise bug
             errors = {}
-            for k, e in failed:
+            for k, e in failed:  # an input that could not be read: its request fails, the others run
                 errors.setdefault(k, e)
             at = 0
             for k, part in enumerate(parts):
@@ -288,12 +298,12 @@ class Predictor:
             raise
         return Batch(bucket, rows, slot, [_rows(p[0]) for p in parts], errors)
 
-    def _copy_all(self, copies: list[tuple]) -> list[tuple[int, DeployError]]:
+    def _copy_all(self, copies: list[tuple]) -> list[tuple[int, Exception]]:
         """Do the staging copies; those of a large batch are spread over a few
         threads (numpy's copy and `pread` drop the GIL; one thread copied
         at ~3 GB/s on an H200 host, a 19 MB batch in ~6 ms), a large array
-        in slices of rows. Returns (part index, error) of inputs that could
-        not be read."""
+        in slices of rows. Returns (part index, error) of the copies that
+        failed, once every copy has ended."""
         total = sum(dst.nbytes for _, dst, _ in copies)
         if total < PARALLEL_STAGE_BYTES or self._stage_threads < 2:
             return [r for r in map(_copy_one, copies) if r is not None]
@@ -305,10 +315,11 @@ class Predictor:
                 pieces += [(k, dst[i : i + step], src[i : i + step]) for i in range(0, n, step)]
             else:
                 pieces.append((k, dst, src))
-        if self._stage_pool is None:
-            import concurrent.futures
+        with self._slots_lock:
+            if self._stage_pool is None:
+                import concurrent.futures
 
-            self._stage_pool = concurrent.futures.ThreadPoolExecutor(self._stage_threads, "stage")
+                self._stage_pool = concurrent.futures.ThreadPoolExecutor(self._stage_threads, "stage")
         return [r for r in self._stage_pool.map(_copy_one, pieces) if r is not None]
 
     def launch(self, batch: Batch) -> Batch:

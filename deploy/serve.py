@@ -129,6 +129,9 @@ class _Job:
 
 
 _STOP = object()
+# A collect that took longer than this waited for the device (not only for
+# the GIL, at most the 0.5 ms switch interval, and the outputs' copy).
+COLLECT_WAITED_S = 1e-3
 
 
 class Batcher:
@@ -143,7 +146,8 @@ class Batcher:
         self.max_rows = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._carry = None  # a job taken from the queue that did not fit the last batch
-        self._device_s: dict[int, float] = {}  # bucket -> recent seconds from launch to outputs back
+        self._device_s: dict[int, float] = {}  # bucket -> estimated seconds from launch to outputs back
+        self._stage_s = 0.0  # recent seconds to stage a batch
         self._thread = threading.Thread(target=self._main, args=(load,), name="batcher", daemon=True)
         self._thread.start()
 
@@ -181,8 +185,8 @@ class Batcher:
         # One batch at a time runs on the device; the next one is gathered
         # and staged (its rows copied into host memory) meanwhile, then the
         # running one is collected and answered and the staged one launched.
-        # While a batch runs, the next one waits for company only until the
-        # running one is expected to be done (its bucket's last device time):
+        # While a batch runs, the next one waits for company only until it
+        # must be staged for the running one's end (see _expected_done):
         # past that, waiting would hold up the finished batch's answers.
         running = None  # (jobs, batch, launched at)
         while True:
@@ -201,7 +205,7 @@ class Batcher:
             jobs, rows = [first], first.rows
             deadline = first.enqueued + self.max_delay
             if running is not None:
-                deadline = min(deadline, running[2] + self._device_s.get(running[1].bucket, 0.0))
+                deadline = min(deadline, self._expected_done(*running) - self._stage_s)
             while rows < self.max_rows:
                 job = self._next(deadline - time.perf_counter())
                 if job is None:
@@ -219,6 +223,14 @@ class Batcher:
             if batch is not None:
                 running = self._launch(jobs, batch)
 
+    def _expected_done(self, jobs: list[_Job], batch, launched: float) -> float:
+        """When the running batch should be done: now, if its launch ran it
+        to the end (a CPU device; a batch split over the largest bucket),
+        else its launch time plus its bucket's estimated device time."""
+        if batch.pieces is not None or getattr(self.predictor, "launch_waits", False):
+            return 0.0
+        return launched + self._device_s.get(batch.bucket, 0.0)
+
     def _stage(self, jobs: list[_Job]):
         m = self.metrics
         start = time.perf_counter()
@@ -232,6 +244,8 @@ class Batcher:
         except BaseException as e:  # noqa: BLE001  every waiting request gets the error, the thread lives on
             _fail(jobs, e)
             return None
+        took = time.perf_counter() - start
+        self._stage_s = took if self._stage_s == 0.0 else 0.7 * self._stage_s + 0.3 * took
         for k, e in batch.errors.items():  # a request whose input could not be read; the others run
             jobs[k].future.set_exception(e)
         if len(batch.errors) == len(jobs):
@@ -257,10 +271,11 @@ class Batcher:
             _fail(jobs, e)
             return
         done = time.perf_counter()
-        if done - t0 > 1e-4:  # collect waited for the device: the batch ended about now
-            last = self._device_s.get(batch.bucket)
-            took = done - start
+        took, last = done - start, self._device_s.get(batch.bucket)
+        if done - t0 > COLLECT_WAITED_S:  # collect waited for the device: the batch ended about now
             self._device_s[batch.bucket] = took if last is None else 0.7 * last + 0.3 * took
+        elif last is not None:  # it ended before collect: its device time was at most `took`
+            self._device_s[batch.bucket] = min(last, took)
         rows = batch.rows
         m.child(m.compute).observe(done - start)
         m.child(m.batch_rows).observe(rows)

@@ -5,6 +5,7 @@ v2 client), error cases through raw HTTP, batching, limits, shutdown."""
 import asyncio
 import gzip
 import json
+import concurrent.futures
 import os
 import shutil
 import signal
@@ -330,6 +331,8 @@ def test_a_batch_staged_while_another_runs(tiny_package, tmp_path):
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
+
+
 def test_large_batches_are_staged_by_several_threads(tiny_package, monkeypatch):
     """Staging copies spread over threads, large arrays in slices of rows
     (forced here on the tiny model): the same outputs as one thread."""
@@ -347,6 +350,16 @@ def test_large_batches_are_staged_by_several_threads(tiny_package, monkeypatch):
     monkeypatch.setattr(runtime, "_copy_one", lambda c: sliced.append(c[1].shape[0]) or real(c))
     np.testing.assert_array_equal(pred.run_parts(parts)[name], alone)
     assert sorted(sliced) == [1, 1, 1, 1] and pred._stage_pool is not None
+
+    class Broken:  # an input whose read fails with something other than a request error (a bug, the OS)
+        shape, dtype, ndim = parts[0][0].shape, parts[0][0].dtype, parts[0][0].ndim
+
+        def read_into(self, dst):
+            raise OSError("the disk is on fire")
+
+    with pytest.raises(OSError, match="on fire"):  # raised once every other copy has ended
+        pred.stage([[Broken()], parts[1]])
+    assert not any(slot.busy for slots in pred._slots.values() for slot in slots)
 
 
 def test_a_running_batch_is_answered_without_waiting_for_the_next_ones_company(tiny_package):
@@ -369,6 +382,51 @@ def test_a_running_batch_is_answered_without_waiting_for_the_next_ones_company(t
         np.testing.assert_allclose(second.result(timeout=30)["output"], first.result()["output"])
     finally:
         batcher.close(30)
+
+
+def test_the_batchers_device_time_estimate_follows_the_device_not_its_own_waits(monkeypatch):
+    """The estimate that bounds gathering while a batch runs learns only from
+    collects that waited for the device; a batch found already done (collected
+    late, after the next batch's gathering and staging) can only lower it, so
+    it cannot ratchet up to --max-queue-delay-ms. On a CPU device (launch runs
+    the module), the running batch counts as done at once."""
+    from deploy import serve
+    from deploy.runtime import Batch
+
+    clock = [0.0]
+    monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
+
+    class Fake:
+        launch_waits = False
+        wait = 0.0
+
+        def collect(self, batch):
+            clock[0] += self.wait
+            return {"y": np.zeros((batch.rows, 1))}
+
+        def plan(self, rows):
+            return [(4, rows)]
+
+    batcher = serve.Batcher(lambda: None, 0.010, serve.Metrics("t"))
+    batcher.predictor = fake = Fake()
+
+    def run(collect_at, wait):  # a batch launched at 0, collected at `collect_at`, waiting `wait` there
+        job = serve._Job([np.zeros((1, 1))], 1, concurrent.futures.Future(), 0.0)
+        job.future.set_running_or_notify_cancel()
+        batch = Batch(4, 1, None, [1], {})
+        clock[0], fake.wait = collect_at, wait
+        batcher._finish([job], batch, 0.0)
+        return batcher._device_s[4], batch
+
+    assert run(0.001, 0.002)[0] == pytest.approx(0.003)  # waited: done at 3 ms
+    assert run(0.008, 0.0)[0] == pytest.approx(0.003)  # already done at 8 ms: no higher
+    est, batch = run(0.001, 0.0015)
+    assert est == pytest.approx(0.7 * 0.003 + 0.3 * 0.0025)
+    assert run(0.0015, 0.0)[0] == pytest.approx(0.0015)  # done by 1.5 ms: lowered
+    assert batcher._expected_done([], batch, 0.0) == pytest.approx(0.0015)
+    fake.launch_waits = True
+    assert batcher._expected_done([], batch, 5.0) == 0.0
+    batcher.close(5)
 
 
 def test_concurrent_requests_are_batched_and_answered_each(served, predictor):
