@@ -160,7 +160,7 @@ class Predictor:
     def launch_waits(self) -> bool:
         """Whether `launch` returns only once the module has run (a CPU
         device), so that `collect` never waits."""
-        return self.device.dlpack_device_type() == 1  # kDLCPU
+        return self.manifest["target"]["kind"] != "cuda"  # as check_device chose the device
 
     @property
     def max_batch(self) -> int:
@@ -267,18 +267,18 @@ class Predictor:
         a shared-memory tensor) into a free host buffer of the batch's
         bucket. A part that fails to read is recorded in `errors` (by its
         index; its rows are zeroed) instead of failing the others."""
-        rows = sum(_rows(p[0]) for p in parts)
+        part_rows = [_rows(p[0]) for p in parts]
+        rows = sum(part_rows)
         plan = self.plan(rows)
         if len(plan) > 1:  # rows past the largest bucket: run piece by piece at launch
-            return Batch(plan[-1][0], rows, None, [_rows(p[0]) for p in parts], {}, pieces=parts)
+            return Batch(plan[-1][0], rows, None, part_rows, {}, pieces=parts)
         bucket = plan[0][0]
+        starts = np.cumsum([0, *part_rows[:-1]]).tolist()  # each part's first row in the batch
         slot = self._take_slot(bucket)
         try:
-            copies, at = [], 0  # (part index, destination rows, source)
-            for k, part in enumerate(parts):
-                n = _rows(part[0])
-                copies += [(k, view[at : at + n], src) for view, src in zip(slot.views, part)]
-                at += n
+            copies = [(k, view[at : at + n], src)  # (part index, destination rows, source)
+                      for k, (part, at, n) in enumerate(zip(parts, starts, part_rows))
+                      for view, src in zip(slot.views, part)]
             failed = self._copy_all(copies)  # every copy has ended: none still writes the buffer
             bug = next((e for _, e in failed if not isinstance(e, DeployError)), None)
             if bug is not None:
@@ -286,17 +286,13 @@ class Predictor:
             errors = {}
             for k, e in failed:  # an input that could not be read: its request fails, the others run
                 errors.setdefault(k, e)
-            at = 0
-            for k, part in enumerate(parts):
-                n = _rows(part[0])
-                if k in errors:  # its rows: zeros, not half of its input
-                    for view in slot.views:
-                        view[at : at + n] = 0
-                at += n
+            for k in errors:  # its rows: zeros, not half of its input
+                for view in slot.views:
+                    view[starts[k] : starts[k] + part_rows[k]] = 0
         except BaseException:
             slot.busy = False
             raise
-        return Batch(bucket, rows, slot, [_rows(p[0]) for p in parts], errors)
+        return Batch(bucket, rows, slot, part_rows, errors)
 
     def _copy_all(self, copies: list[tuple]) -> list[tuple[int, Exception]]:
         """Do the staging copies; those of a large batch are spread over a few
@@ -370,7 +366,7 @@ class Predictor:
                     self._rows_of(("zeros",), zeros[i], i, 0, clean - n))
         self._clean_from[bucket] = n
         out = self._vms[bucket]["main"](*staged)
-        outs = [out] if hasattr(out, "shape") else list(out)
+        outs = _output_list(out)
         if slot.out_host is None:
             slot.out_host = [self._host_tensor(tuple(o.shape), str(o.dtype)) for o in outs]
             slot.out_views = [np.from_dlpack(h) for h in slot.out_host]
@@ -407,7 +403,8 @@ class Predictor:
         return empty(shape, dtype, self._host_dev)
 
     def _host_zeros(self) -> list:
-        """Per input, host zeros of the largest bucket less one row (padding)."""
+        """Per input, host zeros of the largest bucket's rows (padding rows
+        are at most one fewer)."""
         if self._zeros is None:
             self._zeros = []
             for spec in self.inputs:
@@ -441,8 +438,7 @@ class Predictor:
                 self._launch_locked(batch)
                 pieces.append(self._collect_locked(batch))
             finally:
-                batch.outs = None
-                batch.slot.busy = False
+                self.release(batch)  # its host buffer; the lock is the outer batch's
             start += n
         return {spec["name"]: np.concatenate([p[spec["name"]] for p in pieces]) for spec in self.outputs}
 
@@ -491,9 +487,14 @@ class Predictor:
         }
 
 
+def _output_list(out) -> list:
+    """A VM result (one tensor, or a tuple of them) as a list of tensors."""
+    return [out] if hasattr(out, "numpy") else list(out)
+
+
 def outputs_to_numpy(out) -> list[np.ndarray]:
     """A VM result (one tensor, or a tuple of them) as numpy arrays."""
-    return [o.numpy() for o in ([out] if hasattr(out, "numpy") else list(out))]
+    return [o.numpy() for o in _output_list(out)]
 
 
 def random_inputs(specs, batch: int | None, seed: int = 0) -> list[np.ndarray]:

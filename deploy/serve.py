@@ -244,8 +244,7 @@ class Batcher:
         except BaseException as e:  # noqa: BLE001  every waiting request gets the error, the thread lives on
             _fail(jobs, e)
             return None
-        took = time.perf_counter() - start
-        self._stage_s = took if self._stage_s == 0.0 else 0.7 * self._stage_s + 0.3 * took
+        self._stage_s = _smoothed(self._stage_s or None, time.perf_counter() - start)
         for k, e in batch.errors.items():  # a request whose input could not be read; the others run
             jobs[k].future.set_exception(e)
         if len(batch.errors) == len(jobs):
@@ -273,7 +272,7 @@ class Batcher:
         done = time.perf_counter()
         took, last = done - start, self._device_s.get(batch.bucket)
         if done - t0 > COLLECT_WAITED_S:  # collect waited for the device: the batch ended about now
-            self._device_s[batch.bucket] = took if last is None else 0.7 * last + 0.3 * took
+            self._device_s[batch.bucket] = _smoothed(last, took)
         elif last is not None:  # it ended before collect: its device time was at most `took`
             self._device_s[batch.bucket] = min(last, took)
         rows = batch.rows
@@ -288,6 +287,11 @@ class Batcher:
             if not j.future.done():
                 j.future.set_result({k: v[begin : begin + j.rows] for k, v in out.items()})
             begin += j.rows
+
+
+def _smoothed(last: float | None, x: float) -> float:
+    """A running estimate moved 30% of the way to the new sample `x`."""
+    return x if last is None else 0.7 * last + 0.3 * x
 
 
 def _fail(jobs: list[_Job], e: BaseException) -> None:

@@ -602,7 +602,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     measurer = getattr(runner, "measurer", None)  # the RPC pool's state
     try:
         with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True, position=lane or 0) as bar, \
-                ms.Profiler() as prof, _wind_down_on_interrupt(interrupted, label), _second_interrupt(interrupted):
+                ms.Profiler() as prof, _wind_down_on_interrupt(interrupted, label):
             ms.tune_tasks(
                 tasks=contexts,
                 task_weights=[p["weight"] for p in todo],
@@ -638,24 +638,14 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
 
 
 @contextlib.contextmanager
-def _second_interrupt(interrupted: threading.Event):
-    """A KeyboardInterrupt raised in a MetaSchedule callback comes out of
-    TVM as another error: after an interrupt, any error is that one."""
-    try:
-        yield
-    except Exception as e:
-        if interrupted.is_set():
-            raise KeyboardInterrupt from e
-        raise
-
-
-@contextlib.contextmanager
 def _wind_down_on_interrupt(event: threading.Event, label: str):
     """While tuning, the first SIGINT sets `event` (the searches then give no
     new candidates, and MetaSchedule saves what it built or is measuring);
     a second one stops at once (raises KeyboardInterrupt). Python runs
     signal handlers in the main thread only: elsewhere this changes nothing.
-    Workers (builds, measuring) ignore SIGINT (`rpc.ignore_sigint`)."""
+    Workers (builds, measuring) ignore SIGINT (`rpc.ignore_sigint`). A
+    KeyboardInterrupt raised in a MetaSchedule callback comes out of TVM as
+    another error: after an interrupt, any error is that one."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -670,6 +660,10 @@ def _wind_down_on_interrupt(event: threading.Event, label: str):
     previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
+    except Exception as e:
+        if event.is_set():
+            raise KeyboardInterrupt from e
+        raise
     finally:
         signal.signal(signal.SIGINT, previous)
 
