@@ -69,7 +69,7 @@ class Profile:
     search_population: int
     search_generations: int
     # Split-K for NHWC convolutions with few output rows and a long
-    # reduction (`optimize.split_k_conv2d`): the reduction is cut in this many
+    # reduction (`passes.split_k.split_k_conv2d`): the reduction is cut in this many
     # parts computed as one batched matmul, then summed. 0 = off.
     split_k: int
     budget: str  # wall-clock tuning budget, e.g. "10m"; "" = unbounded

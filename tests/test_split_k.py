@@ -1,4 +1,4 @@
-"""Split-K for small-row NHWC convolutions (deploy.optimize.split_k_conv2d):
+"""Split-K for small-row NHWC convolutions (deploy.passes.split_k.split_k_conv2d):
 the rewrite computes the same convolution, is applied only where it is
 meant to be, and its batched matmul still gets tensor-core schedules."""
 
@@ -9,7 +9,8 @@ import pytest
 
 from deploy import config
 from deploy.errors import ConfigError
-from deploy.optimize import phases, split_k_conv2d
+from deploy.optimize import phases
+from deploy.passes.split_k import split_k_conv2d
 
 
 def _conv_module(c: int, o: int, k: int, stride: int, hw: int, groups: int = 1, dtype: str = "float32",
