@@ -15,6 +15,7 @@ from pathlib import Path
 
 from . import artifacts
 from .config import Profile
+from .errors import BuildError
 from .export import ExportArtifact
 from .optimize import OptimizeArtifact
 from .targets import TargetInfo
@@ -43,25 +44,28 @@ def signature(func) -> tuple[list[dict], list[dict]]:
 
 
 def compile_module(mod, target: TargetInfo, profile: Profile):
-    """Relax module (optimized, fused, tuning records applied) -> tvm Executable."""
-    from .tvm_compat import PassContext, build_config, dlight, dlight_gpu_rules, tvm
+    """Relax module (optimized, fused, every kernel scheduled) -> tvm Executable,
+    through our TIR pipeline (`deploy.passes.tensor_core_smem`)."""
+    from .passes import tensor_core_smem
+    from .tvm_compat import PassContext, tvm
 
     tvm_target = target.tvm_target()
-    config = build_config(target.kind)
+    config = {}
     if target.kind == "cuda" and profile.cuda_graph:
         config["relax.backend.use_cuda_graph"] = True
     with tvm_target, PassContext(opt_level=3, config=config):
-        if target.kind == "cuda":
-            mod = dlight.ApplyDefaultSchedule(*dlight_gpu_rules())(mod)
-        return tvm.compile(mod, target=tvm_target)
+        return tvm.compile(mod, target=tvm_target, tir_pipeline=tensor_core_smem.register())
 
 
-def count_scheduled(mod) -> tuple[int, int]:
-    from .tvm_compat import tirx
+def build_kernel(name: str, func, target: TargetInfo):
+    """Build one PrimFunc alone (raises when it does not build): how the
+    schedule chain finds the kernels at fault when a module fails."""
+    from .passes import tensor_core_smem
+    from .tvm_compat import PassContext, tvm
 
-    funcs = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
-    tuned = sum(1 for f in funcs if f.attrs and f.attrs.get("tirx.is_scheduled", False))
-    return tuned, len(funcs)
+    mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
+    with PassContext(opt_level=3):
+        return tvm.tirx.build(mod, target=target.tvm_target(), pipeline=tensor_core_smem.register())
 
 
 def _build_bucket(job) -> tuple[dict, list[dict]]:
@@ -74,27 +78,42 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
     (folder, key) pair, when given) into the .so at `out`; returns the
     manifest entry and the output signature."""
     from . import database as dbs
+    from .passes import schedule
     from .tvm_compat import load_json, relax
 
     mod = load_json(Path(module_path).read_text())
     params_sig, outs = signature(mod["main"])
-    db_info = None
-    with target.tvm_target():
+    db_info, tuned_mod = None, None
+    tvm_target = target.tvm_target()
+    with tvm_target:
         if db is not None:
             with dbs.open_readonly(Path(db[0]), db[1]) as database:
                 if database is not None:
                     db_info = {"path": db[0], "digest": dbs.digest(Path(db[0]))}
                     with database:
-                        mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
-        n_tuned, n_funcs = count_scheduled(mod)
-    t0 = time.time()
-    compile_module(mod, target, profile).export_library(out)
+                        tuned_mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+        t0 = time.time()
+        try:
+            compiled, kernels = schedule.build(
+                mod, tuned_mod, tvm_target, target.kind,
+                compile_fn=lambda m: compile_module(m, target, profile),
+                kernel_builds=lambda name, f: build_kernel(name, f, target),
+            )
+        except schedule.UnbuildableKernelError as e:
+            raise BuildError(f"build: {e}") from e
+    compiled.export_library(out)
+    report = schedule.summarize(kernels)
+    n_tuned = report["sources"].get(schedule.TUNED, 0)
+    n_funcs = len(kernels)
     info = {
         "file": Path(out).name,
         "sha256": artifacts.sha256_file(out),
         "kernels": n_funcs,
         "tuned_kernels": n_tuned,
         "database": db_info,
+        # Where each kernel's schedule came from, and every fallback with its reason.
+        "schedules": report["sources"],
+        "fallbacks": report["fallbacks"],
         "compile_seconds": round(time.time() - t0, 1),
         "input_shapes": [p["shape"] for p in params_sig],
     }
@@ -131,8 +150,10 @@ def run(
             outputs_sig = outs
             buckets[str(bucket)] = info
             log.info(
-                "build: bucket %d: %d of %d kernels tuned, compiled in %.1f s",
+                "build: bucket %d: %d of %d kernels tuned, compiled in %.1f s (schedules: %s%s)",
                 bucket, info["tuned_kernels"], info["kernels"], info["compile_seconds"],
+                ", ".join(f"{k} {v}" for k, v in info["schedules"].items()),
+                f"; {len(info['fallbacks'])} fallback(s), listed in the manifest" if info["fallbacks"] else "",
             )
         manifest = {
             "model": model,

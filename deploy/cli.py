@@ -186,12 +186,19 @@ def cmd_run(args) -> int:
 
 
 def cmd_stage(args) -> int:
-    from . import build, export, frontend, optimize, tune, validate
-    from .pipeline import Workspace, existing_databases
+    from .pipeline import Workspace, stage_guard
 
     cfg, target, workdir, db_root = prepare(args)
     profile = cfg.profile(target.kind)
     ws = Workspace(workdir)
+    with stage_guard(workdir, args.command):
+        return _run_stage(args, cfg, target, workdir, db_root, profile, ws)
+
+
+def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
+    from . import build, export, frontend, optimize, tune, validate
+    from .pipeline import existing_databases
+
     stage = args.command
     if stage == "export":
         a = export.run(cfg, ws.export)

@@ -47,6 +47,12 @@ class DatabaseMismatchError(StaleArtifactError):
     """A tuning database was made for another model, shape, precision, target or GPU."""
 
 
+class BuildError(DeployError):
+    """A model TVM cannot build: a kernel no schedule source builds, or a stage
+    that failed inside TVM. The message names the stage, the operator or
+    kernel and TVM's own last line; the whole trace is in a log file."""
+
+
 class ToleranceError(DeployError):
     """Compiled outputs differ from the reference beyond the configured tolerance."""
 
@@ -109,3 +115,20 @@ class UnavailableError(RequestError):
                  outcome: str = "overloaded"):
         super().__init__(what, got, expected)
         self.outcome = outcome
+
+
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """What went wrong, in one line: a TVM error's message is its first line
+    (the frames are in the traceback, IR dumps follow the message); a heading
+    that ends in ':' takes the next line with it. Python exceptions other than
+    TVM's are prefixed with their type."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    name = type(exc).__name__
+    if not lines:
+        return name
+    pick = lines[0]
+    if pick.endswith(":") and len(lines) > 1:
+        pick = f"{pick} {lines[1]}"
+    if not type(exc).__module__.startswith("tvm") and not pick.startswith(name):
+        pick = f"{name}: {pick}"
+    return pick[:limit]

@@ -24,6 +24,8 @@ from . import artifacts
 from .config import Profile
 from .errors import StaleArtifactError
 from .frontend import FrontendArtifact
+from .passes.layout import convert_to_nhwc
+from .passes.mixed_precision import to_mixed_precision
 from .passes.split_k import split_k_conv2d
 
 log = logging.getLogger(__name__)
@@ -60,10 +62,10 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
         ("constant_folding", [T.FoldConstant(), T.EliminateCommonSubexpr(), T.DeadCodeElimination()]),
     ]
     if profile.layout == "NHWC":
-        out.append(("layout", [T.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]}), T.FoldConstant()]))
+        out.append(("layout", [convert_to_nhwc(), T.FoldConstant()]))
     if profile.precision == "fp16":
         acc = "float16" if profile.accumulate == "fp16" else "float32"
-        out.append(("mixed_precision", [T.ToMixedPrecision(out_dtype=acc), T.FoldConstant()]))
+        out.append(("mixed_precision", [to_mixed_precision(acc), T.FoldConstant()]))
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), T.FoldConstant()]))
     out.append(

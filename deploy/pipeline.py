@@ -8,15 +8,18 @@ predecessor's artifact. Stage folders live in one workspace:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
+import traceback
 from pathlib import Path
 
 from . import artifacts, build, export, frontend, optimize, tune, validate
 from . import database as dbs
 from .config import Config, Profile, RPCPool, parse_duration, to_dict
+from .errors import BuildError, DeployError, error_line
 from .targets import TargetInfo
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,30 @@ class Workspace:
         if stage.startswith("_"):
             raise AttributeError(stage)
         return self.root / stage
+
+
+@contextlib.contextmanager
+def stage_guard(workdir: Path, stage: str):
+    """A failure inside TVM (or any non-user error) in `stage` becomes one
+    BuildError line naming the stage and TVM's own last line; the whole trace
+    goes to <workdir>/logs/<stage>.log. User errors pass through unchanged."""
+    try:
+        yield
+    except DeployError as e:
+        if e.__cause__ is None:
+            raise
+        path = _write_trace(workdir, stage, e.__cause__)
+        raise type(e)(f"{e} | full trace in {path}") from None
+    except Exception as e:  # noqa: BLE001 - reported in one line, the trace in the log
+        path = _write_trace(workdir, stage, e)
+        raise BuildError(f"{stage} failed: {error_line(e)} | full trace in {path}") from None
+
+
+def _write_trace(workdir: Path, stage: str, exc: BaseException) -> Path:
+    path = Path(workdir) / "logs" / f"{stage}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(exc)))
+    return path
 
 
 def default_workdir(cfg: Config, target: TargetInfo) -> Path:
@@ -90,7 +117,8 @@ def run(
 
     def timed(name, fn, *a, **kw):
         t0 = time.time()
-        out = fn(*a, **kw)
+        with stage_guard(ws.root, name):
+            out = fn(*a, **kw)
         timings[name] = round(time.time() - t0, 1)
         log.info("%s: done in %.1f s", name, timings[name])
         return out

@@ -61,13 +61,13 @@ def lean_build(mod, target, _params):
     """MetaSchedule's default build minus its `import tvm.s_tir.tensor_intrin`,
     which parses ~500 TVMScript functions (40-75 s) in every fresh worker pool
     and ran past the builder's time-out. Candidates arrive already tensorized,
-    so the workers do not need the intrinsics registered. On CUDA it builds
-    with the same pass config as the final compile (see CUDA_BUILD_CONFIG)."""
-    from deploy.tvm_compat import RemoveWeightLayoutRewriteBlock, build_config, tvm
+    so the workers do not need the intrinsics registered. It builds through
+    the same TIR pipeline as the final compile (deploy.passes.tensor_core_smem)."""
+    from deploy.passes import tensor_core_smem
+    from deploy.tvm_compat import RemoveWeightLayoutRewriteBlock, tvm
 
-    with tvm.transform.PassContext(config=build_config(target.kind.name)):
-        mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-        return tvm.tirx.build(mod, target=target)
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    return tvm.tirx.build(mod, target=target, pipeline=tensor_core_smem.register())
 
 
 def usable_cpus() -> int:

@@ -11,6 +11,7 @@ import tvm  # noqa: F401  (re-exported)
 from tvm import relax  # noqa: F401
 from tvm.relax.frontend.onnx import from_onnx  # noqa: F401
 from tvm.relax.frontend.onnx import onnx_frontend  # noqa: F401  (its op table: what the importer supports)
+from tvm import s_tir  # noqa: F401  (s_tir.Schedule)
 from tvm.s_tir import dlight  # noqa: F401
 from tvm.s_tir import meta_schedule as ms  # noqa: F401
 from tvm import tirx  # noqa: F401
@@ -66,15 +67,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def dlight_gpu_rules() -> list:
-    g = dlight.gpu
-    return [g.Matmul(), g.GEMV(), g.Reduction(), g.GeneralReduction(), g.Fallback()]
-
-
-def dlight_cpu_rules() -> list:
-    c = dlight.cpu
-    return [c.GEMV(), c.Reduction()]
-
 from tvm.ir.utils import derived_object  # noqa: E402,F401  (Python subclasses of MetaSchedule objects)
 from tvm.runtime.vm import VMInstrumentReturnKind  # noqa: E402,F401
 from tvm.s_tir.analysis import estimate_tir_flops  # noqa: E402,F401
@@ -90,16 +82,9 @@ def register_tensor_intrinsics() -> None:
     import tvm.s_tir.tensor_intrin  # noqa: F401
 
 
-# TVM 0.27's StorageRewrite reuses a dead fp16 shared-memory tile for a
-# tensor-core kernel's fp32 accumulator tile (its allocator ignores dtypes),
-# leaving a tvm_access_ptr typed float32 over a float16 buffer; LowerIntrin then
-# rejects the build ("tvm_access_ptr element type must match the source
-# buffer"). That failed 53 to 62 of every 64 MetaSchedule candidates with fp32
-# accumulation on the H200. `merge_static_smem` turns that reuse off, and the
-# later shared-memory merge pass types the pointers correctly. It must be set
-# both where candidates are built and where the final module is compiled.
-CUDA_BUILD_CONFIG = {"tirx.merge_static_smem": True}
-
-
-def build_config(target_kind: str) -> dict:
-    return dict(CUDA_BUILD_CONFIG) if target_kind == "cuda" else {}
+# TVM's TIR lowering pipeline (what tvm.compile/tvm.tirx.build run on each
+# PrimFunc) and its registry of named pipelines: deploy.passes wraps it.
+from tvm.s_tir.pipeline import default_s_tir_pipeline as default_tir_pipeline  # noqa: E402,F401
+from tvm.tirx.compilation_pipeline import register_tir_pipeline  # noqa: E402,F401
+# A Relax constant (0.27 moved it from relax.Constant to the IR's own expressions).
+from tvm.ir.expr import Constant as RelaxConstant  # noqa: E402,F401

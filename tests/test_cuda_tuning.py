@@ -55,7 +55,7 @@ def test_fp32_accumulation_candidates_build(conv_task):
     built = 0
     for c in tensorized:
         try:
-            lib = tune.lean_build(c.sch.mod, tgt, None)  # our build: CUDA_BUILD_CONFIG on
+            lib = tune.lean_build(c.sch.mod, tgt, None)  # our build: the scoped tensor-core pipeline
             built += 1
             assert "wmma" in lib.imports[0].inspect_source()
         except Exception as e:  # noqa: BLE001 - collect every reason

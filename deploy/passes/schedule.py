@@ -1,0 +1,153 @@
+"""Every kernel scheduled by the best source that builds.
+
+The sources, best first: the kernel's tuning record (MetaSchedule), then each
+of DLight's rules in order, then the plain fallback (DLight's `Fallback` on
+CUDA; TVM's own default lowering on the CPU). A rule that raises while it
+schedules a kernel (DLight's Matmul rule on a grouped convolution:
+`auto_inline_consumer_chain: AssertionError: There are some consumers of the
+cache-write stage that are not properly inlined`) counts as a failure of that
+source, as does a schedule whose kernel does not build. A failing kernel moves
+to its next source and the rest of the module keeps theirs: one kernel never
+fails the build, and a tuned bucket keeps every other kernel's record.
+
+`build` compiles the whole module first; only when that fails is each kernel
+built on its own to find which ones fail (a module of 100 kernels is then
+built ~100 times once, which costs seconds, not the build).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+from ..errors import error_line
+
+log = logging.getLogger(__name__)
+
+TUNED = "tuned"
+DEFAULT = "default"  # no schedule: TVM's own lowering (CPU targets only)
+
+
+@dataclasses.dataclass
+class Kernel:
+    name: str
+    source: str = ""
+    fallbacks: list = dataclasses.field(default_factory=list)  # [{"source", "reason"}], in order
+
+
+class UnbuildableKernelError(Exception):
+    """No source yields a schedule of this kernel that builds."""
+
+    def __init__(self, kernel: str, reasons: list[dict]):
+        self.kernel, self.reasons = kernel, reasons
+        last = reasons[-1]["reason"] if reasons else "no source applies"
+        super().__init__(f"kernel '{kernel}': no schedule builds (last, {reasons[-1]['source'] if reasons else '-'}: {last})")
+
+
+def rules(target_kind: str) -> list[tuple[str, object]]:
+    from ..tvm_compat import dlight
+
+    if target_kind == "cuda":
+        g = dlight.gpu
+        return [("dlight.Matmul", g.Matmul()), ("dlight.GEMV", g.GEMV()), ("dlight.Reduction", g.Reduction()),
+                ("dlight.GeneralReduction", g.GeneralReduction()), ("dlight.Fallback", g.Fallback())]
+    c = dlight.cpu
+    return [("dlight.GEMV", c.GEMV()), ("dlight.Reduction", c.Reduction())]
+
+
+def _sources(gv, plain, tuned, target, target_kind):
+    """(source name, scheduled PrimFunc or exception), lazily, best first."""
+    from ..tvm_compat import s_tir
+
+    if tuned is not None:
+        yield TUNED, tuned
+    for name, rule in rules(target_kind):
+        try:
+            space = rule.apply(plain, target, False)
+        except Exception as e:  # noqa: BLE001 - a rule's failure is this source's failure
+            yield name, e
+            continue
+        if space is None:
+            continue
+        sch = space if isinstance(space, s_tir.Schedule) else space[0]
+        yield name, sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        if name == "dlight.Fallback":
+            return
+    yield DEFAULT, plain  # on CUDA only where Fallback does not apply
+
+
+def _is_scheduled(func) -> bool:
+    return bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
+
+
+def build(plain_mod, tuned_mod, target, target_kind: str, compile_fn: Callable, kernel_builds: Callable):
+    """Schedule each PrimFunc of `plain_mod` (tuning records applied in
+    `tuned_mod`, same functions) and compile; returns (compiled, kernels).
+
+    `compile_fn(mod)` compiles a whole module; `kernel_builds(name, func)`
+    raises when one PrimFunc alone does not build."""
+    from ..tvm_compat import tirx
+
+    funcs = {gv: f for gv, f in plain_mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    kernels, chains, chosen = {}, {}, {}
+    for gv, plain in funcs.items():
+        tuned = tuned_mod[gv] if tuned_mod is not None and _is_scheduled(tuned_mod[gv]) else None
+        if _is_scheduled(plain):  # scheduled before the build (none today): keep it
+            tuned = plain
+        kernels[gv] = Kernel(gv.name_hint)
+        chains[gv] = _sources(gv, plain, tuned, target, target_kind)
+        _advance(gv, kernels, chains, chosen, reason=None)
+
+    verified = set()
+    while True:
+        mod = plain_mod.clone() if hasattr(plain_mod, "clone") else plain_mod
+        for gv, func in chosen.items():
+            mod[gv] = func
+        try:
+            compiled = compile_fn(mod)
+            break
+        except Exception as whole:  # noqa: BLE001 - find the kernels at fault
+            failing = []
+            for gv, func in chosen.items():
+                if gv in verified:
+                    continue
+                try:
+                    kernel_builds(gv.name_hint, func)
+                    verified.add(gv)
+                except Exception as e:  # noqa: BLE001
+                    failing.append((gv, error_line(e)))
+            if not failing:
+                raise whole  # not one kernel's fault: the caller reports it
+            for gv, why in failing:
+                _advance(gv, kernels, chains, chosen, reason=why)
+    return compiled, [kernels[gv] for gv in funcs]
+
+
+def _advance(gv, kernels, chains, chosen, reason):
+    """Move kernel `gv` to its next source that yields a schedule (recording
+    why the current one is left); raises UnbuildableKernelError at the end."""
+    k = kernels[gv]
+    if reason is not None:
+        k.fallbacks.append({"source": k.source, "reason": reason})
+        log.warning("build: kernel %s: %s schedule does not build (%s); falling back", k.name, k.source, reason)
+    for name, got in chains[gv]:
+        if isinstance(got, Exception):
+            why = error_line(got)
+            k.fallbacks.append({"source": name, "reason": why})
+            log.warning("build: kernel %s: %s failed to schedule it (%s); falling back", k.name, name, why)
+            continue
+        k.source = name
+        chosen[gv] = got
+        return
+    raise UnbuildableKernelError(k.name, k.fallbacks)
+
+
+def summarize(kernels: list[Kernel]) -> dict:
+    """For the manifest: kernels per source, and every fallback with its reason."""
+    counts: dict[str, int] = {}
+    for k in kernels:
+        counts[k.source] = counts.get(k.source, 0) + 1
+    fallbacks = [{"kernel": k.name, "to": k.source, "from": [f["source"] for f in k.fallbacks],
+                  "reasons": [f["reason"] for f in k.fallbacks]} for k in kernels if k.fallbacks]
+    return {"sources": dict(sorted(counts.items())), "fallbacks": fallbacks}

@@ -1,0 +1,72 @@
+"""Workaround: TVM 0.27's StorageRewrite types a tensor-core accumulator wrongly.
+
+Upstream symptom (TVM 0.27, CUDA, fp16 inputs with fp32 accumulation):
+  `Check failed: source_buffer->dtype.WithLanes(1) == scalar_dtype (T.float16 vs.
+  T.float32) : tvm_access_ptr element type must match the source buffer`
+StorageRewrite reuses a dead fp16 shared-memory tile for the kernel's fp32
+accumulator tile (its allocator ignores dtypes) and LowerIntrin then rejects the
+`tvm_access_ptr`. It failed 53 to 62 of every 64 MetaSchedule candidates on the
+H200. The build option `tirx.merge_static_smem` turns that reuse off (the later
+shared-memory merge types the pointers correctly).
+
+Scope: that option must not reach other kernels. Set for a whole module it
+breaks DLight's reductions, softmax, LayerNorm and pooling kernels in
+MergeSharedMemoryAllocations (`SharedMemoryRewriter::GetBufferOffset: Check
+failed: (it != scope.buffer_byte_offsets.end())`), which failed 15 of 17
+architectures. So this module registers a TIR pipeline, `PIPELINE`, that runs
+TVM's own pipeline twice: on the tensor-core kernels with the option on, and on
+every other function as TVM ships it. `tests/test_passes.py` checks that both
+upstream failures still happen, and fails once TVM no longer needs this.
+"""
+
+from __future__ import annotations
+
+PIPELINE = "deploy"  # the name to give tvm.compile(tir_pipeline=) / tvm.tirx.build(pipeline=)
+OPTION = "tirx.merge_static_smem"
+
+# What a scheduled PrimFunc that uses tensor cores contains, in TVMScript: WMMA
+# fragments and intrinsics (MetaSchedule's wmma rules, DLight's Matmul on
+# sm_80+) and the mma.sync path (`m16n8k8` fragments, mma_store/mma_fill).
+_TENSOR_CORE_MARKERS = ("wmma.", "tvm_mma_sync", "tvm_load_matrix_sync", "m16n8k", "mma_store", "mma_fill",
+                        "ptx_mma", "ldmatrix")
+
+
+def uses_tensor_cores(func) -> bool:
+    """Whether a PrimFunc computes on tensor cores (read from its TVMScript:
+    TVM 0.27 exposes no TIR visitor to Python)."""
+    text = func.script(show_meta=False)
+    return any(m in text for m in _TENSOR_CORE_MARKERS)
+
+
+def _pipeline_factory():
+    from ..tvm_compat import PassContext, tirx, tvm, default_tir_pipeline
+
+    stock, finalize_host, finalize_device = default_tir_pipeline()
+
+    @tvm.transform.module_pass(opt_level=0, name="DeployTIRPipeline")
+    def pipeline(mod, _ctx):
+        tc = {gv: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc) and uses_tensor_cores(f)}
+        if not tc:
+            return stock(mod)
+        rest = {gv: f for gv, f in mod.functions.items() if gv not in tc}
+        outer = PassContext.current()
+        config = dict(outer.config)
+        config[OPTION] = True
+        with PassContext(opt_level=outer.opt_level, config=config,
+                         required_pass=list(outer.required_pass), disabled_pass=list(outer.disabled_pass)):
+            lowered_tc = stock(tvm.IRModule(tc, attrs=mod.attrs))
+        if not rest:
+            return lowered_tc
+        out = stock(tvm.IRModule(rest, attrs=mod.attrs))
+        out.update(lowered_tc)
+        return out
+
+    return pipeline, finalize_host, finalize_device
+
+
+def register() -> str:
+    """Register the pipeline under `PIPELINE` (idempotent); returns its name."""
+    from ..tvm_compat import register_tir_pipeline
+
+    register_tir_pipeline(PIPELINE, _pipeline_factory)
+    return PIPELINE
