@@ -19,6 +19,8 @@ from pathlib import Path
 from .errors import ConfigError
 
 PRECISIONS = ("fp32", "fp16")
+SIZES = ("full", "small")
+EXPORTERS = ("torchscript", "dynamo")
 LAYOUTS = ("NCHW", "NHWC")
 DTYPES = ("float32", "float16", "int64", "int32", "bool")
 
@@ -47,6 +49,13 @@ class ModelConfig:
     opset: int = 17
     # Required for ONNX sources; registry models declare their own.
     inputs: tuple[InputSpec, ...] = ()
+    # Registry models: "full" (the real architecture), or "small" (narrower, a
+    # smaller input: what the test suite runs on the 2-core CI machine).
+    size: str = "full"
+    # Registry models: torch's TorchScript-based exporter ("torchscript", what
+    # TVM's importer is most tested with) or the torch.export-based one
+    # ("dynamo", torch's default since 2.9).
+    exporter: str = "torchscript"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +327,8 @@ def _check_values(obj, where: str) -> None:
         if any(d < 1 for d in obj.shape):
             raise ConfigError(f"invalid {where}.shape", list(obj.shape), "positive dimensions (batch excluded)")
     elif isinstance(obj, ModelConfig):
+        choice("size", SIZES)
+        choice("exporter", EXPORTERS)
         if not 13 <= obj.opset <= 20:
             raise ConfigError(f"invalid {where}.opset", obj.opset, "13 to 20 (TVM's importer is tested at 17 to 20)")
         names = [i.name for i in obj.inputs]

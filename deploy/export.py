@@ -1,11 +1,19 @@
 """Stage 1, export: a PyTorch model (registry name + seed or checkpoint) or a
-user's ONNX file -> a checked ONNX file with a dynamic batch dimension."""
+user's ONNX file -> a checked ONNX file with a dynamic batch dimension.
+
+The ONNX file is saved with its weights inline when it fits protobuf's 2 GB
+(external data, what torch's dynamo exporter writes, is read back in), else
+with one external data file beside it (`model.onnx.data`); both are hashed in
+the manifest. A user's graph whose batch is fixed (no `dynamic_axes`) gets a
+symbolic batch when ONNX Runtime shows that the graph allows it (a batch of 3
+gives each row what it gives alone); otherwise the manifest records the fixed
+batch and the pipeline refuses other buckets in one line."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
+import tempfile
 from pathlib import Path
 
 from . import artifacts
@@ -15,6 +23,8 @@ from .errors import ConfigError, InputFileError, ShapeError
 log = logging.getLogger(__name__)
 STAGE = "export"
 ONNX_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+PROTOBUF_LIMIT = 2**31 - 1
 
 _ONNX_DTYPES = {1: "float32", 10: "float16", 7: "int64", 6: "int32", 9: "bool", 11: "float64"}
 
@@ -27,6 +37,11 @@ class ExportArtifact:
     outputs: tuple[str, ...]
     manifest: dict
 
+    @property
+    def fixed_batch(self) -> int | None:
+        """The batch size the graph is fixed to (None: any batch)."""
+        return self.manifest.get("fixed_batch")
+
 
 def is_onnx_source(source: str) -> bool:
     return source.endswith(".onnx") or "/" in source or "\\" in source
@@ -34,8 +49,9 @@ def is_onnx_source(source: str) -> bool:
 
 def run(cfg: Config, folder: Path) -> ExportArtifact:
     with artifacts.staged_dir(folder) as tmp:
+        fixed_batch = None
         if is_onnx_source(cfg.model.source):
-            inputs, origin = _copy_onnx(cfg, tmp / ONNX_FILE)
+            inputs, origin, fixed_batch = _copy_onnx(cfg, tmp / ONNX_FILE)
         else:
             inputs, origin = _export_registry(cfg, tmp / ONNX_FILE)
         model = load_onnx(tmp / ONNX_FILE)
@@ -49,6 +65,8 @@ def run(cfg: Config, folder: Path) -> ExportArtifact:
                 "opset": max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0),
                 "inputs": [dataclasses.asdict(i) for i in inputs],
                 "outputs": list(outputs),
+                "fixed_batch": fixed_batch,
+                "external_data": (tmp / DATA_FILE).is_file(),
             },
         )
     log.info("export: wrote %s", folder / ONNX_FILE)
@@ -62,19 +80,55 @@ def load(folder: Path) -> ExportArtifact:
 
 
 def load_onnx(path: Path):
-    """Load and check an ONNX file; any problem is one InputFileError line."""
+    """Load and check an ONNX file, with its external data (read from beside
+    it); any problem is one InputFileError line."""
     import onnx
 
     path = Path(path)
     if not path.is_file():
         raise InputFileError("ONNX file not found", str(path))
     try:
-        model = onnx.load(str(path))
-        onnx.checker.check_model(model)
-    except Exception as e:  # protobuf DecodeError, ValidationError, ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise InputFileError(f"corrupt or invalid ONNX file {path}", first[:200]) from None
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError, ...
+        raise InputFileError(f"corrupt or invalid ONNX file {path}", _first_line(e)) from None
+    missing = sorted(_missing_external_data(model, path.parent))
+    if missing:
+        raise InputFileError(f"the external data of ONNX file {path} is missing (keep it beside the .onnx file)",
+                             ", ".join(missing[:3]))
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+        # The checker takes a path for models over 2 GB (and reads their data from disk).
+        onnx.checker.check_model(str(path) if model.ByteSize() > PROTOBUF_LIMIT else model)
+    except Exception as e:  # ValidationError, ...
+        raise InputFileError(f"corrupt or invalid ONNX file {path}", _first_line(e)) from None
     return model
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _missing_external_data(model, folder: Path) -> set[str]:
+    from onnx.external_data_helper import uses_external_data
+
+    out = set()
+    for t in model.graph.initializer:
+        if uses_external_data(t):
+            loc = next((e.value for e in t.external_data if e.key == "location"), "")
+            if not (folder / loc).is_file():
+                out.add(loc)
+    return out
+
+
+def save_onnx(model, dest: Path) -> None:
+    """Save inline when it fits protobuf's limit, else with one external data file."""
+    import onnx
+
+    dest = Path(dest)
+    if model.ByteSize() <= PROTOBUF_LIMIT:
+        onnx.save(model, str(dest))
+    else:
+        onnx.save(model, str(dest), save_as_external_data=True, all_tensors_to_one_file=True, location=DATA_FILE)
 
 
 def _export_registry(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], dict]:
@@ -82,10 +136,10 @@ def _export_registry(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], di
     import torch
 
     try:
-        spec = models.get(cfg.model.source)
+        spec = models.get(cfg.model.source).sized(cfg.model.size)
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
-    inputs = (InputSpec("input", tuple(spec.input_shape), spec.input_dtype),)
+    inputs = tuple(InputSpec(t.name, tuple(t.shape), t.dtype) for t in spec.inputs)
     if cfg.model.inputs and cfg.model.inputs != inputs:
         raise ShapeError(
             f"config inputs do not match registry model '{spec.name}'",
@@ -93,22 +147,62 @@ def _export_registry(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], di
             [dataclasses.asdict(i) for i in inputs],
         )
     model = build_torch_model(cfg)
-    example = torch.randn(2, *spec.input_shape)
-    torch.onnx.export(
-        model,
-        (example,),
-        str(dest),
-        opset_version=cfg.model.opset,
-        dynamo=False,  # the dynamo exporter needs onnxscript and is not what TVM's importer is tested with
-        input_names=["input"],
-        output_names=["output"],
-        dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
-        do_constant_folding=True,
-    )
-    origin = {"kind": "registry", "name": spec.name, "seed": cfg.model.seed, "checkpoint": cfg.model.checkpoint}
+    example = tuple(example_inputs(inputs, batch=2))
+    names = [i.name for i in inputs]
+    outputs = list(spec.outputs)
+    if cfg.model.exporter == "dynamo":
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        sig = _forward_params(model, len(names))
+        with tempfile.TemporaryDirectory() as d:  # the dynamo exporter may write external data beside its file
+            raw = Path(d) / ONNX_FILE
+            torch.onnx.export(
+                model, example, str(raw), dynamo=True, opset_version=max(cfg.model.opset, 18),
+                input_names=names, output_names=outputs,
+                dynamic_shapes={p: {0: batch} for p in sig}, external_data=True,
+            )
+            save_onnx(load_onnx(raw), dest)
+    else:
+        torch.onnx.export(
+            model,
+            example,
+            str(dest),
+            opset_version=cfg.model.opset,
+            dynamo=False,
+            input_names=names,
+            output_names=outputs,
+            dynamic_axes={n: {0: "batch"} for n in names + outputs},
+            do_constant_folding=True,
+        )
+    origin = {"kind": "registry", "name": spec.name, "seed": cfg.model.seed, "checkpoint": cfg.model.checkpoint,
+              "size": cfg.model.size, "exporter": cfg.model.exporter}
     if cfg.model.checkpoint:
         origin["checkpoint_sha256"] = artifacts.sha256_file(cfg.model.checkpoint)
     return inputs, origin
+
+
+def _forward_params(model, n: int) -> list[str]:
+    import inspect
+
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [p.name for p in params[:n]]
+
+
+def example_inputs(inputs, batch: int, seed: int = 0):
+    """Seeded torch tensors for `inputs` (floats standard normal, integers in [0, 10))."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in inputs:
+        shape = (batch, *i.shape)
+        if i.dtype.startswith("float"):
+            out.append(torch.randn(shape, generator=g).to(getattr(torch, i.dtype)))
+        elif i.dtype == "bool":
+            out.append(torch.randint(0, 2, shape, generator=g).bool())
+        else:
+            out.append(torch.randint(0, 10, shape, generator=g).to(getattr(torch, i.dtype)))
+    return out
 
 
 def build_torch_model(cfg: Config):
@@ -117,7 +211,8 @@ def build_torch_model(cfg: Config):
     import models
 
     try:
-        return models.build(cfg.model.source, seed=cfg.model.seed, checkpoint=cfg.model.checkpoint or None)
+        return models.build(cfg.model.source, seed=cfg.model.seed, checkpoint=cfg.model.checkpoint or None,
+                            size=cfg.model.size)
     except FileNotFoundError as e:
         raise InputFileError("checkpoint not found", cfg.model.checkpoint or str(e)) from None
     except ValueError as e:
@@ -126,7 +221,7 @@ def build_torch_model(cfg: Config):
         raise ConfigError(str(e.args[0])) from None
 
 
-def _copy_onnx(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], dict]:
+def _copy_onnx(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], dict, int | None]:
     src = Path(cfg.model.source)
     model = load_onnx(src)
     init_names = {i.name for i in model.graph.initializer}
@@ -141,7 +236,7 @@ def _copy_onnx(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], dict]:
         )
     if set(declared) != set(names):
         raise ShapeError("config input names do not match the ONNX graph", sorted(declared), sorted(names))
-    inputs = []
+    inputs, batch_dims = [], set()
     for gi in graph_inputs:
         want = declared[gi.name]
         tt = gi.type.tensor_type
@@ -158,6 +253,67 @@ def _copy_onnx(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], dict]:
         for axis, (d, w) in enumerate(zip(dims[1:], want.shape), start=1):
             if d is not None and d != w:
                 raise ShapeError(f"dim {axis} of input '{gi.name}' does not match the ONNX graph", w, d)
+        batch_dims.add(dims[0])
         inputs.append(want)
-    shutil.copyfile(src, dest)
-    return tuple(inputs), {"kind": "onnx", "path": str(src.resolve()), "sha256": artifacts.sha256_file(src)}
+    inputs = tuple(inputs)
+    origin = {"kind": "onnx", "path": str(src.resolve()), "sha256": artifacts.sha256_file(src)}
+    fixed = next(iter(batch_dims)) if batch_dims and None not in batch_dims else None
+    if fixed is not None:
+        if len(batch_dims) > 1:
+            raise ShapeError("the ONNX graph's inputs have different fixed batch sizes", sorted(batch_dims))
+        poly = symbolic_batch(model, inputs, fixed)
+        if poly is not None:
+            log.info("export: the graph's batch was fixed at %d; made symbolic (checked with ONNX Runtime)", fixed)
+            model, origin["batch"], fixed = poly, f"made symbolic (was fixed at {fixed})", None
+        else:
+            log.warning("export: the graph's batch is fixed at %d and the graph does not allow another", fixed)
+            origin["batch"] = f"fixed at {fixed}"
+    save_onnx(model, dest)
+    return inputs, origin, fixed
+
+
+def symbolic_batch(model, inputs, fixed: int, trial: int = 3):
+    """A copy of `model` whose inputs' and outputs' first dim is symbolic, if
+    ONNX Runtime shows the graph allows it: a batch of `trial` rows gives, row
+    by row, what each row gives alone. None when it does not (a reshape or a
+    constant hard-codes the batch) or ONNX Runtime cannot run it."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    poly = onnx.ModelProto()
+    poly.CopyFrom(model)
+    for vi in list(poly.graph.input) + list(poly.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if dims:
+            dims[0].Clear()
+            dims[0].dim_param = "batch"
+    del poly.graph.value_info[:]  # inferred shapes that carry the old batch
+    rows = [[t.numpy() for t in example_inputs(inputs, batch=fixed, seed=s)] for s in range(trial)]
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / ONNX_FILE
+            save_onnx(poly, path)
+            sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            names = [i.name for i in inputs]
+            alone = [sess.run(None, dict(zip(names, r))) for r in rows]
+            together = sess.run(None, {n: np.concatenate([r[k] for r in rows]) for k, n in enumerate(names)})
+    except Exception:  # noqa: BLE001 - ONNX Runtime refuses the batch: the graph fixes it
+        return None
+    for k, out in enumerate(together):
+        want = np.concatenate([a[k] for a in alone])
+        if out.shape != want.shape or not np.allclose(out, want, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(want).max()))):
+            return None
+    return poly
+
+
+def check_buckets(exported: ExportArtifact, buckets) -> None:
+    """A graph with a fixed batch builds only that bucket: one line otherwise."""
+    fixed = exported.fixed_batch
+    if fixed is not None and any(b != fixed for b in buckets):
+        raise ShapeError(
+            f"the ONNX graph's batch is fixed at {fixed} (a reshape or constant in it hard-codes it)",
+            f"buckets {','.join(map(str, buckets))}",
+            f"BUCKETS={fixed} (--buckets {fixed}), or a model exported with a dynamic batch "
+            "(torch.onnx.export dynamic_axes / dynamic_shapes)",
+        )

@@ -1,5 +1,14 @@
 """Stage 2, frontend: ONNX -> one Relax module per batch bucket, with static
-input shapes. Unsupported operators are reported all at once, with counts."""
+input shapes. Unsupported operators are reported all at once, with counts.
+
+Before import, each bucket's graph is simplified with onnxslim for its static
+input shapes: shape computations (Shape -> Gather -> Concat -> Reshape, masks
+broadcast from a computed shape) fold into constants, so TVM's importer sees
+static shapes. Without it, TVM 0.27 refuses such graphs at import (`emit_te
+now only supports Tensor that has ShapeExpr shape`, `Reshape expects the input
+tensor to have known shape`). The manifest records the node counts before and
+after. The slimmed graph is checked like any other: validation compares the
+package with the exported (unslimmed) graph."""
 
 from __future__ import annotations
 
@@ -10,8 +19,8 @@ from pathlib import Path
 
 from . import artifacts
 from .config import Profile
-from .errors import UnsupportedOperatorError
-from .export import ExportArtifact, load_onnx
+from .errors import BuildError, UnsupportedOperatorError, error_line
+from .export import ExportArtifact, check_buckets, load_onnx
 
 log = logging.getLogger(__name__)
 STAGE = "frontend"
@@ -51,9 +60,29 @@ def unsupported_ops(histogram: collections.Counter) -> dict[str, int]:
     return out
 
 
-def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArtifact:
-    from .tvm_compat import from_onnx, save_json
+def simplify(model, inputs, batch: int):
+    """(simplified model, what changed): onnxslim with every input's shape
+    fixed for `batch`. A simplification that fails leaves the graph as it is
+    (the reason is recorded); the import then decides."""
+    import onnxslim
 
+    shapes = [f"{i.name}:{','.join(str(d) for d in (batch, *i.shape))}" for i in inputs]
+    before = len(model.graph.node)
+    try:
+        slim = onnxslim.slim(model, input_shapes=shapes)
+    except Exception as e:  # noqa: BLE001 - the import of the original graph is the fallback
+        why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        log.warning("frontend: bucket %d: onnxslim failed (%s); importing the graph as exported", batch, why)
+        return model, {"nodes_before": before, "nodes_after": before, "slim": f"failed: {why}"}
+    if slim is None:
+        return model, {"nodes_before": before, "nodes_after": before, "slim": "failed: no model returned"}
+    return slim, {"nodes_before": before, "nodes_after": len(slim.graph.node), "slim": "ok"}
+
+
+def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArtifact:
+    from .tvm_compat import save_json
+
+    check_buckets(exported, profile.buckets)
     model = load_onnx(exported.onnx_path)
     hist = onnx_op_histogram(model.graph)
     missing = unsupported_ops(hist)
@@ -63,15 +92,17 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
             f"{len(missing)} ONNX operator type(s) are not supported by TVM's ONNX frontend: {listed}"
         )
     with artifacts.staged_dir(folder) as tmp:
-        files = {}
+        files, simplified = {}, {}
         for bucket in profile.buckets:
             shapes = {i.name: [bucket, *i.shape] for i in exported.inputs}
             dtypes = {i.name: i.dtype for i in exported.inputs}
-            mod = from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
+            graph, changes = simplify(model, exported.inputs, bucket)
+            mod = import_graph(graph, shapes, dtypes, bucket)
             name = f"b{bucket}.relax.json"
             (tmp / name).write_text(save_json(mod))
-            files[bucket] = name
-            log.info("frontend: bucket %d imported", bucket)
+            files[bucket], simplified[str(bucket)] = name, changes
+            log.info("frontend: bucket %d imported (onnxslim: %d -> %d nodes)", bucket,
+                     changes["nodes_before"], changes["nodes_after"])
         artifacts.write_manifest(
             tmp,
             STAGE,
@@ -79,9 +110,22 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
                 "onnx_sha256": artifacts.sha256_file(exported.onnx_path),
                 "buckets": {str(b): f for b, f in files.items()},
                 "onnx_ops": {f"{d}:{op}" if d != "ai.onnx" else op: n for (d, op), n in sorted(hist.items())},
+                "simplified": simplified,
             },
         )
     return load(folder, exported)
+
+
+def import_graph(graph, shapes: dict, dtypes: dict, bucket: int):
+    """TVM's ONNX importer; a failure inside it is one line naming the
+    operator being converted (the importer's own trace goes to the log)."""
+    from .tvm_compat import from_onnx
+
+    try:
+        return from_onnx(graph, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
+    except Exception as e:  # noqa: BLE001 - reported as a BuildError with TVM's last line
+        log.debug("frontend: TVM's importer failed", exc_info=True)
+        raise BuildError(f"frontend: TVM's ONNX importer failed on bucket {bucket}: {error_line(e)}") from e
 
 
 def load(folder: Path, exported: ExportArtifact | None = None) -> FrontendArtifact:

@@ -1,0 +1,98 @@
+"""ONNX files as users bring them: weights in an external data file (what
+torch's dynamo exporter writes, and any model over 2 GB needs), and a batch
+fixed at export (torch.onnx.export without dynamic_axes)."""
+
+import json
+
+import onnx
+import pytest
+import torch
+
+from deploy import config, export, pipeline
+from deploy.errors import InputFileError, ShapeError
+
+
+class Net(torch.nn.Module):
+    def __init__(self, hard_coded_batch: bool = False):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8 * 8 * 8, 5)
+        self.hard = hard_coded_batch
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        y = y.reshape(1, -1) if self.hard else y.flatten(1)
+        return self.fc(y)
+
+
+def _export(path, dynamic: bool, hard: bool = False):
+    torch.manual_seed(0)
+    torch.onnx.export(Net(hard).eval(), (torch.randn(1, 3, 8, 8),), str(path), opset_version=17, dynamo=False,
+                      input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "n"}, "y": {0: "n"}} if dynamic else None)
+    return path
+
+
+def _cfg(path, buckets):
+    return config.from_dict({"model": {"source": str(path), "inputs": [{"name": "x", "shape": [3, 8, 8]}]},
+                             "llvm": {"buckets": buckets, "tune_buckets": [], "trials": 0}})
+
+
+def _external(tmp_path):
+    src = _export(tmp_path / "inline.onnx", dynamic=True)
+    model = onnx.load(str(src))
+    dest = tmp_path / "user" / "net.onnx"
+    dest.parent.mkdir()
+    onnx.save(model, str(dest), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="net.onnx.data", size_threshold=0)
+    assert (dest.parent / "net.onnx.data").stat().st_size > 1000
+    return dest
+
+
+def test_external_data_through_every_stage(tmp_path, llvm_target):
+    path = _external(tmp_path)
+    summary = pipeline.run(_cfg(path, [1, 3]), llvm_target, tmp_path / "ws", db_root=tmp_path / "db")
+    assert summary["validation"]["passed"]
+    m = json.loads((tmp_path / "ws" / "export" / "manifest.json").read_text())
+    assert m["external_data"] is False  # small enough: saved with its weights inline, hashed as one file
+    assert set(m["files"]) == {"model.onnx"}
+
+
+def test_a_model_over_the_protobuf_limit_keeps_its_data_file(tmp_path, llvm_target, monkeypatch):
+    """Above 2 GB (the limit lowered here) the export folder holds the graph
+    and one data file, both hashed; every later stage reads them."""
+    monkeypatch.setattr(export, "PROTOBUF_LIMIT", 1000)
+    path = _external(tmp_path)
+    summary = pipeline.run(_cfg(path, [2]), llvm_target, tmp_path / "ws", db_root=tmp_path / "db")
+    assert summary["validation"]["passed"]
+    m = json.loads((tmp_path / "ws" / "export" / "manifest.json").read_text())
+    assert m["external_data"] is True and set(m["files"]) == {"model.onnx", export.DATA_FILE}
+    (tmp_path / "ws" / "export" / export.DATA_FILE).write_bytes(b"tampered")
+    with pytest.raises(Exception, match="sha256|changed|modified|tamper"):
+        export.load(tmp_path / "ws" / "export")
+
+
+def test_missing_external_data_is_one_line(tmp_path):
+    path = _external(tmp_path)
+    (path.parent / "net.onnx.data").unlink()
+    with pytest.raises(InputFileError, match="external data .* is missing") as e:
+        export.run(_cfg(path, [1]), tmp_path / "export")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "export").exists()
+
+
+def test_fixed_batch_is_made_symbolic_when_the_graph_allows(tmp_path, llvm_target):
+    path = _export(tmp_path / "fixed.onnx", dynamic=False)
+    summary = pipeline.run(_cfg(path, [1, 4]), llvm_target, tmp_path / "ws", db_root=tmp_path / "db")
+    assert summary["validation"]["passed"]
+    m = json.loads((tmp_path / "ws" / "export" / "manifest.json").read_text())
+    assert m["fixed_batch"] is None and m["origin"]["batch"] == "made symbolic (was fixed at 1)"
+
+
+def test_a_graph_that_hard_codes_its_batch_builds_that_bucket_only(tmp_path, llvm_target):
+    path = _export(tmp_path / "hard.onnx", dynamic=False, hard=True)
+    with pytest.raises(ShapeError, match="batch is fixed at 1") as e:
+        pipeline.run(_cfg(path, [1, 4]), llvm_target, tmp_path / "ws", db_root=tmp_path / "db")
+    assert "BUCKETS=1" in str(e.value) and "\n" not in str(e.value)
+    summary = pipeline.run(_cfg(path, [1]), llvm_target, tmp_path / "ws2", db_root=tmp_path / "db")
+    assert summary["validation"]["passed"]
