@@ -24,12 +24,16 @@ import torch
 from torch import nn
 
 from .mobilenet import mobilenet_v2
-from .resnet import resnet18, resnet50
+from .spec import SIZES, ModelSpec, TensorSpec
+from .corpus import CORPUS
+from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50
 from .tiny import tiny_cnn, tiny_mlp
 from .transformer import tiny_vit
 
 __all__ = [
     "ModelSpec",
+    "SIZES",
+    "TensorSpec",
     "REGISTRY",
     "UnknownModelError",
     "build",
@@ -44,65 +48,66 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    factory: Callable[[], torch.nn.Module]
-    input_shape: tuple[int, ...]  # one sample, WITHOUT the batch dim, e.g. (3, 224, 224)
-    input_dtype: str  # "float32"
-    description: str  # one line
-
-
 def _spec(name: str, factory: Callable[[], nn.Module], input_shape: tuple[int, ...], description: str) -> ModelSpec:
-    return ModelSpec(
-        name=name,
-        factory=factory,
-        input_shape=tuple(input_shape),
-        input_dtype="float32",
-        description=description,
-    )
+    return ModelSpec(name=name, factory=factory, inputs=(TensorSpec("input", tuple(input_shape)),), description=description)
 
+
+_BASE = (
+    _spec(
+        "resnet50",
+        resnet50,
+        (3, 224, 224),
+        "ResNet-50 v1.5, torchvision-identical (25.6M params, 1000 classes)",
+    ),
+    _spec(
+        "resnet18",
+        resnet18,
+        (3, 224, 224),
+        "ResNet-18, torchvision-identical (11.7M params, 1000 classes)",
+    ),
+    _spec(
+        "mobilenet_v2",
+        mobilenet_v2,
+        (3, 224, 224),
+        "MobileNetV2 depthwise-separable CNN, torchvision-identical (3.5M params, 1000 classes)",
+    ),
+    _spec(
+        "tiny_vit",
+        tiny_vit,
+        (3, 32, 32),
+        "Small ViT encoder (4x4 patches, 3 layers, dim 128, 4 heads, explicit attention, 10 classes)",
+    ),
+    _spec(
+        "tiny_cnn",
+        tiny_cnn,
+        (3, 16, 16),
+        "Tiny CNN (Conv-BN-ReLU x2, global avgpool, Linear; 10 classes) for fast tests",
+    ),
+    _spec(
+        "tiny_mlp",
+        tiny_mlp,
+        (64,),
+        "Tiny MLP (3 Linear layers with ReLU, 64 -> 10) for fast tests",
+    ),
+)
+
+
+def _small(spec: ModelSpec, factory: Callable[[], nn.Module], shape: tuple[int, ...], description: str) -> ModelSpec:
+    return dataclasses.replace(spec, small=_spec(spec.name, factory, shape, description))
+
+
+# Small variants of the classic CNNs (the same blocks, fewer of them, 64x64 inputs): the test suite's size.
+_SMALL = {
+    "resnet50": (lambda: ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10), (3, 64, 64),
+                 "ResNet-50's bottleneck blocks, one per stage, 64x64 (10 classes)"),
+    "resnet18": (lambda: ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10), (3, 64, 64),
+                 "ResNet-18's basic blocks, one per stage, 64x64 (10 classes)"),
+    "mobilenet_v2": (lambda: mobilenet_v2(num_classes=10), (3, 64, 64), "MobileNetV2 on 64x64 (10 classes)"),
+}
 
 REGISTRY: dict[str, ModelSpec] = {
     s.name: s
-    for s in (
-        _spec(
-            "resnet50",
-            resnet50,
-            (3, 224, 224),
-            "ResNet-50 v1.5, torchvision-identical (25.6M params, 1000 classes)",
-        ),
-        _spec(
-            "resnet18",
-            resnet18,
-            (3, 224, 224),
-            "ResNet-18, torchvision-identical (11.7M params, 1000 classes)",
-        ),
-        _spec(
-            "mobilenet_v2",
-            mobilenet_v2,
-            (3, 224, 224),
-            "MobileNetV2 depthwise-separable CNN, torchvision-identical (3.5M params, 1000 classes)",
-        ),
-        _spec(
-            "tiny_vit",
-            tiny_vit,
-            (3, 32, 32),
-            "Small ViT encoder (4x4 patches, 3 layers, dim 128, 4 heads, explicit attention, 10 classes)",
-        ),
-        _spec(
-            "tiny_cnn",
-            tiny_cnn,
-            (3, 16, 16),
-            "Tiny CNN (Conv-BN-ReLU x2, global avgpool, Linear; 10 classes) for fast tests",
-        ),
-        _spec(
-            "tiny_mlp",
-            tiny_mlp,
-            (64,),
-            "Tiny MLP (3 Linear layers with ReLU, 64 -> 10) for fast tests",
-        ),
-    )
+    for s in (*(_small(b, *_SMALL[b.name]) if b.name in _SMALL else b for b in _BASE), *CORPUS)
 }
 
 
@@ -220,6 +225,7 @@ def build(
     name: str,
     seed: int = 0,
     checkpoint: Optional[Union[str, os.PathLike]] = None,
+    size: str = "full",
 ) -> torch.nn.Module:
     """Construct model ``name`` with deterministic random weights, in eval() mode.
 
@@ -227,8 +233,9 @@ def build(
     layers get seeded random statistics/affine parameters.  If ``checkpoint``
     is given it is loaded on top (strict): a raw state_dict or a dict holding
     one under "state_dict" or "model"; a leading "module." prefix is stripped.
+    ``size="small"`` builds the model's small variant (see ``ModelSpec.small``).
     """
-    spec = get(name)
+    spec = get(name).sized(size)
     torch.manual_seed(seed)
     model = spec.factory()
     _randomize_batchnorm(model)

@@ -86,8 +86,8 @@ def test_shipped_configs_parse():
         cfg = config.load(p)
         assert cfg.model.source in models.names(), p
         assert cfg.model.name == p.stem, p
-    # one config per registered model
-    assert sorted(p.stem for p in paths) == sorted(models.names())
+    # a config per model whose settings differ from the defaults; the others run by registry name
+    assert {p.stem for p in paths} <= set(models.names())
 
 
 @pytest.mark.parametrize("flag, compare", [([], True), (["--no-untuned"], False)])

@@ -56,8 +56,9 @@ def test_registry_contents():
         assert isinstance(spec, models.ModelSpec)
         assert spec.name == name
         assert callable(spec.factory)
-        assert isinstance(spec.input_shape, tuple) and all(isinstance(d, int) and d > 0 for d in spec.input_shape)
-        assert spec.input_dtype == "float32"
+        for t in spec.inputs:
+            assert isinstance(t.shape, tuple) and all(isinstance(d, int) and d > 0 for d in t.shape)
+            assert t.dtype in ("float32", "int64")
         assert spec.description and "\n" not in spec.description
         assert models.get(name) is spec
     with pytest.raises(dataclasses_frozen_error()):
@@ -90,7 +91,27 @@ def test_unknown_name_suggests_close_match():
 # --------------------------------------------------------------------------- forward
 
 
-@pytest.mark.parametrize("name", models.names())
+BASE_NAMES = ["resnet50", "resnet18", "mobilenet_v2", "tiny_vit", "tiny_cnn", "tiny_mlp"]
+
+
+@pytest.mark.parametrize("name", [n for n in models.names() if n not in BASE_NAMES])
+def test_corpus_small_forward_finite(name):
+    """Each corpus model's small variant: finite outputs at batch 2, one per declared output."""
+    from deploy.config import InputSpec
+    from deploy.export import example_inputs
+
+    spec = models.get(name).small
+    model = models.build(name, seed=0, size="small")
+    xs = example_inputs([InputSpec(t.name, t.shape, t.dtype) for t in spec.inputs], batch=2)
+    with torch.no_grad():
+        y = model(*xs)
+    ys = list(y) if isinstance(y, (tuple, list)) else [y]
+    assert len(ys) == len(spec.outputs)
+    for o in ys:
+        assert o.shape[0] == 2 and torch.isfinite(o).all() and o.abs().max() < 1e4
+
+
+@pytest.mark.parametrize("name", BASE_NAMES)
 def test_forward_batch2_finite(built, name):
     model = built(name)
     assert not model.training

@@ -1,0 +1,88 @@
+"""The model corpus through every stage: each registry model at its small
+size (narrower, smaller inputs: the 2-core CI machine's budget; the full
+sizes run in scripts/corpus.py, results under results/*/corpus-*), on llvm
+validated against ONNX Runtime and PyTorch, and built for cuda:sm_90 here
+(no GPU needed: the cross-compile runs every TIR pass). A model whose
+operators TVM's ONNX frontend lacks (LSTM, GRU) must end in the one-line
+unsupported-operator error."""
+
+import json
+
+import pytest
+
+import models
+from deploy import config, pipeline, targets
+from deploy.errors import UnsupportedOperatorError
+
+# tiny_* are the fast golden models of test_pipeline_llvm.py.
+CORPUS = [n for n in models.names() if not n.startswith("tiny_")]
+
+
+def _cfg(name, kind, **profile):
+    return config.from_dict({"model": {"source": name, "size": "small", **profile.pop("model", {})},
+                             kind: {"trials": 0, **profile}})
+
+
+def test_corpus_is_large_and_varied():
+    kinds = {models.get(n).kind for n in CORPUS}
+    assert len(CORPUS) >= 20 and {"cnn", "transformer", "rnn"} <= kinds
+    for n in CORPUS:
+        spec = models.get(n)
+        assert spec.small is not None, f"{n} has no small variant for the test suite"
+        assert spec.expect in ("build", "unsupported")
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_llvm_every_stage_validated(name, tmp_path, llvm_target):
+    cfg = _cfg(name, "llvm", buckets=[1, 2])
+    if models.get(name).expect == "unsupported":
+        with pytest.raises(UnsupportedOperatorError, match="not supported by TVM's ONNX frontend"):
+            pipeline.run(cfg, llvm_target, tmp_path / "ws", db_root=tmp_path / "db")
+        return
+    summary = pipeline.run(cfg, llvm_target, tmp_path / "ws", db_root=tmp_path / "db", compare_untuned=False)
+    assert summary["validation"]["passed"], summary["validation"]
+    report = json.loads((tmp_path / "ws" / "package" / "validation.json").read_text())
+    assert set(report["buckets"]["2"]) == {"onnxruntime", "pytorch"}
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    return targets.resolve("cuda:sm_90")
+
+
+@pytest.mark.parametrize("name", [n for n in CORPUS if models.get(n).expect == "build"])
+def test_cuda_sm90_builds(name, tmp_path, sm90):
+    if sm90.has_device:
+        pytest.skip("this machine has a GPU: the gpu-marked corpus run covers it")
+    cfg = _cfg(name, "cuda", buckets=[1])  # the CUDA defaults: fp16, fp32 accumulation, NHWC
+    pipeline.run(cfg, sm90, tmp_path / "ws", db_root=tmp_path / "db")
+    m = json.loads((tmp_path / "ws" / "package" / "manifest.json").read_text())
+    b = m["buckets"]["1"]
+    assert b["kernels"] > 0 and sum(b["schedules"].values()) == b["kernels"]
+    assert m["precision"] == "fp16"
+
+
+# On the GPU machine: one model of each family, both precisions (the whole
+# corpus at full size is scripts/corpus.py's run, results/h200/*/corpus-*).
+GPU_SUBSET = ["mobilenet_v3", "resnext", "convnext", "unet", "vit", "bert", "gpt"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+@pytest.mark.parametrize("name", GPU_SUBSET)
+def test_gpu_corpus_validated(name, precision, tmp_path):
+    target = targets.resolve("cuda")
+    cfg = _cfg(name, "cuda", buckets=[1, 4], precision=precision)
+    summary = pipeline.run(cfg, target, tmp_path / "ws", db_root=tmp_path / "db", compare_untuned=False)
+    assert summary["validation"]["passed"], summary["validation"]
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v3", "convnext", "bert"])
+def test_dynamo_exporter_every_stage(name, tmp_path, llvm_target):
+    """torch.export-based export (torch's default since 2.9: opset 18+, may
+    write external data) through every stage."""
+    cfg = _cfg(name, "llvm", buckets=[1, 3], model={"exporter": "dynamo"})
+    summary = pipeline.run(cfg, llvm_target, tmp_path / "ws", db_root=tmp_path / "db", compare_untuned=False)
+    assert summary["validation"]["passed"]
+    m = json.loads((tmp_path / "ws" / "export" / "manifest.json").read_text())
+    assert m["origin"]["exporter"] == "dynamo" and m["opset"] >= 18
