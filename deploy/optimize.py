@@ -4,7 +4,8 @@ The phases, in order (each a short list of passes, as in TVM's own
 relax/backend/cuda/pipeline.py):
   fold_batchnorm    batch-norm folded into the preceding convolution
   inference         remaining inference-only decompositions (batch_norm, ...)
-  constant_folding  constants folded, dead code and common subexpressions removed
+  constant_folding  constants folded, dead code and common subexpressions removed,
+                    small integer powers as multiplications (passes.exact_power)
   layout            2-D convolutions to NHWC (when the profile asks for it)
   mixed_precision   fp16 compute (when the profile asks for it)
   fusion            legalize to TIR and fuse into kernels: the module that
@@ -24,6 +25,7 @@ from . import artifacts
 from .config import Profile
 from .errors import StaleArtifactError
 from .frontend import FrontendArtifact
+from .passes.exact_power import power_to_multiply
 from .passes.layout import convert_to_nhwc
 from .passes.mixed_precision import to_mixed_precision
 from .passes.split_k import split_k_conv2d
@@ -59,7 +61,8 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
     out = [
         ("fold_batchnorm", [T.FoldBatchnormToConv2D()]),
         ("inference", [T.DecomposeOpsForInference(), T.CanonicalizeBindings()]),
-        ("constant_folding", [T.FoldConstant(), T.EliminateCommonSubexpr(), T.DeadCodeElimination()]),
+        ("constant_folding", [T.FoldConstant(), T.EliminateCommonSubexpr(), T.DeadCodeElimination(),
+                              power_to_multiply()]),
     ]
     if profile.layout == "NHWC":
         out.append(("layout", [convert_to_nhwc(), T.FoldConstant()]))

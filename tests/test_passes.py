@@ -255,3 +255,50 @@ def test_nhwc_layouts_keep_conv2d_transpose_lowerable(llvm_target):
         ex = tvm.compile(relax.get_pipeline("zero")(m), target=llvm_target.tvm_target())
         outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy())
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def _modules(m):
+    yield m
+    for i in m.imports:
+        yield from _modules(i)
+
+
+def _square_module():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.power(x, relax.const(2.0, "float32")))
+            out = bb.emit_output(relax.op.add(y, relax.op.power(x, relax.const(0.5, "float32"))))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_tvm_still_lowers_a_square_to_fast_math_powf(sm90):
+    """Fails once TVM's CUDA code for x**2 is no longer powf (compiled with
+    --use_fast_math: NaN for x < 0); then deploy.passes.exact_power can go."""
+    import inspect
+
+    from tvm.support import nvcc
+
+    t = sm90.tvm_target()
+    with t, PassContext(opt_level=3):
+        ex = tvm.compile(relax.get_pipeline("zero")(_square_module()), target=t)
+    src = "".join(m.inspect_source() for m in _modules(ex.mod) if m.kind == "cuda")
+    assert "powf(" in src and "0x1p+1f" in src
+    assert "--use_fast_math" in inspect.getsource(nvcc._compile_cuda_nvrtc)
+
+
+def test_small_integer_powers_become_multiplications(llvm_target):
+    from deploy.passes import exact_power
+
+    mod = _square_module()
+    new = exact_power.power_to_multiply()(mod)
+    text = new.script()
+    assert text.count("R.power(") == 1 and "R.multiply(x, x)" in text  # 0.5 is left to powf
+    x = np.abs(np.random.default_rng(3).standard_normal((4, 8))).astype("float32")
+    outs = []
+    for m in (mod, new):
+        ex = tvm.compile(relax.get_pipeline("zero")(m), target=llvm_target.tvm_target())
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy())
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6)
