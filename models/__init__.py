@@ -105,10 +105,16 @@ _SMALL = {
     "mobilenet_v2": (lambda: mobilenet_v2(num_classes=10), (3, 64, 64), "MobileNetV2 on 64x64 (10 classes)"),
 }
 
-REGISTRY: dict[str, ModelSpec] = {
-    s.name: s
-    for s in (*(_small(b, *_SMALL[b.name]) if b.name in _SMALL else b for b in _BASE), *CORPUS)
-}
+_KINDS = {"tiny_vit": "transformer", "tiny_mlp": "other"}  # the rest of _BASE are CNNs
+
+
+def _base(spec: ModelSpec) -> ModelSpec:
+    if spec.name in _SMALL:
+        spec = _small(spec, *_SMALL[spec.name])
+    return dataclasses.replace(spec, kind=_KINDS.get(spec.name, spec.kind))
+
+
+REGISTRY: dict[str, ModelSpec] = {s.name: s for s in (*(_base(b) for b in _BASE), *CORPUS)}
 
 
 class UnknownModelError(KeyError):

@@ -56,6 +56,13 @@ def plain_tvm_builds(onnx_path: Path, inputs, target) -> str:
         return error_line(e)
 
 
+def _iters(runner, most: int, seconds: float = 3.0) -> int:
+    """Iterations for ~`seconds` of timing (at least 5, at most `most`): an
+    untuned CPU module can take seconds a run."""
+    once = min(runner.time(0, 1))
+    return int(max(5, min(most, seconds / max(once / 1e3, 1e-6))))
+
+
 def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path: Path, iters: int,
               compile_precisions=("fp16",)) -> dict:
     """p50 (ms) of what a user could run instead, on the same inputs."""
@@ -83,8 +90,9 @@ def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path
             r.activate(inputs_np)
             setup = time.time() - t0
             label = r.name
-            out[label] = {"p50_ms": bench.percentiles(r.time(max(3, iters // 10), iters), 1)["p50_ms"],
-                          "setup_s": round(setup, 1)}
+            n = _iters(r, iters)
+            out[label] = {"p50_ms": bench.percentiles(r.time(max(1, n // 10), n), 1)["p50_ms"],
+                          "setup_s": round(setup, 1), "iterations": n}
         except Exception as e:  # noqa: BLE001 - a runner that cannot run is recorded, not fatal
             out[label] = {"error": bench._failure(e)}
         finally:
@@ -153,7 +161,8 @@ def time_one(entry: dict, args, target) -> None:
     inputs = pred.random_inputs(1, seed=0)
     r = bench.TVMRunner("tvm", pkg)
     r.activate(inputs)
-    entry["tvm_p50_ms"] = bench.percentiles(r.time(max(3, args.iters // 10), args.iters), 1)["p50_ms"]
+    iters = _iters(r, args.iters)
+    entry["tvm_p50_ms"] = bench.percentiles(r.time(max(1, iters // 10), iters), 1)["p50_ms"]
     r.deactivate()
     if args.baselines:
         entry["baselines"] = baselines(entry["model"], args.size, target, entry["precision"], inputs,
