@@ -119,13 +119,23 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
 def import_graph(graph, shapes: dict, dtypes: dict, bucket: int):
     """TVM's ONNX importer; a failure inside it is one line naming the
     operator being converted (the importer's own trace goes to the log)."""
+    import contextlib
+    import io
+    import re
+
     from .tvm_compat import from_onnx
 
+    printed = io.StringIO()  # the importer prints the failing operator's inputs (IR) before it raises
     try:
-        return from_onnx(graph, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
-    except Exception as e:  # noqa: BLE001 - reported as a BuildError with TVM's last line
-        log.debug("frontend: TVM's importer failed", exc_info=True)
-        raise BuildError(f"frontend: TVM's ONNX importer failed on bucket {bucket}: {error_line(e)}") from e
+        with contextlib.redirect_stdout(printed):
+            return from_onnx(graph, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
+    except Exception as e:  # noqa: BLE001 - reported as a BuildError with TVM's own line
+        op = re.search(r"Error converting operator (\w+)", printed.getvalue())
+        where = f" at operator {op.group(1)}" if op else ""
+        raise BuildError(f"frontend: TVM's ONNX importer failed on bucket {bucket}{where}: {error_line(e)}") from e
+    finally:
+        if printed.getvalue().strip():
+            log.debug("frontend: TVM's importer printed:\n%s", printed.getvalue())
 
 
 def load(folder: Path, exported: ExportArtifact | None = None) -> FrontendArtifact:

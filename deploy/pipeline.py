@@ -153,7 +153,8 @@ def run(
         "model": cfg.model.name,
         "target": target.key(),
         "profile": to_dict(profile),
-        "buckets": {b: {k: v for k, v in m.items() if k in ("tuned_kernels", "kernels", "compile_seconds")} for b, m in package.manifest["buckets"].items()},
+        "buckets": {b: {k: v for k, v in m.items() if k in ("tuned_kernels", "kernels", "compile_seconds", "schedules", "fallbacks")}
+                    for b, m in package.manifest["buckets"].items()},
         "validation": None if report is None else {"passed": report["passed"], "worst_rel_l2": report["worst_rel_l2"]},
         "latency": latency,
         "tuning": tune_summary,
@@ -188,6 +189,8 @@ def format_summary(summary: dict) -> str:
     lines = [f"package    {summary['package']}"]
     for b, info in sorted(summary["buckets"].items(), key=lambda kv: int(kv[0])):
         line = f"bucket {b:>4}  {info['tuned_kernels']}/{info['kernels']} kernels tuned"
+        if info.get("fallbacks"):
+            line += f", {len(info['fallbacks'])} fell back (manifest.json 'fallbacks' says why)"
         lat = (summary.get("latency") or {}).get(b)
         if lat:
             line += f"  {lat['tuned']['median_ms']:.3f} ms"

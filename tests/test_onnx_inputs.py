@@ -96,3 +96,32 @@ def test_a_graph_that_hard_codes_its_batch_builds_that_bucket_only(tmp_path, llv
     assert "BUCKETS=1" in str(e.value) and "\n" not in str(e.value)
     summary = pipeline.run(_cfg(path, [1]), llvm_target, tmp_path / "ws2", db_root=tmp_path / "db")
     assert summary["validation"]["passed"]
+
+
+def test_an_operator_the_importer_refuses_is_one_line_naming_it(tmp_path, capsys):
+    """Pads computed from the data (no simplification can fold them): TVM's
+    importer prints the operator's inputs and raises; the run prints one
+    line naming the stage, the operator and TVM's message, the trace in a log."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from deploy import cli
+
+    nodes = [helper.make_node("Abs", ["x"], ["a"]), helper.make_node("ReduceMax", ["a"], ["m"], keepdims=0),
+             helper.make_node("Ceil", ["m"], ["c"]), helper.make_node("Cast", ["c"], ["ci"], to=TensorProto.INT64),
+             helper.make_node("Unsqueeze", ["ci", "ax"], ["cu"]), helper.make_node("Tile", ["cu", "reps"], ["pads"]),
+             helper.make_node("Pad", ["x", "pads"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([0], "int64"), "ax"), numpy_helper.from_array(np.array([8], "int64"), "reps")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "c", "h", "w"])], inits)
+    path = tmp_path / "dynpad.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    ws = tmp_path / "ws"
+    rc = cli.main(["run", "-m", str(path), "--input", "x:3x4x4", "--target", "llvm", "--buckets", "1",
+                   "--trials", "0", "--workdir", str(ws)])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert "frontend: TVM's ONNX importer failed on bucket 1 at operator Pad: ValueError: Dynamic pads" in line
+    assert "full trace in" in line and (ws / "logs" / "frontend.log").is_file()
+    assert "Error converting operator" not in out + err
