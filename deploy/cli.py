@@ -108,7 +108,7 @@ def prepare(args):
     args.loopback = (lanes, lane_cpus or 0) if (lanes or 0) > 1 and not tracker and not key else None
     pool = config_mod.rpc_pool(tracker, key, *((None, None) if args.loopback else (lanes, lane_cpus)))
     if pool is not None:
-        from . import rpc
+        from .tuning import rpc
 
         # Measured on the pool: `auto`/`cuda` is the pool's GPU, read from it.
         target = rpc.resolve_target(_nonempty(args.target) or "auto", pool)
@@ -139,7 +139,7 @@ def prepare(args):
 def _check_pool(args, target, profile) -> None:
     """Before any work: every server of the pool has the target's device."""
     if args.pool is not None and profile.trials > 0 and profile.tune_buckets:
-        from . import rpc
+        from .tuning import rpc
 
         rpc.check_pool(args.pool, target)
 
@@ -157,7 +157,7 @@ def _loopback(args, target, profile, workdir: Path):
         log.info("--rpc-lanes: no tuning on a %s device here, so no lanes are started", target.kind)
         yield
         return
-    from . import rpc
+    from .tuning import rpc
 
     lanes, lane_cpus = args.loopback
     if target.kind == "llvm":
@@ -196,7 +196,8 @@ def cmd_stage(args) -> int:
 
 
 def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
-    from . import build, export, frontend, optimize, tune, validate
+    from . import build, export, frontend, optimize, validate
+    from .tuning import tune
     from .pipeline import existing_databases
 
     stage = args.command
@@ -224,7 +225,7 @@ def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
         a = build.run(profile, target, ex, optimize.load(ws.optimize), existing, keys, ws.package, cfg.model.name)
         print(f"build: package {a.folder}")
     elif stage == "profile":
-        from . import profile as profile_mod
+        from .bench import profile as profile_mod
 
         ex = export.load(ws.export)
         bucket = args.bucket if args.bucket is not None else (profile.tune_buckets or profile.buckets)[0]
@@ -244,7 +245,8 @@ def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
 def cmd_bench(args) -> int:
     import tempfile
 
-    from . import bench, export
+    from . import export
+    from .bench import latency as bench
     from .export import is_onnx_source
     from .pipeline import Workspace
 
@@ -277,7 +279,7 @@ def cmd_bench(args) -> int:
 
 
 def _bench_cases(args, cfg, profile, ws, ex, names, factory, tmpdir: Path, report: dict) -> None:
-    from . import bench
+    from .bench import latency as bench
     from .runtime import random_inputs
     from .validate import References
 
@@ -302,7 +304,7 @@ def _bench_cases(args, cfg, profile, ws, ex, names, factory, tmpdir: Path, repor
 
 
 def _baseline_batch(path: Path) -> int | None:
-    from .bench import read_baseline_meta
+    from .bench.latency import read_baseline_meta
 
     return read_baseline_meta(path).get("batch")
 
@@ -320,7 +322,7 @@ def cmd_info(args) -> int:
 def cmd_pack_databases(args) -> int:
     """Fold working copies left by killed tuning runs into the compressed
     database files, for every database under a root."""
-    from . import database
+    from .tuning import database
 
     root = Path(args.root)
     if not root.is_dir():
@@ -364,7 +366,7 @@ def cmd_serve(args) -> int:
     import dataclasses
     import json
 
-    from . import serve
+    from .serving import serve
 
     folder = resolve_package(args)
     cfg = _serve_config(args, config_mod.ServeConfig())
@@ -376,7 +378,8 @@ def cmd_loadtest(args) -> int:
     import dataclasses
     import json
 
-    from . import artifacts, loadtest, runtime
+    from . import artifacts, runtime
+    from .serving import loadtest
 
     folder = resolve_package(args)
     cfg = config_mod.loadtest_config(
@@ -460,7 +463,7 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
 def cmd_rpc_tracker(args) -> int:
     import os
 
-    from . import rpc
+    from .tuning import rpc
 
     rpc.check_port_free(args.host, args.port, "RPC tracker")
     cmd = rpc.tracker_command(args.host, args.port)
@@ -471,7 +474,7 @@ def cmd_rpc_tracker(args) -> int:
 def cmd_rpc_server(args) -> int:
     import os
 
-    from . import rpc
+    from .tuning import rpc
 
     pool = config_mod.rpc_pool(args.tracker, args.key)
     if pool is None:
@@ -489,7 +492,7 @@ def cmd_rpc_server(args) -> int:
 
 
 def cmd_rpc_status(args) -> int:
-    from . import rpc
+    from .tuning import rpc
 
     pool = config_mod.rpc_pool(args.tracker, args.rpc_key)
     if pool is None:

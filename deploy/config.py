@@ -174,7 +174,7 @@ class ServeConfig:
     # On SIGTERM/SIGINT: stop accepting, finish what is in flight for at most this long.
     shutdown_grace_s: float = 30.0
     warmup: bool = True  # run every bucket once before reporting ready
-    # Triton's system shared-memory extension (deploy.shm): clients on this
+    # Triton's system shared-memory extension (deploy.serving.shm): clients on this
     # host pass tensors through /dev/shm instead of the body. Off by default:
     # a client that may register any shared-memory object could read or
     # overwrite another program's on this host.

@@ -16,8 +16,9 @@ import time
 import traceback
 from pathlib import Path
 
-from . import artifacts, build, export, frontend, optimize, tune, validate
-from . import database as dbs
+from . import artifacts, build, export, frontend, optimize, validate
+from .tuning import tune
+from .tuning import database as dbs
 from .config import Config, Profile, RPCPool, parse_duration, to_dict
 from .errors import BuildError, DeployError, error_line
 from .targets import TargetInfo

@@ -1,6 +1,6 @@
 """How long MetaSchedule candidates of a model's heaviest tasks take to build
 for a CUDA target on this machine: the same build and export the tuner's
-workers run (deploy.tune.lean_build + so_export), one candidate at a time, on
+workers run (deploy.tuning.tune.lean_build + so_export), one candidate at a time, on
 random samples of each task's design space.
 
 Where TVM's CUDA runtime cannot load (no GPU driver), tvm.tirx.build returns
@@ -49,7 +49,8 @@ def main() -> int:
     if args.database:
         return replay(args)
 
-    from deploy import config, export, frontend, optimize, targets, tune
+    from deploy import config, export, frontend, optimize, targets
+    from deploy.tuning import tune
     from deploy.cli import resolve_config
     from deploy.tvm_compat import ms
 
@@ -87,7 +88,7 @@ FAILED: list[str] = []  # the candidates that did not build (timed too)
 def _timed(mod, tgt) -> float:
     import shutil
 
-    from deploy import tune
+    from deploy.tuning import tune
 
     t0 = time.perf_counter()
     try:
@@ -101,7 +102,7 @@ def _timed(mod, tgt) -> float:
 
 
 def replay(args) -> int:
-    from deploy import database as dbs
+    from deploy.tuning import database as dbs
     from deploy.tvm_compat import Target, structural_hash, tvm
 
     folder = Path(args.database)

@@ -67,7 +67,7 @@ def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path
               compile_precisions=("fp16",)) -> dict:
     """p50 (ms) of what a user could run instead, on the same inputs."""
     import models
-    from deploy import bench
+    from deploy.bench import latency as bench
 
     def factory():
         return models.build(name, seed=0, size=size)
@@ -154,7 +154,8 @@ def build_one(job) -> dict:
 def time_one(entry: dict, args, target) -> None:
     """TVM's p50 at batch 1 and, with --baselines, the alternatives', in this
     process, one runner at a time."""
-    from deploy import bench, runtime
+    from deploy import runtime
+    from deploy.bench import latency as bench
 
     pkg = Path(entry["workdir"]) / "package"
     pred = runtime.load(pkg, warn_unvalidated=False)
@@ -238,7 +239,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     import models
-    from deploy import artifacts, bench, targets
+    from deploy import artifacts, targets
+    from deploy.bench import latency as bench
 
     target = targets.resolve(args.target)
     names = [n.strip() for n in args.models.split(",") if n.strip()] or models.names()

@@ -5,7 +5,7 @@ changing the kernel. Runs on a CPU machine: NVRTC needs no GPU.
 On a machine without a CUDA driver `tvm.tirx.build` returns a CUDA fallback
 module without compiling, so the tuner's real compile is never timed there.
 This script takes measured records of committed tuning databases, replays and
-builds each with the tuner's own build (deploy.tune.lean_build: same pass
+builds each with the tuner's own build (deploy.tuning.tune.lean_build: same pass
 context), reads the generated CUDA source back from the module
 (inspect_source("cuda")), and then, in one fresh process per database and
 option set (a build worker's life: one process compiling candidate after
@@ -130,8 +130,8 @@ def _capture(folder: Path, dest: Path, n: int, seed: int) -> list[dict]:
         index = json.loads(idx_path.read_text())
         if index.get("n") == n and index.get("seed") == seed:
             return index["candidates"]
-    from deploy import database as dbs
-    from deploy import tune
+    from deploy.tuning import database as dbs
+    from deploy.tuning import tune
     from deploy.tvm_compat import Target, tvm
 
     key = json.loads((folder / "key.json").read_text())

@@ -35,8 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deploy import config, export, frontend, optimize, rpc, targets, tune
-from deploy import database as dbs
+from deploy import config, export, frontend, optimize, targets
+from deploy.tuning import rpc, tune
+from deploy.tuning import database as dbs
 from deploy.pipeline import REPO_ROOT
 
 log = logging.getLogger("rpc_check")

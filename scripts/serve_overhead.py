@@ -2,7 +2,7 @@
 thread, and where it goes.
 
 `python -m deploy serve` runs in a subprocess (uvicorn's loop in its main
-thread); closed-loop tritonclient clients (deploy.loadtest's, in client
+thread); closed-loop tritonclient clients (deploy.serving.loadtest's, in client
 processes) send requests of `--request-batch` samples as binary tensors
 (`binary`) or through system shared memory (`shm`). Over the measured
 window the script reads the server's threads' CPU time from
@@ -109,13 +109,13 @@ sys.exit(cli.main(sys.argv[3:]))
 # Self time (cProfile's tottime) by where it is spent, from the function's
 # file (first match wins); C functions ("~") count for their callers.
 CATEGORIES = [
-    ("disconnect watcher (_disconnected)", lambda f, n: f.endswith("deploy/serve.py") and n == "_disconnected"),
-    ("batcher submit (serve.Batcher.submit)", lambda f, n: f.endswith("deploy/serve.py") and n == "submit"),
-    ("body read (serve._read_body, _reserve)", lambda f, n: f.endswith("deploy/serve.py") and n in ("_read_body", "_reserve")),
-    ("serve handler (infer, _infer, _error...)", lambda f, n: f.endswith("deploy/serve.py")),
-    ("shm region read/write (deploy.shm)", lambda f, n: f.endswith("deploy/shm.py")),
-    ("protocol.decode (+pydantic)", lambda f, n: f.endswith("deploy/protocol.py") and n != "encode"),
-    ("protocol.encode (+json)", lambda f, n: f.endswith("deploy/protocol.py")),
+    ("disconnect watcher (_disconnected)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py")) and n == "_disconnected"),
+    ("batcher submit (serve.Batcher.submit)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py")) and n == "submit"),
+    ("body read (serve._read_body, _reserve)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py")) and n in ("_read_body", "_reserve")),
+    ("serve handler (infer, _infer, _error...)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py"))),
+    ("shm region read/write (deploy.serving.shm)", lambda f, n: f.endswith(("deploy/shm.py", "deploy/serving/shm.py"))),
+    ("protocol.decode (+pydantic)", lambda f, n: f.endswith(("deploy/protocol.py", "deploy/serving/protocol.py")) and n != "encode"),
+    ("protocol.encode (+json)", lambda f, n: f.endswith(("deploy/protocol.py", "deploy/serving/protocol.py"))),
     ("prometheus metrics", lambda f, n: "prometheus_client" in f),
     ("logging", lambda f, n: "/logging/" in f),
     ("Starlette Response", lambda f, n: "starlette/responses.py" in f),
@@ -175,7 +175,7 @@ def profile_top(path: Path, n: int = 25) -> list[dict]:
 
 def raw_client_part(url: str, model: str, specs: list[dict], requests: list, expected: list, precision: str,
                     concurrency: int, warmup_s: float, duration_s: float, shared_memory: bool, sync) -> tuple:
-    """As deploy.loadtest._client_part, with keep-alive connections on raw
+    """As deploy.serving.loadtest._client_part, with keep-alive connections on raw
     sockets and request bodies built once by tritonclient
     (generate_request_body: the bytes its clients send): a client that costs
     little CPU, so that on 2 cores the server is what is loaded. Answers are
@@ -296,7 +296,7 @@ def start_server(package: Path, mode: str, compute: str, root: Path, log: Path, 
     """`deploy serve` through LAUNCHER (null or real compute, cProfile on the
     loop), from the source tree `root` (the baseline's or this one); waiting
     and stopping are loadtest.ServerProcess's."""
-    from deploy.loadtest import ServerProcess
+    from deploy.serving.loadtest import ServerProcess
 
     argv = [sys.executable, "-c", LAUNCHER, str(profile or ""), compute, "serve", "--package", str(package),
             "--port", "0", *extra]
@@ -307,7 +307,7 @@ def start_server(package: Path, mode: str, compute: str, root: Path, log: Path, 
 
 def one_run(args, pool, sync, package: Path, root: Path, mode: str, specs, requests, expected, precision,
             concurrency: int, work: Path, profile: Path | None) -> dict:
-    from deploy import loadtest
+    from deploy.serving import loadtest
 
     ready, go = sync
     server = start_server(package, mode, args.compute, root, work / f"server-{mode}-{time.time_ns()}.log", profile,
@@ -386,7 +386,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--client-procs", type=int, default=1)
     ap.add_argument("--client", choices=("raw", "triton"), default="raw",
-                    help="raw: keep-alive sockets, tritonclient's request bytes (cheap); triton: deploy.loadtest's")
+                    help="raw: keep-alive sockets, tritonclient's request bytes (cheap); triton: deploy.serving.loadtest's")
     ap.add_argument("--baseline", metavar="REV", help="also measure REV's deploy package (e.g. HEAD)")
     ap.add_argument("--profile", action="store_true", help="one more run per mode and variant under cProfile")
     ap.add_argument("--serve-args", default="", help="more `deploy serve` flags, one string")

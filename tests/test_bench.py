@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from deploy import bench, export, validate
+from deploy import export, validate
+from deploy.bench import latency as bench
 from deploy.errors import ConfigError, InputFileError
 
 TRTEXEC_LOG = """\

@@ -8,7 +8,8 @@ import collections
 import pytest
 import torch
 
-from deploy import config, export, frontend, optimize, targets, tune
+from deploy import config, export, frontend, optimize, targets
+from deploy.tuning import tune
 from deploy.tvm_compat import ms, tvm
 
 

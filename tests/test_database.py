@@ -5,7 +5,7 @@ import lzma
 
 import pytest
 
-from deploy import database as dbs
+from deploy.tuning import database as dbs
 from deploy.errors import DatabaseMismatchError, StaleArtifactError
 
 

@@ -178,7 +178,8 @@ def test_validation_failure_is_reported(tmp_path, tiny_package):
 
 
 def test_per_kernel_profile(tmp_path, tiny_package, llvm_target):
-    from deploy import optimize, profile
+    from deploy import optimize
+    from deploy.bench import profile
 
     folder, _, cfg, _ = tiny_package
     opt = optimize.load(folder.parent / "optimize")

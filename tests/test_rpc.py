@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy import config, rpc, tune
-from deploy import database as dbs
+from deploy import config
+from deploy.tuning import rpc, tune
+from deploy.tuning import database as dbs
 from deploy.config import RPCPool
 from deploy.errors import DeviceMismatchError, RPCPoolError, TargetError
 

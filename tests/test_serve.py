@@ -23,7 +23,8 @@ import tritonclient.utils as triton_utils
 from prometheus_client.parser import text_string_to_metric_families
 
 import deploy
-from deploy import config, protocol, serve, tvm_compat
+from deploy import config, tvm_compat
+from deploy.serving import protocol, serve
 from deploy.errors import StaleArtifactError, TargetError
 
 from .test_errors import error_line, run_cli
@@ -294,7 +295,7 @@ def test_a_batch_staged_while_another_runs(tiny_package, tmp_path):
     A is launched, and each is answered with its own rows; B (2 rows) runs
     after A (4) with zeros, not A's rows, in its padding; a part that cannot
     be read fails alone (its rows zeroed), the others run."""
-    from deploy import shm
+    from deploy.serving import shm
     from deploy.errors import RequestError
 
     pred = deploy.load(tiny_package[0])
@@ -366,7 +367,7 @@ def test_a_running_batch_is_answered_without_waiting_for_the_next_ones_company(t
     """The batcher gathers the next batch while one runs, but waits for more
     requests only until the running batch is expected to be done: its answer
     is not held up by the next batch's --max-queue-delay-ms window."""
-    from deploy.serve import Batcher, Metrics
+    from deploy.serving.serve import Batcher, Metrics
 
     pred = Controlled(deploy.load(tiny_package[0]))
     pred.delay = 0.05  # the running batch takes 50 ms
@@ -390,7 +391,7 @@ def test_the_batchers_device_time_estimate_follows_the_device_not_its_own_waits(
     late, after the next batch's gathering and staging) can only lower it, so
     it cannot ratchet up to --max-queue-delay-ms. On a CPU device (launch runs
     the module), the running batch counts as done at once."""
-    from deploy import serve
+    from deploy.serving import serve
     from deploy.runtime import Batch
 
     clock = [0.0]
@@ -964,7 +965,7 @@ def test_cli_needs_a_package_and_valid_knobs(capsys, tmp_path):
 def test_sigterm_finishes_requests_in_flight(tiny_package, tmp_path):
     """`deploy serve` in its own process: SIGTERM while requests wait in the
     batch queue; every one is answered, then the process exits 0."""
-    from deploy.loadtest import listening_url
+    from deploy.serving.loadtest import listening_url
 
     log = tmp_path / "serve.log"
     with open(log, "w") as f:  # --port 0: the server binds a free port and logs it
@@ -1127,9 +1128,9 @@ def test_loadtest_through_shared_memory(capsys, tmp_path, tiny_package):
 
 
 def test_shared_memory_regions_refuse_what_could_crash_or_escape(tmp_path):
-    """deploy.shm.Regions alone: a shrunk object is a 400, not SIGBUS; a
+    """deploy.serving.shm.Regions alone: a shrunk object is a 400, not SIGBUS; a
     symbolic link, a NUL in a key or a non-string region name are refused."""
-    from deploy import shm
+    from deploy.serving import shm
     from deploy.errors import RequestError
 
     regions = shm.Regions()

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from deploy import database as dbs
-from deploy import tune
+from deploy.tuning import database as dbs
+from deploy.tuning import tune
 from deploy.errors import DatabaseMismatchError
 
 from .conftest import make_config
@@ -169,7 +169,7 @@ def test_failure_reason_is_the_compilers_first_error():
     """NVRTC's log ends with its error count or "Error limit reached.": the
     first error line is the reason recorded; TVM's own errors keep their
     check line."""
-    from deploy import tune
+    from deploy.tuning import tune
 
     nvrtc = """Traceback (most recent call last):
   File "tvm/contrib/nvcc.py", line 321, in compile_cuda_nvrtc
@@ -192,7 +192,7 @@ def test_build_workers_get_nvrtc_pch_options_only_from_a_new_enough_nvrtc(monkey
     import sys
     import types
 
-    from deploy import tune
+    from deploy.tuning import tune
 
     def with_nvrtc(version):
         nvrtc = types.SimpleNamespace(nvrtcVersion=lambda: (0, *version))
@@ -215,7 +215,7 @@ def test_sweep_removes_precompiled_headers_of_dead_workers_only(tmp_path):
     import subprocess
     import sys
 
-    from deploy import tune
+    from deploy.tuning import tune
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)

@@ -32,7 +32,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
 
-from .errors import RequestError
+from ..errors import RequestError
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ["binary_tensor_data", "system_shared_memory"]
@@ -177,7 +177,7 @@ def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: 
     """A request body (and its Inference-Header-Content-Length, if any) ->
     arrays checked against the manifest's inputs. `model` and `version`, the
     URL's, are what the body's `model_name`/`model_version` must say if given.
-    `regions` (a `deploy.shm.Regions`): the registered shared memory that
+    `regions` (a `deploy.serving.shm.Regions`): the registered shared memory that
     inputs and outputs may name; None refuses them."""
     binary = memoryview(b"")
     if header_length is not None:

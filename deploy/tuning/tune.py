@@ -11,7 +11,7 @@ committed, because tuning is the expensive part. A run:
   - records every failed candidate's reason (build or run), which
     MetaSchedule's own logs only count;
   - measures on this machine's device, or on a pool of RPC servers through
-    TVM's tracker (`deploy/rpc.py`; same database, one server per GPU).
+    TVM's tracker (`deploy/tuning/rpc.py`; same database, one server per GPU).
   - stops cleanly on the first Ctrl-C (SIGINT, which `timeout --signal=INT`
     sends too): no new candidates, and what is built or being measured is
     measured and saved; a second Ctrl-C stops at once.
@@ -35,13 +35,13 @@ import threading
 import time
 from pathlib import Path
 
-from . import artifacts
+from .. import artifacts
 from . import database as dbs
-from .config import InputSpec, Profile, RPCPool
-from .errors import DeployError, TargetError
+from ..config import InputSpec, Profile, RPCPool
+from ..errors import DeployError, TargetError
 from .rpc import LOST, ignore_sigint
-from .optimize import OptimizeArtifact
-from .targets import TargetInfo
+from ..optimize import OptimizeArtifact
+from ..targets import TargetInfo
 
 log = logging.getLogger(__name__)
 STAGE = "tune"
@@ -99,7 +99,7 @@ def so_export(mod) -> str:
 def _timed_build(job) -> tuple[str, float]:
     """MetaSchedule's build worker, in a build process: the artifact's path
     and the seconds this candidate took to build and export."""
-    from .tvm_compat import ms_builder_worker
+    from ..tvm_compat import ms_builder_worker
 
     t0 = time.perf_counter()
     path = ms_builder_worker(*job)
@@ -201,7 +201,7 @@ def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
     then imports TVM (which imports torch): seconds of every batch on 16
     workers. TVM restarts its pools because workers leak memory after many
     builds, so each worker here is replaced after `recycle_after` builds."""
-    from .tvm_compat import PopenPoolExecutor, StatusKind, derived_object, ms
+    from ..tvm_compat import PopenPoolExecutor, StatusKind, derived_object, ms
 
     @derived_object
     class PersistentBuilder(ms.builder.PyBuilder):
@@ -268,8 +268,8 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
     """An EvolutionarySearch that stops at a wall-clock deadline, after
     `budget` new trials (what is left of this task's budget), or once one of
     the `stop` events is set (the RPC pool is gone, the run was interrupted)."""
-    from .tvm_compat import ms
-    from .tvm_compat import derived_object
+    from ..tvm_compat import ms
+    from ..tvm_compat import derived_object
 
     @derived_object
     class DeadlineSearch(ms.search_strategy.PySearchStrategy):
@@ -310,7 +310,7 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
     stage pipeline"; seen on ResNet-50's 3x3 256-channel NHWC fp16 conv), which
     would abort the whole tuning run from inside the task scheduler. So it is
     retried with other seeds, and a task that fails every time is left out."""
-    from .tvm_compat import ms
+    from ..tvm_compat import ms
 
     cache: dict = {}
 
@@ -335,8 +335,8 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
 
 
 def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, bar):
-    from .tvm_compat import ms
-    from .tvm_compat import derived_object
+    from ..tvm_compat import ms
+    from ..tvm_compat import derived_object
 
     @derived_object
     class Progress(ms.measure_callback.PyMeasureCallback):
@@ -382,7 +382,7 @@ def _quiet_console() -> None:
 
 
 def _evaluator_config(target: TargetInfo):
-    from .tvm_compat import ms
+    from ..tvm_compat import ms
 
     if target.kind == "cuda":
         return ms.runner.EvaluatorConfig(number=10, repeat=1, min_repeat_ms=20, enable_cpu_cache_flush=False)
@@ -403,7 +403,7 @@ def _drop_unnamed_handlers() -> None:
 def _runner(target: TargetInfo, profile: Profile, pool: RPCPool | None = None, n_servers: int = 0, stop=None):
     """This machine's device (MetaSchedule's LocalRunner), or the RPC pool,
     with the same evaluator settings: kernel times compare across the two."""
-    from .tvm_compat import ms
+    from ..tvm_compat import ms
 
     if pool is not None:
         from . import rpc
@@ -414,7 +414,7 @@ def _runner(target: TargetInfo, profile: Profile, pool: RPCPool | None = None, n
 
 
 def task_flops(task) -> float:
-    from .tvm_compat import estimate_tir_flops
+    from ..tvm_compat import estimate_tir_flops
 
     try:
         return float(estimate_tir_flops(task.dispatched[0]))
@@ -423,7 +423,7 @@ def task_flops(task) -> float:
 
 
 def extract_tasks(mod, target):
-    from .tvm_compat import ms
+    from ..tvm_compat import ms
 
     tasks = ms.relax_integration.extract_tasks(mod, target)
     return [t for t in tasks if not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False)]
@@ -537,7 +537,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     error after the run has stopped."""
     from tqdm.auto import tqdm
 
-    from .tvm_compat import ms
+    from ..tvm_compat import ms
 
     tvm_target = target.tvm_target()
     for p in todo:
@@ -682,7 +682,7 @@ def warm_cost_model(model, contexts, db, per_task: int = WARM_RECORDS) -> int:
     batches blind. Returns the number of records it learnt from. Trained
     once, on the last update: XGBModel retrains on each update that grows its
     data by a fifth, which would be ~15 trainings here."""
-    from .tvm_compat import ms
+    from ..tvm_compat import ms
 
     batches = []
     for ctx in contexts:
@@ -774,7 +774,7 @@ def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadli
     import multiprocessing
     import pickle
 
-    from .tvm_compat import save_json
+    from ..tvm_compat import save_json
 
     dbs.check_key(db_dir, key)
     dbs.pack(db_dir)  # records a killed run left (working copy, lanes): every lane seeds from them
@@ -906,7 +906,7 @@ def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -
 
 def _lane_main(spec: dict) -> dict:
     """One lane, in a process of its own: its tasks into its database."""
-    from .tvm_compat import load_json
+    from ..tvm_compat import load_json
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")

@@ -44,9 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import artifacts
-from .config import LoadtestConfig, ServeConfig
-from .errors import StaleArtifactError
+from .. import artifacts
+from ..config import LoadtestConfig, ServeConfig
+from ..errors import StaleArtifactError
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +422,7 @@ def _level(concurrency: int, records: list, cfg: LoadtestConfig, t_measure: floa
 
 
 def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str = "") -> dict:
-    from . import runtime
+    from .. import runtime
 
     folder, out = Path(folder), Path(out)
     artifacts.check_replaceable(out, STAGE)
@@ -536,7 +536,7 @@ def _target(levels: list[dict], raw: dict) -> dict | None:
 def environment() -> dict:
     import importlib.metadata as md
 
-    from .tvm_compat import versions
+    from ..tvm_compat import versions
 
     env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
            **versions()}

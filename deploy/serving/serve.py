@@ -25,7 +25,7 @@ split across buckets by the Predictor.
 
 Libraries: Starlette (routing, requests, responses) on uvicorn (HTTP/1.1,
 graceful shutdown), prometheus_client (metrics), pydantic and tritonclient's
-datatype tables through `deploy.protocol`.
+datatype tables through `deploy.serving.protocol`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from pathlib import Path
 import numpy as np
 
 from . import protocol, shm
-from .config import ServeConfig
-from .errors import (
+from ..config import ServeConfig
+from ..errors import (
     DeployError,
     ModelNotFoundError,
     PayloadTooLargeError,
@@ -307,7 +307,7 @@ class InferenceServer:
     """The Starlette application and the state behind it."""
 
     def __init__(self, cfg: ServeConfig, folder: str | Path, manifest: dict, loader=None):
-        from . import runtime
+        from .. import runtime
 
         self.cfg = cfg
         self.folder = Path(folder)
@@ -500,7 +500,7 @@ class InferenceServer:
             return _error(e.status, str(e))
         return _json({"name": self.model, "ready": self.ready}, 200 if self.ready else 503)
 
-    # -- system shared memory (Triton's extension; deploy.shm) -------------
+    # -- system shared memory (Triton's extension; deploy.serving.shm) -------------
 
     async def shm_status(self, request):
         try:
@@ -738,7 +738,7 @@ def _internal(e: BaseException) -> str:
 def check(folder: str | Path) -> dict:
     """Everything checked before any native code is loaded: the manifest, the
     sha256 of every file, the TVM version, and the GPU architecture."""
-    from . import runtime
+    from .. import runtime
 
     manifest = runtime.check_package(folder)
     runtime.check_device(manifest)
@@ -757,7 +757,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(f"cannot listen on {host}:{port}", e.strerror, "a free port (--port) and a local address (--host)") from None
     sock.set_inheritable(True)

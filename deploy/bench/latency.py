@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import artifacts
-from .errors import ConfigError, InputFileError
+from .. import artifacts
+from ..errors import ConfigError, InputFileError
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,8 @@ class TVMRunner(Runner):
         self.name, self.package = name, Path(package)
 
     def activate(self, inputs):
-        from . import runtime
-        from .tvm_compat import tensor
+        from .. import runtime
+        from ..tvm_compat import tensor
 
         if not (self.package / artifacts.MANIFEST).is_file():
             raise RunnerUnavailable(f"no package at {self.package} (run make tune first)")
@@ -117,7 +117,7 @@ class TVMRunner(Runner):
         self.vm["main"](*self.args)  # CUDA graph capture, lazy loading
 
     def infer(self):
-        from .runtime import outputs_to_numpy
+        from ..runtime import outputs_to_numpy
 
         return outputs_to_numpy(self.vm["main"](*self.args))
 
@@ -396,7 +396,7 @@ def load_baseline(path: Path, model: str, batch: int, input_shape: list[int], pr
 
 
 def environment() -> dict:
-    from .tvm_compat import versions
+    from ..tvm_compat import versions
 
     env = {"python": platform.python_version(), "machine": platform.machine(), **versions()}
     try:
@@ -454,7 +454,7 @@ def run_all(runners: list[Runner], inputs: list[np.ndarray], reference: list[np.
     in the machine's state (clocks, another job's load) lands on every runner
     alike instead of on whichever was being timed; each runner's p50 per round
     is kept (`timing.round_p50_ms`), so such a change shows."""
-    from .validate import compare
+    from ..validate import compare
 
     check_rounds(rounds, iters)
     batch = inputs[0].shape[0]

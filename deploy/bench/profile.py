@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import artifacts
-from .config import Profile
-from .errors import ConfigError
-from .optimize import OptimizeArtifact
-from .targets import TargetInfo
+from .. import artifacts
+from ..config import Profile
+from ..errors import ConfigError
+from ..optimize import OptimizeArtifact
+from ..targets import TargetInfo
 
 log = logging.getLogger(__name__)
 STAGE = "profile"
@@ -34,8 +34,8 @@ STAGE = "profile"
 def kernel_costs(mod) -> dict[str, dict]:
     """FLOPs of every PrimFunc in a fused module, and the bytes of the
     tensors each call reads and writes (from the Relax call sites)."""
-    from .build import tensor_types
-    from .tvm_compat import estimate_tir_flops, relax, tirx, tvm
+    from ..build import tensor_types
+    from ..tvm_compat import estimate_tir_flops, relax, tirx, tvm
 
     out = {}
     for gv, func in mod.functions.items():
@@ -69,9 +69,9 @@ def run(
     folder: Path,
     iters: int = 20,
 ) -> dict:
-    from . import build
-    from .runtime import random_inputs
-    from .tvm_compat import VirtualMachine, VMInstrumentReturnKind, load_module, tensor
+    from .. import build
+    from ..runtime import random_inputs
+    from ..tvm_compat import VirtualMachine, VMInstrumentReturnKind, load_module, tensor
 
     if iters < 1:
         raise ConfigError("--iters must be at least 1", iters)

@@ -32,10 +32,10 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from . import artifacts
-from .config import InputSpec, Profile
-from .errors import DatabaseMismatchError, StaleArtifactError
-from .targets import TargetInfo
+from .. import artifacts
+from ..config import InputSpec, Profile
+from ..errors import DatabaseMismatchError, StaleArtifactError
+from ..targets import TargetInfo
 
 log = logging.getLogger(__name__)
 KEY_FILE = "key.json"
@@ -268,7 +268,7 @@ def _expand(folder: Path, dest: Path, top_k: int | None = None) -> None:
 
 
 def _json_database(folder: Path):
-    from .tvm_compat import ms, register_tensor_intrinsics
+    from ..tvm_compat import ms, register_tensor_intrinsics
 
     # Records of tensorized schedules name TVM's tensor intrinsics, which
     # must be registered before the records are parsed (20-70 s on a small
@@ -336,7 +336,7 @@ def trials_done(folder: Path, task_mods: list) -> list[tuple[int, float | None]]
     None), over every record (compressed files and working copy), not only
     those a tuning run was given. Workloads are matched by structural hash,
     as MetaSchedule's database matches them."""
-    from .tvm_compat import ms
+    from ..tvm_compat import ms
 
     workloads, records = _all_lines(Path(folder))
     shash_of = [json.loads(ln)[0] for ln in workloads]

@@ -53,9 +53,9 @@ import threading
 import time
 from pathlib import Path
 
-from .config import RPCPool
-from .errors import ConfigError, DeviceMismatchError, RPCPoolError, TargetError
-from .targets import TargetInfo
+from ..config import RPCPool
+from ..errors import ConfigError, DeviceMismatchError, RPCPoolError, TargetError
+from ..targets import TargetInfo
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +446,7 @@ def probe(sess, address: str) -> ServerDevice:
         # the H200 machines): one allocation does it.
         import numpy as np
 
-        from .tvm_compat import tensor
+        from ..tvm_compat import tensor
 
         tensor(np.zeros(1, "float32"), dev)
         return ServerDevice(address, True, dev.device_name, "sm_" + dev.compute_version.replace(".", ""))
@@ -543,7 +543,7 @@ def resolve_target(text: str, pool: RPCPool) -> TargetInfo:
     pool's GPU if its servers have one (its target read from the remote
     device, as a local run reads it), else the llvm CPU target of this
     machine; `cuda` must find a GPU there; `cuda:sm_XY` must match it."""
-    from . import targets
+    from .. import targets
 
     text = (text or "auto").strip().lower()
     if text in ("llvm", "cpu"):
@@ -582,7 +582,7 @@ def _pool_cuda_target(text: str, found: ServerDevice, dev) -> TargetInfo:
     `cuda:sm_XY` is what `targets.resolve` builds (generic spec, the arch as
     written), with only the GPU name taken from the server, so the database
     key is a local run's on that GPU."""
-    from . import targets
+    from .. import targets
 
     local = targets.local_cuda_matches(found.arch, found.name)
     if text.startswith("cuda:"):
@@ -779,7 +779,7 @@ class Measurer:
                 f"tracker {self.pool.address}", "servers up again, then the same command resumes"))
 
     def _worker(self):
-        from .tvm_compat import PopenWorker
+        from ..tvm_compat import PopenWorker
 
         w = getattr(self.local, "worker", None)
         if w is None:
@@ -863,7 +863,7 @@ class Measurer:
 
     # --- one candidate
     def _run_one(self, runner_input):
-        from .tvm_compat import ms
+        from ..tvm_compat import ms
 
         args_info = tuple(a.as_json() for a in runner_input.args_info)
         losses, lost_on = [], set()
@@ -935,7 +935,7 @@ class Measurer:
         return ms.runner.RunnerResult(None, f"RPC {why} ({' | '.join(losses)})")
 
     def _run_guarded(self, runner_input):
-        from .tvm_compat import ms
+        from ..tvm_compat import ms
 
         with self.lock:
             self.queued -= 1
@@ -973,7 +973,7 @@ def make_runner(pool: RPCPool, target: TargetInfo, n_servers: int, evaluator_con
     state: `stop` (set when the pool is lost), `fatal` (why), `stats`;
     `.measurer.add_to_database()` is the measure callback to record with;
     `.measurer.close()` ends it."""
-    from .tvm_compat import derived_object, ms
+    from ..tvm_compat import derived_object, ms
 
     measurer = Measurer(pool, target, n_servers, evaluator_config, timeout_s, stop)
 
@@ -1004,7 +1004,7 @@ def make_runner(pool: RPCPool, target: TargetInfo, n_servers: int, evaluator_con
 def make_add_to_database():
     """MetaSchedule's AddToDatabase, minus the candidates the pool could not
     measure: they were never run, and a record would mark them failed."""
-    from .tvm_compat import derived_object, ms
+    from ..tvm_compat import derived_object, ms
 
     @derived_object
     class AddMeasuredToDatabase(ms.measure_callback.PyMeasureCallback):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import RequestError, UnavailableError
+from ..errors import RequestError, UnavailableError
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory objects
 
