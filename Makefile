@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:
 #   make tune MODEL=resnet50     the whole pipeline (creates .venv and installs the pins first)
-#   make test                    the test suite
+#   make test                    the linter (ruff), then the test suite
 # Options: TARGET=auto|llvm|cuda|cuda:sm_90  PRECISION=fp32|fp16  ACCUMULATE=fp32|fp16  BUCKETS=1,8,32
 #          TRIALS=N  BUDGET=10m  MAX_TASKS=N  WORKDIR=dir  EXTRA="--any --cli flags"
 # PYTHON=python3 uses that interpreter as it is (no venv), e.g. on the GPU machine.
@@ -68,7 +68,7 @@ SERVE_ARGS := $(if $(PACKAGE),--package $(PACKAGE),--model $(MODEL)) \
 
 RPC_ARGS := $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY)) $(if $(RPC_LANES),--rpc-lanes $(RPC_LANES)) $(if $(RPC_LANE_CPUS),--rpc-lane-cpus $(RPC_LANE_CPUS))
 
-.PHONY: tune profile bench serve loadtest rpc-tracker rpc-server rpc-status test install clean
+.PHONY: tune profile bench serve loadtest rpc-tracker rpc-server rpc-status test lint install clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -104,8 +104,11 @@ rpc-server: $(DEPS)
 rpc-status: $(DEPS)
 	$(PY) -m deploy rpc-status $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY))
 
-test: $(DEPS)
+test: $(DEPS) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+lint: $(DEPS)
+	$(PY) -m ruff check deploy models tests scripts
 
 clean:
 	rm -rf artifacts

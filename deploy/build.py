@@ -77,8 +77,8 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
     """Compile one bucket's optimized module (tuning records from `db`, a
     (folder, key) pair, when given) into the .so at `out`; returns the
     manifest entry and the output signature."""
-    from .tuning import database as dbs
     from .passes import schedule
+    from .tuning import database as dbs
     from .tvm_compat import load_json, relax
 
     mod = load_json(Path(module_path).read_text())

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from . import config as config_mod
-
 from .errors import ConfigError, DeployError
 
 log = logging.getLogger("deploy")
@@ -197,8 +196,8 @@ def cmd_stage(args) -> int:
 
 def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
     from . import build, export, frontend, optimize, validate
-    from .tuning import tune
     from .pipeline import existing_databases
+    from .tuning import tune
 
     stage = args.command
     if stage == "export":

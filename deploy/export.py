@@ -132,8 +132,9 @@ def save_onnx(model, dest: Path) -> None:
 
 
 def _export_registry(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], dict]:
-    import models
     import torch
+
+    import models
 
     try:
         spec = models.get(cfg.model.source).sized(cfg.model.size)

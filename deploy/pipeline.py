@@ -17,11 +17,11 @@ import traceback
 from pathlib import Path
 
 from . import artifacts, build, export, frontend, optimize, validate
-from .tuning import tune
-from .tuning import database as dbs
 from .config import Config, Profile, RPCPool, parse_duration, to_dict
 from .errors import BuildError, DeployError, error_line
 from .targets import TargetInfo
+from .tuning import database as dbs
+from .tuning import tune
 
 log = logging.getLogger(__name__)
 

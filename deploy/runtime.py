@@ -432,7 +432,7 @@ class Predictor:
         arrays = [[a if isinstance(a, np.ndarray) else np.asarray(a) for a in p] for p in parts]
         joined = [np.concatenate([p[i] for p in arrays]) for i in range(len(self.inputs))]
         pieces, start = [], 0
-        for bucket, n in self.plan(joined[0].shape[0]):
+        for _bucket, n in self.plan(joined[0].shape[0]):
             batch = self.stage([[a[start : start + n] for a in joined]])
             try:
                 self._launch_locked(batch)

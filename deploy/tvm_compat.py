@@ -8,13 +8,17 @@ again, this file is the one edit.
 from __future__ import annotations
 
 import tvm  # noqa: F401  (re-exported)
-from tvm import relax  # noqa: F401
-from tvm.relax.frontend.onnx import from_onnx  # noqa: F401
-from tvm.relax.frontend.onnx import onnx_frontend  # noqa: F401  (its op table: what the importer supports)
-from tvm import s_tir  # noqa: F401  (s_tir.Schedule)
+from tvm import (
+    relax,  # noqa: F401
+    s_tir,  # noqa: F401  (s_tir.Schedule)
+    tirx,  # noqa: F401
+)
+from tvm.relax.frontend.onnx import (
+    from_onnx,  # noqa: F401
+    onnx_frontend,  # noqa: F401  (its op table: what the importer supports)
+)
 from tvm.s_tir import dlight  # noqa: F401
 from tvm.s_tir import meta_schedule as ms  # noqa: F401
-from tvm import tirx  # noqa: F401
 from tvm.target import Target  # noqa: F401
 from tvm.target import codegen as target_codegen  # noqa: F401
 
@@ -70,9 +74,10 @@ def versions() -> dict[str, str]:
 from tvm.ir.utils import derived_object  # noqa: E402,F401  (Python subclasses of MetaSchedule objects)
 from tvm.runtime.vm import VMInstrumentReturnKind  # noqa: E402,F401
 from tvm.s_tir.analysis import estimate_tir_flops  # noqa: E402,F401
-from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # noqa: E402,F401
+
 # MetaSchedule's build-worker entry (build + export one candidate) and TVM's process pool.
 from tvm.s_tir.meta_schedule.builder.local_builder import _worker_func as ms_builder_worker  # noqa: E402,F401
+from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # noqa: E402,F401
 from tvm.support.popen_pool import PopenPoolExecutor, PopenWorker, StatusKind  # noqa: E402,F401
 
 
@@ -84,7 +89,7 @@ def register_tensor_intrinsics() -> None:
 
 # TVM's TIR lowering pipeline (what tvm.compile/tvm.tirx.build run on each
 # PrimFunc) and its registry of named pipelines: deploy.passes wraps it.
-from tvm.s_tir.pipeline import default_s_tir_pipeline as default_tir_pipeline  # noqa: E402,F401
-from tvm.tirx.compilation_pipeline import register_tir_pipeline  # noqa: E402,F401
 # A Relax constant (0.27 moved it from relax.Constant to the IR's own expressions).
 from tvm.ir.expr import Constant as RelaxConstant  # noqa: E402,F401
+from tvm.s_tir.pipeline import default_s_tir_pipeline as default_tir_pipeline  # noqa: E402,F401
+from tvm.tirx.compilation_pipeline import register_tir_pipeline  # noqa: E402,F401

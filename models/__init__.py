@@ -23,10 +23,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .mobilenet import mobilenet_v2
-from .spec import SIZES, ModelSpec, TensorSpec
 from .corpus import CORPUS
+from .mobilenet import mobilenet_v2
 from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50
+from .spec import SIZES, ModelSpec, TensorSpec
 from .tiny import tiny_cnn, tiny_mlp
 from .transformer import tiny_vit
 

@@ -50,8 +50,8 @@ def main() -> int:
         return replay(args)
 
     from deploy import config, export, frontend, optimize, targets
-    from deploy.tuning import tune
     from deploy.cli import resolve_config
+    from deploy.tuning import tune
     from deploy.tvm_compat import ms
 
     cfg = resolve_config(argparse.Namespace(model=args.model, config=None, input=None, checkpoint=None, seed=None))

@@ -36,9 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deploy import config, export, frontend, optimize, targets
-from deploy.tuning import rpc, tune
-from deploy.tuning import database as dbs
 from deploy.pipeline import REPO_ROOT
+from deploy.tuning import database as dbs
+from deploy.tuning import rpc, tune
 
 log = logging.getLogger("rpc_check")
 
@@ -147,8 +147,10 @@ def markdown(report: dict) -> str:
         return "\n".join(lines) + "\n"
     lines += ["", f"Same kernels (best of each task in the `one` run), {report['rounds']} alternating rounds, median us:", "",
               "| kernel | local | RPC | RPC/local |", "|---|---|---|---|"]
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+
     for k, v in report["same_kernels"].items():
-        f = lambda x: "-" if x is None else f"{x:.2f}"
         lines.append(f"| {k} | {f(v['local_us'])} | {f(v['rpc_us'])} | {f(v['ratio'])} |")
     return "\n".join(lines) + "\n"
 

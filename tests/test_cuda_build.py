@@ -8,7 +8,6 @@ import pytest
 from deploy import pipeline, targets
 
 
-
 def test_cross_compile_sm90(tmp_path):
     from deploy import config
 

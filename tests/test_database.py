@@ -5,8 +5,8 @@ import lzma
 
 import pytest
 
-from deploy.tuning import database as dbs
 from deploy.errors import DatabaseMismatchError, StaleArtifactError
+from deploy.tuning import database as dbs
 
 
 def _lines(*items):
@@ -107,7 +107,9 @@ def test_lane_databases_are_folded_in_by_pack(tmp_path):
     a = tmp_path / "m" / "db"
     b = dbs.lane_dir(a, 0)
     wl = ['["h1",{}]', '["h2",{}]']
-    rec = lambda w, t: json.dumps([w, [{"trace": t}, [1e-5], {}, []]])
+    def rec(w, t):
+        return json.dumps([w, [{"trace": t}, [1e-5], {}, []]])
+
     a.mkdir(parents=True)
     (a / dbs.KEY_FILE).write_text(json.dumps(key))
     (a / dbs.WORKLOADS).write_text(wl[0] + "\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import cpu_halves
+import cpu_halves  # noqa: E402  (scripts/ is put on the path first)
 
 
 def fake_topology(root: Path, siblings_apart: int, cores: int) -> None:

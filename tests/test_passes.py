@@ -5,8 +5,8 @@ machine (the CUDA builds cross-compile for sm_90: every TIR pass runs)."""
 import json
 
 import numpy as np
-import tvm_ffi
 import pytest
+import tvm_ffi
 
 from deploy import config, pipeline, targets
 from deploy.errors import BuildError

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from deploy import config
-from deploy.tuning import rpc, tune
-from deploy.tuning import database as dbs
 from deploy.config import RPCPool
 from deploy.errors import DeviceMismatchError, RPCPoolError, TargetError
+from deploy.tuning import database as dbs
+from deploy.tuning import rpc, tune
 
 from .conftest import make_config
 
@@ -419,9 +419,9 @@ def test_lane_budgets_are_whole_batches():
 def _candidate(folder: Path, n: int):
     """A built elementwise kernel over n floats, exported as MetaSchedule's
     builder names every candidate (`candidate.so`, in a folder of its own)."""
-    from deploy.tvm_compat import ms, tvm
-
     from tvm import te
+
+    from deploy.tvm_compat import ms, tvm
 
     a = te.placeholder((n,), "float32", name="a")
     b = te.compute((n,), lambda i: a[i] * 2.0 + 1.0, name="b")

@@ -3,9 +3,9 @@ Inference Protocol. Protocol conformance through tritonclient (the standard
 v2 client), error cases through raw HTTP, batching, limits, shutdown."""
 
 import asyncio
+import concurrent.futures
 import gzip
 import json
-import concurrent.futures
 import os
 import shutil
 import signal
@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import deploy
 from deploy import config, tvm_compat
-from deploy.serving import protocol, serve
 from deploy.errors import StaleArtifactError, TargetError
+from deploy.serving import protocol, serve
 
 from .test_errors import error_line, run_cli
 
@@ -295,8 +295,8 @@ def test_a_batch_staged_while_another_runs(tiny_package, tmp_path):
     A is launched, and each is answered with its own rows; B (2 rows) runs
     after A (4) with zeros, not A's rows, in its padding; a part that cannot
     be read fails alone (its rows zeroed), the others run."""
-    from deploy.serving import shm
     from deploy.errors import RequestError
+    from deploy.serving import shm
 
     pred = deploy.load(tiny_package[0])
     name = pred.outputs[0]["name"]
@@ -391,8 +391,8 @@ def test_the_batchers_device_time_estimate_follows_the_device_not_its_own_waits(
     late, after the next batch's gathering and staging) can only lower it, so
     it cannot ratchet up to --max-queue-delay-ms. On a CPU device (launch runs
     the module), the running batch counts as done at once."""
-    from deploy.serving import serve
     from deploy.runtime import Batch
+    from deploy.serving import serve
 
     clock = [0.0]
     monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
@@ -1130,8 +1130,8 @@ def test_loadtest_through_shared_memory(capsys, tmp_path, tiny_package):
 def test_shared_memory_regions_refuse_what_could_crash_or_escape(tmp_path):
     """deploy.serving.shm.Regions alone: a shrunk object is a 400, not SIGBUS; a
     symbolic link, a NUL in a key or a non-string region name are refused."""
-    from deploy.serving import shm
     from deploy.errors import RequestError
+    from deploy.serving import shm
 
     regions = shm.Regions()
     name = f"tvm-deploy-test-shrink-{os.getpid()}"

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from deploy.errors import DatabaseMismatchError
 from deploy.tuning import database as dbs
 from deploy.tuning import tune
-from deploy.errors import DatabaseMismatchError
 
 from .conftest import make_config
 

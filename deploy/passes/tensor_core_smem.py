@@ -39,7 +39,7 @@ def uses_tensor_cores(func) -> bool:
 
 
 def _pipeline_factory():
-    from ..tvm_compat import PassContext, tirx, tvm, default_tir_pipeline
+    from ..tvm_compat import PassContext, default_tir_pipeline, tirx, tvm
 
     stock, finalize_host, finalize_device = default_tir_pipeline()
 

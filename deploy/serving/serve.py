@@ -45,7 +45,6 @@ from pathlib import Path
 
 import numpy as np
 
-from . import protocol, shm
 from ..config import ServeConfig
 from ..errors import (
     DeployError,
@@ -56,6 +55,7 @@ from ..errors import (
     UnavailableError,
     UnsupportedEncodingError,
 )
+from . import protocol, shm
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,14 @@ class Metrics:
     in one process, as in the tests, do not share counters)."""
 
     def __init__(self, model: str):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+        from prometheus_client import (
+            CollectorRegistry,
+            Counter,
+            Gauge,
+            Histogram,
+            ProcessCollector,
+            disable_created_metrics,
+        )
 
         disable_created_metrics()  # the *_created series only double every metric's size
         self.registry = r = CollectorRegistry()

@@ -36,12 +36,12 @@ import time
 from pathlib import Path
 
 from .. import artifacts
-from . import database as dbs
 from ..config import InputSpec, Profile, RPCPool
 from ..errors import DeployError, TargetError
-from .rpc import LOST, ignore_sigint
 from ..optimize import OptimizeArtifact
 from ..targets import TargetInfo
+from . import database as dbs
+from .rpc import LOST, ignore_sigint
 
 log = logging.getLogger(__name__)
 STAGE = "tune"
@@ -268,8 +268,7 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
     """An EvolutionarySearch that stops at a wall-clock deadline, after
     `budget` new trials (what is left of this task's budget), or once one of
     the `stop` events is set (the RPC pool is gone, the run was interrupted)."""
-    from ..tvm_compat import ms
-    from ..tvm_compat import derived_object
+    from ..tvm_compat import derived_object, ms
 
     @derived_object
     class DeadlineSearch(ms.search_strategy.PySearchStrategy):
@@ -335,8 +334,7 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
 
 
 def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, bar):
-    from ..tvm_compat import ms
-    from ..tvm_compat import derived_object
+    from ..tvm_compat import derived_object, ms
 
     @derived_object
     class Progress(ms.measure_callback.PyMeasureCallback):
