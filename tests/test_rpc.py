@@ -515,7 +515,7 @@ def test_loopback_pool_ends_with_a_terminated_or_killed_run(tmp_path, sig):
     import signal
     import time
 
-    script = ("import sys, time; from pathlib import Path; from deploy import rpc\n"
+    script = ("import sys, time; from pathlib import Path; from deploy.tuning import rpc\n"
               "with rpc.loopback_pool(2, 0, Path(sys.argv[1])) as pool:\n"
               "    print(pool.port, flush=True); time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
