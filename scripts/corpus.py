@@ -209,16 +209,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="llvm")
@@ -250,10 +240,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "corpus.json"
     report = json.loads(path.read_text()) if path.is_file() else {"results": []}
-    import platform
-
     env = bench.environment()
-    env["cpu"] = _cpu_name() or platform.machine()
     report.update({"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
                    "date": time.strftime("%Y-%m-%d"), "environment": env,
                    "command": "python scripts/corpus.py " + " ".join(argv if argv is not None else sys.argv[1:])})

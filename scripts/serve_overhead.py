@@ -456,10 +456,12 @@ def main() -> int:
     import tritonclient
     import uvicorn
 
+    from deploy.bench import latency
+
     report = {
         "date": _dt.date.today().isoformat(),
         "command": " ".join([sys.executable.replace(str(REPO) + "/", ""), *sys.argv]),
-        "machine": {"cpus": os.cpu_count(), "processor": _cpu_name(), "python": platform.python_version(),
+        "machine": {"cpus": os.cpu_count(), "processor": latency.cpu_name(), "python": platform.python_version(),
                     "uvicorn": uvicorn.__version__, "tritonclient": getattr(tritonclient, "__version__", None)},
         "package": str(package),
         "config": vars(args),
@@ -472,16 +474,6 @@ def main() -> int:
 
 def _import_clients() -> None:
     import tritonclient.http.aio  # noqa: F401
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def summarize(runs: list[dict]) -> list[dict]:

@@ -395,10 +395,21 @@ def load_baseline(path: Path, model: str, batch: int, input_shape: list[int], pr
 # ------------------------------------------------------------------- driver ---
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict:
     from ..tvm_compat import versions
 
-    env = {"python": platform.python_version(), "machine": platform.machine(), **versions()}
+    env = {"python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_name(), **versions()}
     try:
         import torch
 

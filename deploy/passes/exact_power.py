@@ -17,6 +17,8 @@ and fails once it does not (then this can go).
 
 from __future__ import annotations
 
+from . import relax_function_pass
+
 EXPONENTS = (1.0, 2.0, 3.0, 4.0)
 
 
@@ -43,12 +45,4 @@ def power_to_multiply():
                 out = relax.op.multiply(out, x)
             return out
 
-    @tvm.transform.module_pass(opt_level=0, name="PowerToMultiply")
-    def run(mod, _ctx):
-        out = mod.clone()  # a pass must not change its input
-        for gv, func in list(mod.functions.items()):
-            if isinstance(func, relax.Function):
-                out[gv] = Rewrite().visit_expr(func)
-        return out
-
-    return run
+    return relax_function_pass("PowerToMultiply", Rewrite)

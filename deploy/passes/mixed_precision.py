@@ -22,6 +22,8 @@ fails on such a graph, and fails once TVM no longer needs this.
 
 from __future__ import annotations
 
+from . import relax_function_pass
+
 _KINDS = {0: "always", 1: "follow", 2: "never"}
 
 
@@ -48,20 +50,6 @@ def to_mixed_precision(out_dtype: str):
                       name="ToMixedPrecisionGuarded")
 
 
-def _function_pass(name: str, mutator_cls):
-    from ..tvm_compat import relax, tvm
-
-    @tvm.transform.module_pass(opt_level=0, name=name)
-    def run(mod, _ctx):
-        out = mod.clone()  # a pass must not change its input
-        for gv, func in list(mod.functions.items()):
-            if isinstance(func, relax.Function):
-                out[gv] = mutator_cls().visit_expr(func)
-        return out
-
-    return run
-
-
 def pin():
     from ..tvm_compat import RelaxConstant, relax, tvm
 
@@ -84,7 +72,7 @@ def pin():
                 return self.builder_.emit(relax.op.astype(arg, ty.dtype))
             return arg
 
-    return _function_pass("PinNeverPolicyArgs", Pin)
+    return relax_function_pass("PinNeverPolicyArgs", Pin)
 
 
 def unpin():
@@ -101,4 +89,4 @@ def unpin():
                 return call.args[0]
             return call
 
-    return _function_pass("RemoveNoOpAstype", Unpin)
+    return relax_function_pass("RemoveNoOpAstype", Unpin)

@@ -7,6 +7,8 @@ leave most of the H200's SMs idle. See `split_k_conv2d`.
 
 from __future__ import annotations
 
+from . import relax_function_pass
+
 # Which convolutions split_k_conv2d rewrites: at most this many output rows
 # (batch x height x width) and at least this long a reduction.
 SPLIT_K_MAX_ROWS = 256
@@ -84,12 +86,4 @@ def split_k_conv2d(parts: int, max_rows: int = SPLIT_K_MAX_ROWS, min_k: int = SP
                 acc = part if acc is None else op.add(acc, part)
             return acc
 
-    @tvm.transform.module_pass(opt_level=0, name="SplitKConv2d")
-    def split_k(mod, _ctx):
-        out = mod.clone()  # a pass must not change its input
-        for gv, func in list(mod.functions.items()):
-            if isinstance(func, relax.Function):
-                out[gv] = SplitK().visit_expr(func)
-        return out
-
-    return split_k
+    return relax_function_pass("SplitKConv2d", SplitK)
