@@ -1,5 +1,7 @@
 """Tuning through TVM's RPC tracker against tuning on the local device, in
-one run on one machine (loopback): what the GPU machines check.
+one run on one machine (loopback): what the GPU machines check. Answers in
+results/h200/2026-11-29/rpc-check-x2/ and rpc-check-x4/, and
+results/h200/2026-11-30/rpc-check-x2-lanes/ (via scripts/gpu_rpc_check.sh).
 
   python scripts/rpc_check.py --model resnet50 --target cuda --out $OUT [--trials 256 --max-tasks 4]
 
