@@ -1,6 +1,6 @@
 """How long MetaSchedule candidates of a model's heaviest tasks take to build
 for a CUDA target on this machine: the same build and export the tuner's
-workers run (deploy.tuning.tune.lean_build + so_export), one candidate at a time, on
+workers run (deploy.tuning.builder.lean_build + so_export), one candidate at a time, on
 random samples of each task's design space.
 
 Where TVM's CUDA runtime cannot load (no GPU driver), tvm.tirx.build returns
@@ -51,7 +51,8 @@ def main() -> int:
 
     from deploy import config, export, frontend, optimize, targets
     from deploy.cli import resolve_config
-    from deploy.tuning import tune
+    from deploy.tuning import search as tune_search
+    from deploy.tuning import tasks as tune_tasks
     from deploy.tvm_compat import ms
 
     cfg = resolve_config(argparse.Namespace(model=args.model, config=None, input=None, checkpoint=None, seed=None))
@@ -66,11 +67,11 @@ def main() -> int:
         ex = export.run(cfg, work / "export")
         fe = frontend.run(profile, ex, work / "frontend")
         opt = optimize.run(profile, target, fe, work / "optimize")
-        tasks = [t for t in tune.extract_tasks(opt.load_module(args.bucket), tgt)
+        tasks = [t for t in tune_tasks.extract_tasks(opt.load_module(args.bucket), tgt)
                  if "conv2d" in t.task_name or "matmul" in t.task_name]
-        tasks = sorted(tasks, key=lambda t: -tune.task_flops(t))[: args.tasks]
+        tasks = sorted(tasks, key=lambda t: -tune_tasks.task_flops(t))[: args.tasks]
         for task in tasks:
-            space, _ = tune._design_space(task.dispatched[0], tgt, seed=1)
+            space, _ = tune_search._design_space(task.dispatched[0], tgt, seed=1)
             ctx = ms.TuneContext(mod=task.dispatched[0], target=tgt, space_generator=space,
                                  search_strategy=ms.search_strategy.ReplayTrace(), task_name=task.task_name,
                                  rand_state=7)
@@ -88,13 +89,14 @@ FAILED: list[str] = []  # the candidates that did not build (timed too)
 def _timed(mod, tgt) -> float:
     import shutil
 
-    from deploy.tuning import tune
+    from deploy.tuning import builder as tune_builder
+    from deploy.tuning import tasks as tune_tasks
 
     t0 = time.perf_counter()
     try:
-        path = tune.so_export(tune.lean_build(mod, tgt, None))
+        path = tune_builder.so_export(tune_builder.lean_build(mod, tgt, None))
     except Exception as e:  # noqa: BLE001  a failed build is timed and counted
-        FAILED.append(tune._failure_reason(str(e)))
+        FAILED.append(tune_tasks._failure_reason(str(e)))
         return time.perf_counter() - t0
     seconds = time.perf_counter() - t0
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)

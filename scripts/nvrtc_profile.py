@@ -5,7 +5,7 @@ changing the kernel. Runs on a CPU machine: NVRTC needs no GPU.
 On a machine without a CUDA driver `tvm.tirx.build` returns a CUDA fallback
 module without compiling, so the tuner's real compile is never timed there.
 This script takes measured records of committed tuning databases, replays and
-builds each with the tuner's own build (deploy.tuning.tune.lean_build: same pass
+builds each with the tuner's own build (deploy.tuning.builder.lean_build: same pass
 context), reads the generated CUDA source back from the module
 (inspect_source("cuda")), and then, in one fresh process per database and
 option set (a build worker's life: one process compiling candidate after
@@ -130,8 +130,9 @@ def _capture(folder: Path, dest: Path, n: int, seed: int) -> list[dict]:
         index = json.loads(idx_path.read_text())
         if index.get("n") == n and index.get("seed") == seed:
             return index["candidates"]
+    from deploy.tuning import builder as tune_builder
     from deploy.tuning import database as dbs
-    from deploy.tuning import tune
+    from deploy.tuning import tasks as tune_tasks
     from deploy.tvm_compat import Target, tvm
 
     key = json.loads((folder / "key.json").read_text())
@@ -169,9 +170,9 @@ def _capture(folder: Path, dest: Path, n: int, seed: int) -> list[dict]:
         r.trace.apply_to_schedule(sch, remove_postproc=False)
         t0 = time.perf_counter()
         try:
-            mod = tune.lean_build(sch.mod, tgt, None)
+            mod = tune_builder.lean_build(sch.mod, tgt, None)
         except Exception as e:  # noqa: BLE001  a candidate that does not build is skipped, and said
-            out.append({"i": i, "workload": w, "error": tune._failure_reason(str(e))})
+            out.append({"i": i, "workload": w, "error": tune_tasks._failure_reason(str(e))})
             continue
         lower_s = time.perf_counter() - t0
         code = "".join(m.inspect_source("cuda") for m in mod.imports if m.kind == "cuda")

@@ -39,8 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deploy import config, export, frontend, optimize, targets
 from deploy.pipeline import REPO_ROOT
+from deploy.tuning import builder as tune_builder
 from deploy.tuning import database as dbs
 from deploy.tuning import rpc, tune
+from deploy.tuning import tasks as tune_tasks
 
 log = logging.getLogger("rpc_check")
 
@@ -73,7 +75,7 @@ def tune_mode(name, cfg, target, ex, opt, out: Path, pool=None) -> dict:
         "servers": None if pool is None else s.get("rpc", {}).get("servers"),
         "lanes": len(s.get("lanes", [])) or 1,
         "lane_seconds": [lane["seconds"] for lane in s.get("lanes", [])],
-        "lane_cpus": s["lanes"][0]["cpus"] if s.get("lanes") else tune.usable_cpus(),
+        "lane_cpus": s["lanes"][0]["cpus"] if s.get("lanes") else tune_builder.usable_cpus(),
         "time_split_s": split,
         "new_trials": s["new_trials"],
         "valid_fraction": s["valid_fraction"],
@@ -96,11 +98,11 @@ def remeasure(db_dir: Path, key: dict, target, profile, opt, pool, rounds: int) 
     from deploy.tvm_compat import ms
 
     tvm_target = target.tvm_target()
-    tasks = tune.extract_tasks(opt.load_module(profile.tune_buckets[0]), tvm_target)
+    tasks = tune_tasks.extract_tasks(opt.load_module(profile.tune_buckets[0]), tvm_target)
     out = {}
-    builder = tune._make_builder(tune.usable_cpus(), profile.builder_timeout_s)
-    local = tune._runner(target, profile)
-    remote = tune._runner(target, profile, pool, 1, threading.Event())
+    builder = tune_builder._make_builder(tune_builder.usable_cpus(), profile.builder_timeout_s)
+    local = tune_tasks._runner(target, profile)
+    remote = tune_tasks._runner(target, profile, pool, 1, threading.Event())
     try:
         with dbs.open_readonly(db_dir, key) as db:
             for task in tasks:
@@ -198,7 +200,7 @@ def main() -> int:
         log.info("rpc_check: target through RPC %s the local one", "is" if same_key else "DIFFERS FROM")
         report = {
             "model": cfg.model.name, "target": target.key(), "device": target.device_name or target.arch, "gpus": n,
-            "cpus": tune.usable_cpus(), "trials": args.trials, "max_tasks": args.max_tasks, "rounds": args.rounds,
+            "cpus": tune_builder.usable_cpus(), "trials": args.trials, "max_tasks": args.max_tasks, "rounds": args.rounds,
             "same_database_key": same_key, "modes": [], "same_kernels": {}, "profile": dataclasses.asdict(profile),
         }
         pools = {
@@ -207,7 +209,7 @@ def main() -> int:
             "one-lanes": dataclasses.replace(one, lanes=n),
             "all-1lane": dataclasses.replace(pool, lanes=1),
             "all": dataclasses.replace(pool, lanes=n),
-            "all-overlap": dataclasses.replace(pool, lanes=n, lane_cpus=tune.usable_cpus()),
+            "all-overlap": dataclasses.replace(pool, lanes=n, lane_cpus=tune_builder.usable_cpus()),
         }
         for name in args.modes.split(","):
             p = pools[name]

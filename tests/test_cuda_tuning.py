@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from deploy import config, export, frontend, optimize, targets
-from deploy.tuning import tune
+from deploy.tuning import builder as tune_builder
+from deploy.tuning import search as tune_search
+from deploy.tuning import tasks as tune_tasks
 from deploy.tvm_compat import ms, tvm
 
 
@@ -28,7 +30,7 @@ def conv_task(tmp_path_factory):
     ex = export.run(cfg, work / "export")
     fe = frontend.run(cfg.cuda, ex, work / "frontend")
     opt = optimize.run(cfg.cuda, target, fe, work / "optimize")
-    tasks = tune.extract_tasks(opt.load_module(1), target.tvm_target())
+    tasks = tune_tasks.extract_tasks(opt.load_module(1), target.tvm_target())
     (task,) = [t for t in tasks if "conv2d" in t.task_name]
     return task, target
 
@@ -41,7 +43,7 @@ def _build(mod, target, config):
 def test_fp32_accumulation_candidates_build(conv_task):
     task, target = conv_task
     tgt = target.tvm_target()
-    space, cache = tune._design_space(task.dispatched[0], tgt, seed=1)
+    space, cache = tune_search._design_space(task.dispatched[0], tgt, seed=1)
     ctx = ms.TuneContext(mod=task.dispatched[0], target=tgt, space_generator=space,
                          search_strategy=ms.search_strategy.ReplayTrace(), task_name=task.task_name, rand_state=1)
     spaces = ctx.generate_design_space()
@@ -56,11 +58,11 @@ def test_fp32_accumulation_candidates_build(conv_task):
     built = 0
     for c in tensorized:
         try:
-            lib = tune.lean_build(c.sch.mod, tgt, None)  # our build: the scoped tensor-core pipeline
+            lib = tune_builder.lean_build(c.sch.mod, tgt, None)  # our build: the scoped tensor-core pipeline
             built += 1
             assert "wmma" in lib.imports[0].inspect_source()
         except Exception as e:  # noqa: BLE001 - collect every reason
-            errors[tune._first_line(str(e))] += 1
+            errors[tune_tasks._first_line(str(e))] += 1
     assert built >= 0.8 * len(tensorized), errors
 
     # Without the config, TVM 0.27 rejects most of the same candidates: this

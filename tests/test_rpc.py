@@ -21,7 +21,9 @@ import pytest
 from deploy import config
 from deploy.config import RPCPool
 from deploy.errors import DeviceMismatchError, RPCPoolError, TargetError
+from deploy.tuning import builder as tune_builder
 from deploy.tuning import database as dbs
+from deploy.tuning import lanes as tune_lanes
 from deploy.tuning import rpc, tune
 
 from .conftest import make_config
@@ -339,21 +341,21 @@ def test_server_command_checks(procs, capsys):
 def test_split_tasks_balances_trials_left():
     todo = [{"name": n, "left": left, "flops": 1.0, "weight": 1.0}
             for n, left in [("a", 64), ("b", 64), ("c", 30), ("d", 20), ("e", 10), ("f", 4)]]
-    lanes = tune.split_tasks(todo, 2)
+    lanes = tune_lanes.split_tasks(todo, 2)
     assert sorted(p["name"] for lane in lanes for p in lane) == list("abcdef")  # each task in one lane
     loads = [sum(p["left"] for p in lane) for lane in lanes]
     assert sum(loads) == 192 and max(loads) - min(loads) <= 4  # within the smallest task
-    assert tune.split_tasks(todo[:1], 3) == [[todo[0]]]  # no empty lane
-    assert tune.lanes(None, 4) == 1  # a local GPU measures one candidate at a time
-    assert tune.lanes(RPCPool("h", 1, "k"), 3) == 3 and tune.lanes(RPCPool("h", 1, "k", lanes=2), 3) == 2
+    assert tune_lanes.split_tasks(todo[:1], 3) == [[todo[0]]]  # no empty lane
+    assert tune_lanes.lanes(None, 4) == 1  # a local GPU measures one candidate at a time
+    assert tune_lanes.lanes(RPCPool("h", 1, "k"), 3) == 3 and tune_lanes.lanes(RPCPool("h", 1, "k", lanes=2), 3) == 2
 
 
 def test_lane_cpus_share_or_as_asked(monkeypatch):
-    monkeypatch.setattr(tune, "usable_cpus", lambda: 32)
-    assert tune.lane_cpus(None, 1) == 32
-    assert tune.lane_cpus(RPCPool("h", 1, "k"), 2) == 16 and tune.lane_cpus(RPCPool("h", 1, "k"), 64) == 1
-    assert tune.lane_cpus(RPCPool("h", 1, "k", lane_cpus=32), 2) == 32  # overlapping lanes
-    assert tune.lane_cpus(RPCPool("h", 1, "k", lane_cpus=99), 2) == 32  # never more than the machine has
+    monkeypatch.setattr(tune_builder, "usable_cpus", lambda: 32)
+    assert tune_lanes.lane_cpus(None, 1) == 32
+    assert tune_lanes.lane_cpus(RPCPool("h", 1, "k"), 2) == 16 and tune_lanes.lane_cpus(RPCPool("h", 1, "k"), 64) == 1
+    assert tune_lanes.lane_cpus(RPCPool("h", 1, "k", lane_cpus=32), 2) == 32  # overlapping lanes
+    assert tune_lanes.lane_cpus(RPCPool("h", 1, "k", lane_cpus=99), 2) == 32  # never more than the machine has
 
 
 def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_path):
@@ -364,11 +366,11 @@ def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_pat
     procs.server("lanes")
     dying, count = procs.fault_server("lanes", "die", at=1)
     # Each lane given every CPU (--rpc-lane-cpus), as on a GPU host where lanes overlap.
-    pool = dataclasses.replace(procs.pool("lanes"), lane_cpus=tune.usable_cpus())
+    pool = dataclasses.replace(procs.pool("lanes"), lane_cpus=tune_builder.usable_cpus())
     rpc.wait_for_servers(pool, 2)
     cfg = make_config(trials=12, trials_per_task=6, trials_per_iter=3, max_tasks=2)
     s, a = _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t", pool)
-    assert len(s["lanes"]) == 2 and all(lane["cpus"] == tune.usable_cpus() for lane in s["lanes"])
+    assert len(s["lanes"]) == 2 and all(lane["cpus"] == tune_builder.usable_cpus() for lane in s["lanes"])
     assert sorted(t for lane in s["lanes"] for t in lane["tasks"]) == sorted(s["tasks"])  # disjoint, all covered
     assert [lane["new_trials"] for lane in s["lanes"]] == [6, 6]
     assert s["build"]["batches"] == sum(lane["build"]["batches"] for lane in s["lanes"]) >= 2  # combined
@@ -407,13 +409,13 @@ def test_bad_lanes(argv, message, capsys):
 
 
 def test_lane_budgets_are_whole_batches():
-    assert tune.lane_budgets([128, 128], 192, 64) == [128, 64]  # not 96 + 96, which MetaSchedule runs as 128 + 128
-    assert tune.lane_budgets([128, 128], 256, 64) == [128, 128]
-    assert tune.lane_budgets([10, 5], 100, 64) == [10, 5]  # everything left fits
-    assert tune.lane_budgets([128, 128], 64, 64) == [64, 0]  # one batch: one lane (the other is dropped)
-    assert tune.lane_budgets([30, 30, 30, 30], 100, 64) == [30, 30, 30, 30]  # short lanes: the budget still spent
-    assert tune.lane_budgets([1, 1, 1], 2, 64) == [1, 1, 0]
-    assert 1000 <= sum(tune.lane_budgets([640, 640, 600], 1000, 64)) < 1000 + 64
+    assert tune_lanes.lane_budgets([128, 128], 192, 64) == [128, 64]  # not 96 + 96, which MetaSchedule runs as 128 + 128
+    assert tune_lanes.lane_budgets([128, 128], 256, 64) == [128, 128]
+    assert tune_lanes.lane_budgets([10, 5], 100, 64) == [10, 5]  # everything left fits
+    assert tune_lanes.lane_budgets([128, 128], 64, 64) == [64, 0]  # one batch: one lane (the other is dropped)
+    assert tune_lanes.lane_budgets([30, 30, 30, 30], 100, 64) == [30, 30, 30, 30]  # short lanes: the budget still spent
+    assert tune_lanes.lane_budgets([1, 1, 1], 2, 64) == [1, 1, 0]
+    assert 1000 <= sum(tune_lanes.lane_budgets([640, 640, 600], 1000, 64)) < 1000 + 64
 
 
 def _candidate(folder: Path, n: int):

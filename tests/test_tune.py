@@ -7,7 +7,9 @@ import os
 import pytest
 
 from deploy.errors import DatabaseMismatchError
+from deploy.tuning import builder as tune_builder
 from deploy.tuning import database as dbs
+from deploy.tuning import tasks as tune_tasks
 from deploy.tuning import tune
 
 from .conftest import make_config
@@ -48,7 +50,7 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert 0 < b["busy"] <= 1 and b["candidate_sum_s"] <= b["wall_s"] * b["workers"]
     assert b["failed"] == b["timed_out"] == 0
     assert "building: 2 candidates built in 1 batch(es), " in text and "build_times" not in s1
-    b0 = tune.build_stats({"batch_wall_s": [3.0], "candidate_s": [1.0], "workers": 4, "failed": 2, "timed_out": 1})
+    b0 = tune_builder.build_stats({"batch_wall_s": [3.0], "candidate_s": [1.0], "workers": 4, "failed": 2, "timed_out": 1})
     assert (b0["failed"], b0["timed_out"], b0["busy"]) == (2, 1, round(1.0 / 12, 3))
     text = pipeline.format_summary({"package": "p", "buckets": {}, "validation": None,
                                     "tuning": {"1": {**s1, "build": b0}}})
@@ -102,7 +104,7 @@ def test_first_interrupt_saves_every_candidate_built(tmp_path, llvm_target, tiny
 
     exported, opt = tiny_opt
     built = []
-    real = tune._make_builder
+    real = tune_builder._make_builder
 
     def make(*args, **kwargs):
         b = real(*args, **kwargs)
@@ -123,7 +125,7 @@ def test_first_interrupt_saves_every_candidate_built(tmp_path, llvm_target, tiny
         b.build = build
         return b
 
-    monkeypatch.setattr(tune, "_make_builder", make)
+    monkeypatch.setattr(tune_builder, "_make_builder", make)
     cfg = make_config(trials=16, trials_per_task=8, trials_per_iter=2, max_tasks=2)
     with pytest.raises(KeyboardInterrupt):
         _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
@@ -169,7 +171,6 @@ def test_failure_reason_is_the_compilers_first_error():
     """NVRTC's log ends with its error count or "Error limit reached.": the
     first error line is the reason recorded; TVM's own errors keep their
     check line."""
-    from deploy.tuning import tune
 
     nvrtc = """Traceback (most recent call last):
   File "tvm/contrib/nvcc.py", line 321, in compile_cuda_nvrtc
@@ -179,20 +180,20 @@ default_program(140): error: identifier "x_shared" is undefined
 Error limit reached.
 100 errors detected in the compilation of "default_program".
 Compilation terminated."""
-    assert tune._failure_reason(nvrtc) == "CUDA compile: too many resources requested for launch"
+    assert tune_tasks._failure_reason(nvrtc) == "CUDA compile: too many resources requested for launch"
     numbered = 'NVRTC compilation failed:\nkernel.cu(7): error #20-D: identifier "y" is undefined\n1 error detected'
-    assert tune._failure_reason(numbered) == 'CUDA compile: identifier "y" is undefined'
+    assert tune_tasks._failure_reason(numbered) == 'CUDA compile: identifier "y" is undefined'
     tvm_check = """Traceback (most recent call last):
   File "<unknown>", line 0, in tvm::ObjectMutator::Mutate(tvm::ffi::AnyView, tvm::ffi::InplaceMode)
 tvm.error.InternalError: Check failed: (!load_remap_.count(alloc_key)) is false:"""
-    assert tune._failure_reason(tvm_check) == "tvm.error.InternalError: Check failed: (!load_remap_.count(alloc_key)) is false:"
+    assert tune_tasks._failure_reason(tvm_check) == "tvm.error.InternalError: Check failed: (!load_remap_.count(alloc_key)) is false:"
 
 
 def test_build_workers_get_nvrtc_pch_options_only_from_a_new_enough_nvrtc(monkeypatch):
     import sys
     import types
 
-    from deploy.tuning import tune
+    from deploy.tuning import builder as tune_builder
 
     def with_nvrtc(version):
         nvrtc = types.SimpleNamespace(nvrtcVersion=lambda: (0, *version))
@@ -201,13 +202,13 @@ def test_build_workers_get_nvrtc_pch_options_only_from_a_new_enough_nvrtc(monkey
         monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
         monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
         monkeypatch.delenv("TVM_CUDA_NVRTC_EXTRA_OPTS", raising=False)
-        tune._build_worker_init()
+        tune_builder._build_worker_init()
         return os.environ.get("TVM_CUDA_NVRTC_EXTRA_OPTS")
 
-    assert with_nvrtc((13, 0)) == tune.NVRTC_PCH_OPTS and "-pch" in tune.NVRTC_PCH_OPTS
+    assert with_nvrtc((13, 0)) == tune_builder.NVRTC_PCH_OPTS and "-pch" in tune_builder.NVRTC_PCH_OPTS
     assert with_nvrtc((12, 4)) is None  # may not take -pch: left as TVM has it
     monkeypatch.setenv("TVM_CUDA_NVRTC_EXTRA_OPTS", "")  # the user's choice (here: off) stands
-    tune._build_worker_init()
+    tune_builder._build_worker_init()
     assert os.environ["TVM_CUDA_NVRTC_EXTRA_OPTS"] == ""
 
 
@@ -215,7 +216,7 @@ def test_sweep_removes_precompiled_headers_of_dead_workers_only(tmp_path):
     import subprocess
     import sys
 
-    from deploy.tuning import tune
+    from deploy.tuning import builder as tune_builder
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
@@ -225,5 +226,5 @@ def test_sweep_removes_precompiled_headers_of_dead_workers_only(tmp_path):
     for d in (gone, alive, other):
         (d / "sub").mkdir(parents=True)
         (d / "sub" / "pch").write_bytes(b"x" * 10)
-    assert tune.sweep_nvrtc_pch(str(tmp_path)) == 1
+    assert tune_builder.sweep_nvrtc_pch(str(tmp_path)) == 1
     assert not gone.exists() and alive.exists() and other.exists()

@@ -1,0 +1,124 @@
+"""The search of the tune stage: MetaSchedule's evolutionary search bounded by a
+wall-clock deadline, design spaces generated once (retried with other seeds),
+and the cost model warm-started from a database's records.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int, stop=()):
+    """An EvolutionarySearch that stops at a wall-clock deadline, after
+    `budget` new trials (what is left of this task's budget), or once one of
+    the `stop` events is set (the RPC pool is gone, the run was interrupted)."""
+    from ..tvm_compat import derived_object, ms
+
+    @derived_object
+    class DeadlineSearch(ms.search_strategy.PySearchStrategy):
+        def __init__(self):
+            self.inner = ms.search_strategy.EvolutionarySearch(
+                population_size=population, genetic_num_iters=generations
+            )
+
+        def _initialize_with_tune_context(self, context):
+            self.inner._initialize_with_tune_context(context)
+
+        def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None):
+            self.inner.pre_tuning(min(max_trials, budget), num_trials_per_iter, design_spaces, database, cost_model)
+
+        def post_tuning(self):
+            self.inner.post_tuning()
+
+        def generate_measure_candidates(self):
+            if deadline is not None and time.time() >= deadline:
+                return None
+            if any(e.is_set() for e in stop):
+                return None
+            return self.inner.generate_measure_candidates()
+
+        def notify_runner_results(self, measure_candidates, results):
+            self.inner.notify_runner_results(measure_candidates, results)
+
+        def clone(self):
+            return _make_deadline_search(deadline, budget, population, generations, stop)
+
+    return DeadlineSearch()
+
+
+def _design_space(task_mod, target, seed: int, attempts: int = 8):
+    """MetaSchedule's default design space (post-order-apply of the target's
+    rules), generated once and reused. Generation samples tile sizes, and in
+    TVM 0.27 some samples make `compute-at` raise a ScheduleError ("not a
+    stage pipeline"; seen on ResNet-50's 3x3 256-channel NHWC fp16 conv), which
+    would abort the whole tuning run from inside the task scheduler. So it is
+    retried with other seeds, and a task that fails every time is left out."""
+    from ..tvm_compat import ms
+
+    cache: dict = {}
+
+    def sch_fn(_sch):
+        if "spaces" not in cache:
+            error = None
+            for attempt in range(attempts):
+                ctx = ms.TuneContext(
+                    mod=task_mod, target=target, space_generator="post-order-apply", rand_state=seed + 7919 * attempt
+                )
+                try:
+                    cache["spaces"] = list(ctx.generate_design_space())
+                    cache["attempts"] = attempt + 1
+                    break
+                except Exception as e:  # ScheduleError / TVMError
+                    error = e
+            else:
+                raise error
+        return cache["spaces"]
+
+    return ms.space_generator.ScheduleFn(sch_fn), cache
+
+
+# Records per task the cost model is warmed with: replaying and featurizing
+# the 1,593 records of ResNet-50's fp16 database (64 per task) took 70 s on
+# the 2-core machine; 32 per task halves that.
+WARM_RECORDS = 32
+
+
+def warm_cost_model(model, contexts, db, per_task: int = WARM_RECORDS) -> int:
+    """Train the XGBoost cost model on what the database already knows (the
+    best `per_task` valid records of each task) before the first batch, as
+    Ansor's `update_from_file` does on resume. MetaSchedule starts every run
+    with an empty model, so a resumed run (each GPU chunk) searched its first
+    batches blind. Returns the number of records it learnt from. Trained
+    once, on the last update: XGBModel retrains on each update that grows its
+    data by a fifth, which would be ~15 trainings here."""
+    from ..tvm_compat import ms
+
+    batches = []
+    for ctx in contexts:
+        if not db.has_workload(ctx.mod):
+            continue
+        cands, results = [], []
+        for rec in db.get_top_k(db.commit_workload(ctx.mod), per_task):
+            try:
+                cands.append(rec.as_measure_candidate())
+            except Exception:  # a trace that no longer replays: skip it  # noqa: S112
+                continue
+            results.append(ms.runner.RunnerResult([float(x) for x in rec.run_secs], None))
+        if cands:
+            batches.append((ctx, cands, results))
+    if not batches:
+        return 0
+    held = model.last_train_size
+    model.last_train_size = 1 << 60  # no training until the last update
+    try:
+        for i, (ctx, cands, results) in enumerate(batches):
+            if i == len(batches) - 1:
+                model.last_train_size = 0
+            model.update(ctx, cands, results)
+    finally:
+        if model.last_train_size == 1 << 60:
+            model.last_train_size = held
+    return sum(len(c) for _, c, _ in batches)
