@@ -109,10 +109,10 @@ sys.exit(cli.main(sys.argv[3:]))
 # Self time (cProfile's tottime) by where it is spent, from the function's
 # file (first match wins); C functions ("~") count for their callers.
 CATEGORIES = [
-    ("disconnect watcher (_disconnected)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py")) and n == "_disconnected"),
-    ("batcher submit (serve.Batcher.submit)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py")) and n == "submit"),
-    ("body read (serve._read_body, _reserve)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py")) and n in ("_read_body", "_reserve")),
-    ("serve handler (infer, _infer, _error...)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py"))),
+    ("disconnect watcher (_disconnected)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py", "deploy/serving/app.py", "deploy/serving/batcher.py")) and n == "_disconnected"),
+    ("batcher submit (serve.Batcher.submit)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py", "deploy/serving/app.py", "deploy/serving/batcher.py")) and n == "submit"),
+    ("body read (serve._read_body, _reserve)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py", "deploy/serving/app.py", "deploy/serving/batcher.py")) and n in ("_read_body", "_reserve")),
+    ("serve handler (infer, _infer, _error...)", lambda f, n: f.endswith(("deploy/serve.py", "deploy/serving/serve.py", "deploy/serving/app.py", "deploy/serving/batcher.py"))),
     ("shm region read/write (deploy.serving.shm)", lambda f, n: f.endswith(("deploy/shm.py", "deploy/serving/shm.py"))),
     ("protocol.decode (+pydantic)", lambda f, n: f.endswith(("deploy/protocol.py", "deploy/serving/protocol.py")) and n != "encode"),
     ("protocol.encode (+json)", lambda f, n: f.endswith(("deploy/protocol.py", "deploy/serving/protocol.py"))),

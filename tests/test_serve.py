@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import deploy
 from deploy import config, tvm_compat
 from deploy.errors import StaleArtifactError, TargetError
+from deploy.serving import app as server_app
 from deploy.serving import protocol, serve
 
 from .test_errors import error_line, run_cli
@@ -367,7 +368,8 @@ def test_a_running_batch_is_answered_without_waiting_for_the_next_ones_company(t
     """The batcher gathers the next batch while one runs, but waits for more
     requests only until the running batch is expected to be done: its answer
     is not held up by the next batch's --max-queue-delay-ms window."""
-    from deploy.serving.serve import Batcher, Metrics
+    from deploy.serving.batcher import Batcher
+    from deploy.serving.metrics import Metrics
 
     pred = Controlled(deploy.load(tiny_package[0]))
     pred.delay = 0.05  # the running batch takes 50 ms
@@ -392,10 +394,11 @@ def test_the_batchers_device_time_estimate_follows_the_device_not_its_own_waits(
     it cannot ratchet up to --max-queue-delay-ms. On a CPU device (launch runs
     the module), the running batch counts as done at once."""
     from deploy.runtime import Batch
-    from deploy.serving import serve
+    from deploy.serving import batcher as batching
+    from deploy.serving import metrics as server_metrics
 
     clock = [0.0]
-    monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(batching.time, "perf_counter", lambda: clock[0])
 
     class Fake:
         launch_waits = False
@@ -408,11 +411,11 @@ def test_the_batchers_device_time_estimate_follows_the_device_not_its_own_waits(
         def plan(self, rows):
             return [(4, rows)]
 
-    batcher = serve.Batcher(lambda: None, 0.010, serve.Metrics("t"))
+    batcher = batching.Batcher(lambda: None, 0.010, server_metrics.Metrics("t"))
     batcher.predictor = fake = Fake()
 
     def run(collect_at, wait):  # a batch launched at 0, collected at `collect_at`, waiting `wait` there
-        job = serve._Job([np.zeros((1, 1))], 1, concurrent.futures.Future(), 0.0)
+        job = batching._Job([np.zeros((1, 1))], 1, concurrent.futures.Future(), 0.0)
         job.future.set_running_or_notify_cancel()
         batch = Batch(4, 1, None, [1], {})
         clock[0], fake.wait = collect_at, wait
@@ -686,7 +689,7 @@ def test_large_bodies_are_decoded_off_the_event_loop(served, monkeypatch):
     url = served.url + f"/v2/models/{MODEL}/infer"
     assert httpx.post(url, json=_with()).status_code == 200  # small: on the loop
     assert threads == ["uvicorn", "uvicorn"]
-    monkeypatch.setattr(serve, "OFFLOAD_BYTES", 0)  # everything is "large"
+    monkeypatch.setattr(server_app, "OFFLOAD_BYTES", 0)  # everything is "large"
     assert httpx.post(url, json=_with()).status_code == 200
     assert len(threads) == 4 and "uvicorn" not in threads[2:]
 
