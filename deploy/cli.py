@@ -107,10 +107,10 @@ def prepare(args):
     args.loopback = (lanes, lane_cpus or 0) if (lanes or 0) > 1 and not tracker and not key else None
     pool = config_mod.rpc_pool(tracker, key, *((None, None) if args.loopback else (lanes, lane_cpus)))
     if pool is not None:
-        from .tuning import rpc
+        from .tuning import devices as rpc_devices
 
         # Measured on the pool: `auto`/`cuda` is the pool's GPU, read from it.
-        target = rpc.resolve_target(_nonempty(args.target) or "auto", pool)
+        target = rpc_devices.resolve_target(_nonempty(args.target) or "auto", pool)
     else:
         target = targets.resolve(_nonempty(args.target) or "auto")
     args.pool = pool
@@ -138,9 +138,9 @@ def prepare(args):
 def _check_pool(args, target, profile) -> None:
     """Before any work: every server of the pool has the target's device."""
     if args.pool is not None and profile.trials > 0 and profile.tune_buckets:
-        from .tuning import rpc
+        from .tuning import devices as rpc_devices
 
-        rpc.check_pool(args.pool, target)
+        rpc_devices.check_pool(args.pool, target)
 
 
 @contextlib.contextmanager
@@ -156,13 +156,13 @@ def _loopback(args, target, profile, workdir: Path):
         log.info("--rpc-lanes: no tuning on a %s device here, so no lanes are started", target.kind)
         yield
         return
-    from .tuning import rpc
+    from .tuning import pool as rpc_pool
 
     lanes, lane_cpus = args.loopback
     if target.kind == "llvm":
         log.warning("--rpc-lanes on the CPU target: a lane's candidates are timed on the same cores that the other "
                     "lanes search and build on, so CPU timings will be noisy")
-    with rpc.loopback_pool(lanes, lane_cpus, workdir / "rpc-loopback") as pool:
+    with rpc_pool.loopback_pool(lanes, lane_cpus, workdir / "rpc-loopback") as pool:
         args.pool = pool
         try:
             yield
@@ -462,10 +462,10 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
 def cmd_rpc_tracker(args) -> int:
     import os
 
-    from .tuning import rpc
+    from .tuning import pool as rpc_pool
 
-    rpc.check_port_free(args.host, args.port, "RPC tracker")
-    cmd = rpc.tracker_command(args.host, args.port)
+    rpc_pool.check_port_free(args.host, args.port, "RPC tracker")
+    cmd = rpc_pool.tracker_command(args.host, args.port)
     print(f"rpc-tracker {args.host}:{args.port}: {shlex.join(cmd)}", flush=True)
     os.execv(cmd[0], cmd)  # the tracker is TVM's; Ctrl-C stops it
 
@@ -473,30 +473,31 @@ def cmd_rpc_tracker(args) -> int:
 def cmd_rpc_server(args) -> int:
     import os
 
-    from .tuning import rpc
+    from .tuning import devices as rpc_devices
+    from .tuning import pool as rpc_pool
 
     pool = config_mod.rpc_pool(args.tracker, args.key)
     if pool is None:
         raise ConfigError("rpc-server needs --tracker and --key")
-    rpc.check_server_address(args.host, pool.host)
-    rpc.connect(pool).close()  # the tracker is up (TVM's server would retry for a minute, then die)
-    cmd = rpc.server_command(pool.address, pool.key, args.host, args.port, args.port_end or args.port + 100, args.custom_addr)
+    rpc_pool.check_server_address(args.host, pool.host)
+    rpc_devices.connect(pool).close()  # the tracker is up (TVM's server would retry for a minute, then die)
+    cmd = rpc_pool.server_command(pool.address, pool.key, args.host, args.port, args.port_end or args.port + 100, args.custom_addr)
     gpu = f"CUDA_VISIBLE_DEVICES={args.gpu} " if args.gpu is not None else ""
     print(f"rpc-server under key '{pool.key}' at tracker {pool.address}: {gpu}{shlex.join(cmd)}", flush=True)
-    os.environ.update(rpc.server_env(args.gpu))
+    os.environ.update(rpc_pool.server_env(args.gpu))
     # TVM's server (what that command runs), watched: exits 1 when it stops
     # listening (a candidate that crashes its session can end TVM's listen
     # thread, leaving the process up but gone from the tracker).
-    return rpc.serve_watched(pool, args.host, args.port, args.port_end or args.port + 100, args.custom_addr)
+    return rpc_pool.serve_watched(pool, args.host, args.port, args.port_end or args.port + 100, args.custom_addr)
 
 
 def cmd_rpc_status(args) -> int:
-    from .tuning import rpc
+    from .tuning import devices as rpc_devices
 
     pool = config_mod.rpc_pool(args.tracker, args.rpc_key)
     if pool is None:
         raise ConfigError("rpc-status needs --tracker and --rpc-key")
-    found = rpc.probe_pool(pool)
+    found = rpc_devices.probe_pool(pool)
     print(f"tracker    {pool.address}, key '{pool.key}': {len(found)} server(s)")
     for f in sorted(found, key=lambda f: f.address):
         print(f"server     {f.address}  {f.describe()}")

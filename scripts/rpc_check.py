@@ -41,8 +41,10 @@ from deploy import config, export, frontend, optimize, targets
 from deploy.pipeline import REPO_ROOT
 from deploy.tuning import builder as tune_builder
 from deploy.tuning import database as dbs
-from deploy.tuning import rpc, tune
+from deploy.tuning import devices as rpc_devices
+from deploy.tuning import pool as rpc_pool
 from deploy.tuning import tasks as tune_tasks
+from deploy.tuning import tune
 
 log = logging.getLogger("rpc_check")
 
@@ -184,18 +186,18 @@ def main() -> int:
     opt = optimize.run(profile, target, frontend.run(profile, ex, ws / "frontend"), ws / "optimize")
 
     procs = []
-    port = rpc.free_port()
+    port = rpc_pool.free_port()
     try:
-        procs.append(rpc.start_tracker("127.0.0.1", port, out / "logs" / "tracker.log"))
+        procs.append(rpc_pool.start_tracker("127.0.0.1", port, out / "logs" / "tracker.log"))
         one = config.RPCPool("127.0.0.1", port, "one")
         pool = config.RPCPool("127.0.0.1", port, "all")
         gpu = (lambda i: str(i)) if target.kind == "cuda" else (lambda i: None)
-        procs.append(rpc.start_server(one, port=rpc.free_port(), gpu=gpu(0), log_path=out / "logs" / "one-0.log"))
+        procs.append(rpc_pool.start_server(one, port=rpc_pool.free_port(), gpu=gpu(0), log_path=out / "logs" / "one-0.log"))
         for i in range(n):
-            procs.append(rpc.start_server(pool, port=rpc.free_port(), gpu=gpu(i), log_path=out / "logs" / f"all-{i}.log"))
-        rpc.wait_for_servers(one, 1)
-        rpc.wait_for_servers(pool, n)
-        remote_target = rpc.resolve_target(args.target, one)
+            procs.append(rpc_pool.start_server(pool, port=rpc_pool.free_port(), gpu=gpu(i), log_path=out / "logs" / f"all-{i}.log"))
+        rpc_pool.wait_for_servers(one, 1)
+        rpc_pool.wait_for_servers(pool, n)
+        remote_target = rpc_devices.resolve_target(args.target, one)
         same_key = remote_target.key() == target.key()
         log.info("rpc_check: target through RPC %s the local one", "is" if same_key else "DIFFERS FROM")
         report = {

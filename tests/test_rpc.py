@@ -23,7 +23,9 @@ from deploy.config import RPCPool
 from deploy.errors import DeviceMismatchError, RPCPoolError, TargetError
 from deploy.tuning import builder as tune_builder
 from deploy.tuning import database as dbs
+from deploy.tuning import devices as rpc_devices
 from deploy.tuning import lanes as tune_lanes
+from deploy.tuning import pool as rpc_pool
 from deploy.tuning import rpc, tune
 
 from .conftest import make_config
@@ -49,23 +51,23 @@ class Procs:
 
     def __init__(self, folder: Path):
         self.folder, self.procs = folder, []
-        self.port = rpc.free_port()
-        self.procs.append(rpc.start_tracker("127.0.0.1", self.port, folder / "tracker.log"))
+        self.port = rpc_pool.free_port()
+        self.procs.append(rpc_pool.start_tracker("127.0.0.1", self.port, folder / "tracker.log"))
 
     def pool(self, key: str, **kw) -> config.RPCPool:
         return config.RPCPool("127.0.0.1", self.port, key, **kw)
 
-    def server(self, key: str) -> rpc.Process:
-        p = rpc.start_server(self.pool(key), port=rpc.free_port(), log_path=self.folder / f"{key}-{len(self.procs)}.log")
+    def server(self, key: str) -> rpc_pool.Process:
+        p = rpc_pool.start_server(self.pool(key), port=rpc_pool.free_port(), log_path=self.folder / f"{key}-{len(self.procs)}.log")
         self.procs.append(p)
         return p
 
-    def fault_server(self, key: str, fault: str, at: int) -> tuple[rpc.Process, Path]:
+    def fault_server(self, key: str, fault: str, at: int) -> tuple[rpc_pool.Process, Path]:
         count = self.folder / f"{key}-{len(self.procs)}.count"
         cmd = [sys.executable, str(FAULT_SERVER), "--tracker", f"127.0.0.1:{self.port}", "--key", key,
-               "--port", str(rpc.free_port()), "--fault", fault, "--at", str(at), "--count-file", str(count)]
+               "--port", str(rpc_pool.free_port()), "--fault", fault, "--at", str(at), "--count-file", str(count)]
         with open(self.folder / f"{key}-{len(self.procs)}.log", "ab") as log:
-            p = rpc.Process(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), None)
+            p = rpc_pool.Process(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), None)
         self.procs.append(p)
         return p, count
 
@@ -90,7 +92,7 @@ def pair(procs):
     procs.server("pair")
     dying, count = procs.fault_server("pair", "die", at=1)
     pool = procs.pool("pair")
-    rpc.wait_for_servers(pool, 2)
+    rpc_pool.wait_for_servers(pool, 2)
     return pool, dying, count
 
 
@@ -115,7 +117,7 @@ def _tune(cfg, target, tiny_opt, db_root, folder, pool):
 
 def test_pool_devices_checked(pair, llvm_target):
     pool = pair[0]
-    found = rpc.check_pool(pool, llvm_target)
+    found = rpc_devices.check_pool(pool, llvm_target)
     assert len(found) == 2 and len({f.address for f in found}) == 2
     assert all(not f.cuda and f.arch == llvm_target.arch for f in found)
     # A database for a GPU: these CPU-only servers are refused, with the server named.
@@ -123,17 +125,17 @@ def test_pool_devices_checked(pair, llvm_target):
 
     gpu = targets.resolve("cuda:sm_90")
     with pytest.raises(DeviceMismatchError, match=r"RPC server 127\.0\.0\.1:\d+ under key 'pair' has no CUDA GPU, refused"):
-        rpc.check_pool(pool, gpu)
+        rpc_devices.check_pool(pool, gpu)
     # Another CPU than the database's.
     other = dataclasses.replace(llvm_target, arch="cascadelake")
     with pytest.raises(DeviceMismatchError, match="has another CPU.*got cpu .*expected cpu cascadelake"):
-        rpc.check_pool(pool, other)
+        rpc_devices.check_pool(pool, other)
     # What the pool resolves TARGET to: auto -> this CPU (no GPU there); cuda -> refused.
-    assert rpc.resolve_target("auto", pool) == llvm_target
+    assert rpc_devices.resolve_target("auto", pool) == llvm_target
     with pytest.raises(TargetError, match="has no CUDA GPU"):
-        rpc.resolve_target("cuda", pool)
+        rpc_devices.resolve_target("cuda", pool)
     with pytest.raises(TargetError, match="has no CUDA GPU"):
-        rpc.resolve_target("cuda:sm_90", pool)
+        rpc_devices.resolve_target("cuda:sm_90", pool)
 
 
 def test_cli_refuses_mismatch_and_lists_servers(pair, capsys):
@@ -164,10 +166,10 @@ def test_remote_cuda_target_is_a_local_runs_target():
     spec["keys"] = list(spec["keys"])
     assert json.loads(info.spec) == json.loads(json.dumps(spec, default=str))
     assert (info.arch, info.device_name) == ("sm_90", "NVIDIA H200")
-    gpu = rpc.ServerDevice("h:1", True, "NVIDIA H200", "sm_90")
-    assert rpc.mismatch(gpu, info) is None
-    assert rpc.mismatch(dataclasses.replace(gpu, name="NVIDIA H100"), info) == "another GPU"
-    assert rpc.mismatch(dataclasses.replace(gpu, arch="sm_80"), info) == "another GPU"
+    gpu = rpc_devices.ServerDevice("h:1", True, "NVIDIA H200", "sm_90")
+    assert rpc_devices.mismatch(gpu, info) is None
+    assert rpc_devices.mismatch(dataclasses.replace(gpu, name="NVIDIA H100"), info) == "another GPU"
+    assert rpc_devices.mismatch(dataclasses.replace(gpu, arch="sm_80"), info) == "another GPU"
 
 
 def test_pool_cuda_sm_target_is_a_local_runs_key(monkeypatch):
@@ -181,14 +183,14 @@ def test_pool_cuda_sm_target_is_a_local_runs_key(monkeypatch):
         compute_version, device_name, exist = "9.0", "NVIDIA H200", True
 
     monkeypatch.setattr(targets, "_cuda_device", lambda: H200())
-    found = rpc.ServerDevice("h:1", True, "NVIDIA H200", "sm_90")
+    found = rpc_devices.ServerDevice("h:1", True, "NVIDIA H200", "sm_90")
     for text in ("cuda:sm_90", "cuda:sm_90a"):
-        pooled = rpc._pool_cuda_target(text, found, H200())
+        pooled = rpc_devices._pool_cuda_target(text, found, H200())
         assert pooled.key() == targets.resolve(text).key() and pooled.arch == text[5:]
-        assert rpc.mismatch(found, pooled) is None
-    assert rpc._pool_cuda_target("cuda", found, H200()).key() == targets.resolve("cuda").key()
+        assert rpc_devices.mismatch(found, pooled) is None
+    assert rpc_devices._pool_cuda_target("cuda", found, H200()).key() == targets.resolve("cuda").key()
     # A server of another architecture is still refused for cuda:sm_80.
-    assert rpc.mismatch(found, rpc._pool_cuda_target("cuda:sm_80", found, H200())) == "another GPU"
+    assert rpc_devices.mismatch(found, rpc_devices._pool_cuda_target("cuda:sm_80", found, H200())) == "another GPU"
 
 
 def test_server_errors_before_loading_are_not_the_candidates(monkeypatch):
@@ -283,7 +285,7 @@ def test_every_server_lost_stops_cleanly(procs, llvm_target, tiny_opt, tmp_path,
     monkeypatch.setattr(rpc, "HANG_GRACE_S", 5.0)
     hanging, count = procs.fault_server("solo", "hang", at=3)
     pool = procs.pool("solo")
-    rpc.wait_for_servers(pool, 1)
+    rpc_pool.wait_for_servers(pool, 1)
     cfg = make_config(trials=6, trials_per_task=6, trials_per_iter=2, max_tasks=1, runner_timeout_s=10.0)  # only the hung session waits
     with pytest.raises(RPCPoolError, match="every RPC server under key 'solo' was lost; tuning stopped"):
         _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t", pool)
@@ -311,7 +313,7 @@ def test_every_server_lost_stops_cleanly(procs, llvm_target, tiny_opt, tmp_path,
 def test_bad_pool_arguments(argv, message, capsys):
     from deploy import cli
 
-    argv = [a.replace("{free}", str(rpc.free_port())) for a in argv]
+    argv = [a.replace("{free}", str(rpc_pool.free_port())) for a in argv]
     assert cli.main(["tune", "-m", "tiny_cnn", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: " + message) and len(err.strip().splitlines()) == 2
@@ -367,7 +369,7 @@ def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_pat
     dying, count = procs.fault_server("lanes", "die", at=1)
     # Each lane given every CPU (--rpc-lane-cpus), as on a GPU host where lanes overlap.
     pool = dataclasses.replace(procs.pool("lanes"), lane_cpus=tune_builder.usable_cpus())
-    rpc.wait_for_servers(pool, 2)
+    rpc_pool.wait_for_servers(pool, 2)
     cfg = make_config(trials=12, trials_per_task=6, trials_per_iter=3, max_tasks=2)
     s, a = _tune(cfg, llvm_target, tiny_opt, tmp_path / "db", tmp_path / "t", pool)
     assert len(s["lanes"]) == 2 and all(lane["cpus"] == tune_builder.usable_cpus() for lane in s["lanes"])
@@ -441,7 +443,7 @@ def test_kept_session_runs_each_candidates_own_kernel(procs, llvm_target, tmp_pa
 
     procs.server("kept")
     pool = procs.pool("kept")
-    rpc.wait_for_servers(pool, 1)
+    rpc_pool.wait_for_servers(pool, 1)
     small, big = _candidate(tmp_path / "a", 64), _candidate(tmp_path / "b", 1 << 22)
     cfg = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False)
     m = rpc.Measurer(pool, llvm_target, 1, cfg, 30.0)
@@ -464,7 +466,7 @@ def test_slow_candidate_fails_without_taking_its_server(procs, llvm_target, tmp_
 
     procs.server("slow")
     pool = procs.pool("slow")
-    rpc.wait_for_servers(pool, 1)
+    rpc_pool.wait_for_servers(pool, 1)
     small = _candidate(tmp_path / "a", 64)
     cfg = ms.runner.EvaluatorConfig(number=1, repeat=1, min_repeat_ms=4000, enable_cpu_cache_flush=False)
     m = rpc.Measurer(pool, llvm_target, 1, cfg, 2.0)
@@ -487,7 +489,7 @@ def test_lanes_without_tracker_tune_through_a_loopback_pool(tmp_path, monkeypatc
 
     def fake_run(cfg, target, workdir, db_root, pool=None, **kw):
         seen["pool"] = pool
-        seen["servers"] = pool and rpc.wait_for_servers(pool, 1)
+        seen["servers"] = pool and rpc_pool.wait_for_servers(pool, 1)
         raise RPCPoolError("stop here", None, "the test's end")
 
     monkeypatch.setattr(pipeline, "run", fake_run)
@@ -501,7 +503,7 @@ def test_lanes_without_tracker_tune_through_a_loopback_pool(tmp_path, monkeypatc
     assert f"measure on RPC servers under key '{pool.key}' at tracker {pool.address} (2 tuning lane(s))" in out.out
     assert out.err.startswith("error: stop here")
     with pytest.raises(RPCPoolError):  # the tracker (and its server) are gone
-        rpc.Tracker(pool.host, pool.port, timeout=2.0).close()
+        rpc_devices.Tracker(pool.host, pool.port, timeout=2.0).close()
     assert (tmp_path / "ws" / "rpc-loopback" / "server.log").is_file()
     # Nothing to tune (TRIALS=0): no pool is started at all.
     seen.clear()
@@ -517,14 +519,14 @@ def test_loopback_pool_ends_with_a_terminated_or_killed_run(tmp_path, sig):
     import signal
     import time
 
-    script = ("import sys, time; from pathlib import Path; from deploy.tuning import rpc\n"
-              "with rpc.loopback_pool(2, 0, Path(sys.argv[1])) as pool:\n"
+    script = ("import sys, time; from pathlib import Path; from deploy.tuning import pool as rpc_pool\n"
+              "with rpc_pool.loopback_pool(2, 0, Path(sys.argv[1])) as pool:\n"
               "    print(pool.port, flush=True); time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                          cwd=Path(__file__).resolve().parent.parent)
     try:
         port = int(p.stdout.readline())
-        rpc.Tracker("127.0.0.1", port, timeout=2.0).close()  # up
+        rpc_devices.Tracker("127.0.0.1", port, timeout=2.0).close()  # up
         p.send_signal(getattr(signal, sig))
         rc = p.wait(60)
         assert rc == (128 + signal.SIGTERM if sig == "SIGTERM" else -signal.SIGKILL)
@@ -533,7 +535,7 @@ def test_loopback_pool_ends_with_a_terminated_or_killed_run(tmp_path, sig):
     deadline = time.time() + 15
     while True:
         try:
-            rpc.Tracker("127.0.0.1", port, timeout=1.0).close()
+            rpc_devices.Tracker("127.0.0.1", port, timeout=1.0).close()
         except RPCPoolError:
             break  # the tracker is gone
         assert time.time() < deadline, f"the loopback tracker outlived the run ({sig})"

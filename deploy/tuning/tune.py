@@ -71,7 +71,7 @@ def tune_bucket(
     """Tune one bucket's module into the database at `db_dir`; returns a
     summary. The database's working copy is packed however the run ends
     (deadline, Ctrl-C, an error, the RPC pool lost). With `pool`, candidates
-    are measured on its `n_servers` servers (checked by `rpc.check_pool`),
+    are measured on its `n_servers` servers (checked by `rpc_devices.check_pool`),
     from `lanes(pool, n_servers)` tuning processes."""
     tvm_target = target.tvm_target()
     all_tasks = task_loop.extract_tasks(mod, tvm_target)
@@ -172,9 +172,9 @@ def run(
     must all match `target` (checked first)."""
     n_servers = 0
     if pool is not None:
-        from . import rpc
+        from . import devices as rpc_devices
 
-        n_servers = len(rpc.check_pool(pool, target))
+        n_servers = len(rpc_devices.check_pool(pool, target))
     elif not target.has_device:
         raise TargetError(
             f"cannot tune for {target.kind} {target.arch} here: candidates are measured on the device", "no device",
