@@ -190,20 +190,13 @@ def _forward_params(model, n: int) -> list[str]:
 
 
 def example_inputs(inputs, batch: int, seed: int = 0):
-    """Seeded torch tensors for `inputs` (floats standard normal, integers in [0, 10))."""
+    """Seeded torch tensors for `inputs`: the package's own random inputs
+    (runtime.random_inputs: floats standard normal, integers in [0, 10))."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in inputs:
-        shape = (batch, *i.shape)
-        if i.dtype.startswith("float"):
-            out.append(torch.randn(shape, generator=g).to(getattr(torch, i.dtype)))
-        elif i.dtype == "bool":
-            out.append(torch.randint(0, 2, shape, generator=g).bool())
-        else:
-            out.append(torch.randint(0, 10, shape, generator=g).to(getattr(torch, i.dtype)))
-    return out
+    from .runtime import random_inputs
+
+    return [torch.from_numpy(a) for a in random_inputs([(i.shape, i.dtype) for i in inputs], batch, seed)]
 
 
 def build_torch_model(cfg: Config):
@@ -282,6 +275,8 @@ def symbolic_batch(model, inputs, fixed: int, trial: int = 3):
     import onnx
     import onnxruntime as ort
 
+    from .runtime import random_inputs
+
     poly = onnx.ModelProto()
     poly.CopyFrom(model)
     for vi in list(poly.graph.input) + list(poly.graph.output):
@@ -290,7 +285,7 @@ def symbolic_batch(model, inputs, fixed: int, trial: int = 3):
             dims[0].Clear()
             dims[0].dim_param = "batch"
     del poly.graph.value_info[:]  # inferred shapes that carry the old batch
-    rows = [[t.numpy() for t in example_inputs(inputs, batch=fixed, seed=s)] for s in range(trial)]
+    rows = [random_inputs([(i.shape, i.dtype) for i in inputs], fixed, seed=s) for s in range(trial)]
     try:
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / ONNX_FILE

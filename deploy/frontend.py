@@ -71,7 +71,7 @@ def simplify(model, inputs, batch: int):
     try:
         slim = onnxslim.slim(model, input_shapes=shapes)
     except Exception as e:  # noqa: BLE001 - the import of the original graph is the fallback
-        why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        why = error_line(e, 200)
         log.warning("frontend: bucket %d: onnxslim failed (%s); importing the graph as exported", batch, why)
         return model, {"nodes_before": before, "nodes_after": before, "slim": f"failed: {why}"}
     if slim is None:
