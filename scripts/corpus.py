@@ -178,7 +178,8 @@ def markdown(report: dict) -> str:
     plain = [r for r in rows if "plain_tvm" in r]
     lines = [f"# Corpus, {report['target']} ({report['size']} size, {report['exporter']} exporter)", "",
              f"Machine: {report['environment'].get('gpu') or report['environment'].get('cpu', '?')}; "
-             f"{report['date']}; command: `{report['command']}`", "",
+             f"{report['date']}; " + ("commands (one run, resumed): " if len(report.get("commands", [])) > 1 else "command: ")
+             + "; ".join(f"`{c}`" for c in report.get("commands") or [report["command"]]), "",
              f"{ok} of {len(rows)} runs built" + (" and validated" if any(r['outcome'] == 'validated' for r in rows) else "")
              + f"; {exp} expected unsupported-operator errors"
              + (f"; plain TVM built {sum(1 for r in plain if r['plain_tvm'] == 'ok')} of {len(plain)}" if plain else ""),
@@ -241,9 +242,12 @@ def main(argv=None) -> int:
     path = out / "corpus.json"
     report = json.loads(path.read_text()) if path.is_file() else {"results": []}
     env = bench.environment()
+    command = "python scripts/corpus.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    # A resumed run is several commands: each is kept, in order.
+    commands = report.get("commands") or ([report["command"]] if "command" in report else [])
     report.update({"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
-                   "date": time.strftime("%Y-%m-%d"), "environment": env,
-                   "command": "python scripts/corpus.py " + " ".join(argv if argv is not None else sys.argv[1:])})
+                   "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
+                   "commands": [*commands, command]})
     results = {(r["model"], r["precision"]): r for r in report["results"]}
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="corpus-"))
     work.mkdir(parents=True, exist_ok=True)
