@@ -245,7 +245,8 @@ def cmd_bench(args) -> int:
     import tempfile
 
     from . import export
-    from .bench import latency as bench
+    from .bench import latency
+    from .bench import report as bench_report
     from .export import is_onnx_source
     from .pipeline import Workspace
 
@@ -253,7 +254,7 @@ def cmd_bench(args) -> int:
         raise ConfigError("invalid --iters/--warmup", f"{args.iters}/{args.warmup}", "iters >= 1 and warmup >= 0")
     if args.rounds is None:
         args.rounds = min(5, args.iters)
-    bench.check_rounds(args.rounds, args.iters)  # before the set-up, not after it
+    latency.check_rounds(args.rounds, args.iters)  # before the set-up, not after it
     cfg, target, workdir, db_root = prepare(args)
     profile = cfg.profile(target.kind)
     ws = Workspace(workdir)
@@ -266,19 +267,20 @@ def cmd_bench(args) -> int:
         if _baseline_batch(Path(b)) not in profile.buckets:
             raise ConfigError(f"baseline {b} is for a batch that is not benchmarked", _baseline_batch(Path(b)),
                               list(profile.buckets))
-    report = {"model": cfg.model.name, "target": target.key(), "environment": bench.environment(), "cases": [],
+    report = {"model": cfg.model.name, "target": target.key(), "environment": bench_report.environment(), "cases": [],
               "command": args.command_line}
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         _bench_cases(args, cfg, profile, ws, ex, names, factory, Path(tmp), report)
     out = Path(args.out) if args.out else ws.bench
-    bench.write(report, out)
-    print(bench.markdown(report), end="")
+    bench_report.write(report, out)
+    print(bench_report.markdown(report), end="")
     print(f"bench: {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
     return 0
 
 
 def _bench_cases(args, cfg, profile, ws, ex, names, factory, tmpdir: Path, report: dict) -> None:
-    from .bench import latency as bench
+    from .bench import latency, trtexec
+    from .bench import runners as bench_runners
     from .runtime import random_inputs
     from .validate import References
 
@@ -288,24 +290,24 @@ def _bench_cases(args, cfg, profile, ws, ex, names, factory, tmpdir: Path, repor
         reference = reference_for(inputs)["onnxruntime"]
         make16 = None
         if factory is not None:
-            make16 = lambda xs, b=batch: bench.fp16_onnx(factory, xs, cfg.model.opset, tmpdir / f"fp16_b{b}.onnx")  # noqa: E731
-        runners = bench.make_runners(
+            make16 = lambda xs, b=batch: bench_runners.fp16_onnx(factory, xs, cfg.model.opset, tmpdir / f"fp16_b{b}.onnx")  # noqa: E731
+        runners = bench_runners.make_runners(
             names, package=ws.package, untuned=ws.untuned, onnx_path=ex.onnx_path,
             input_names=[i.name for i in ex.inputs], factory=factory, precision=profile.precision,
             compile_mode=args.compile_mode, fp16_onnx_path=make16,
         )
         baselines = [
-            bench.load_baseline(Path(b), cfg.model.name, batch, list(ex.inputs[0].shape), profile.precision)
+            trtexec.load_baseline(Path(b), cfg.model.name, batch, list(ex.inputs[0].shape), profile.precision)
             for b in args.baseline or [] if _baseline_batch(Path(b)) == batch
         ]
-        report["cases"].append(bench.case(batch, profile.precision, runners, inputs, reference, cfg.tolerance,
+        report["cases"].append(latency.case(batch, profile.precision, runners, inputs, reference, cfg.tolerance,
                                           args.warmup, args.iters, baselines, args.rounds))
 
 
 def _baseline_batch(path: Path) -> int | None:
-    from .bench.latency import read_baseline_meta
+    from .bench import trtexec
 
-    return read_baseline_meta(path).get("batch")
+    return trtexec.read_baseline_meta(path).get("batch")
 
 
 def cmd_info(args) -> int:
@@ -526,7 +528,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="latency diff of the package against the other runtimes")
     _add_common(p)
     p.add_argument("--runners", default="tvm,tvm-untuned,onnxruntime,torch-eager,torch-eager-fp16,torch-compile,tensorrt",
-                   help="comma-separated; see deploy.bench.ALL_RUNNERS")
+                   help="comma-separated; see deploy.bench.runners.ALL_RUNNERS")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20, help="warm-up iterations before each runner's turn")
     p.add_argument("--rounds", type=int,

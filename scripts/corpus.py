@@ -67,7 +67,8 @@ def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path
               compile_precisions=("fp16",)) -> dict:
     """p50 (ms) of what a user could run instead, on the same inputs."""
     import models
-    from deploy.bench import latency as bench
+    from deploy.bench import latency
+    from deploy.bench import runners as bench
 
     def factory():
         return models.build(name, seed=0, size=size)
@@ -94,7 +95,7 @@ def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path
             out[label] = {"p50_ms": bench.percentiles(r.time(max(1, n // 10), n), 1)["p50_ms"],
                           "setup_s": round(setup, 1), "iterations": n}
         except Exception as e:  # noqa: BLE001 - a runner that cannot run is recorded, not fatal
-            out[label] = {"error": bench._failure(e)}
+            out[label] = {"error": latency._failure(e)}
         finally:
             try:
                 r.deactivate()
@@ -155,7 +156,7 @@ def time_one(entry: dict, args, target) -> None:
     """TVM's p50 at batch 1 and, with --baselines, the alternatives', in this
     process, one runner at a time."""
     from deploy import runtime
-    from deploy.bench import latency as bench
+    from deploy.bench import runners as bench
 
     pkg = Path(entry["workdir"]) / "package"
     pred = runtime.load(pkg, warn_unvalidated=False)
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
                         datefmt="%H:%M:%S")
     import models
     from deploy import artifacts, targets
-    from deploy.bench import latency as bench
+    from deploy.bench import report as bench_report
 
     target = targets.resolve(args.target)
     names = [n.strip() for n in args.models.split(",") if n.strip()] or models.names()
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "corpus.json"
     report = json.loads(path.read_text()) if path.is_file() else {"results": []}
-    env = bench.environment()
+    env = bench_report.environment()
     command = "python scripts/corpus.py " + " ".join(argv if argv is not None else sys.argv[1:])
     # A resumed run is several commands: each is kept, in order.
     commands = report.get("commands") or ([report["command"]] if "command" in report else [])

@@ -456,12 +456,12 @@ def main() -> int:
     import tritonclient
     import uvicorn
 
-    from deploy.bench import latency
+    from deploy.bench import report as bench_report
 
     report = {
         "date": _dt.date.today().isoformat(),
         "command": " ".join([sys.executable.replace(str(REPO) + "/", ""), *sys.argv]),
-        "machine": {"cpus": os.cpu_count(), "processor": latency.cpu_name(), "python": platform.python_version(),
+        "machine": {"cpus": os.cpu_count(), "processor": bench_report.cpu_name(), "python": platform.python_version(),
                     "uvicorn": uvicorn.__version__, "tritonclient": getattr(tritonclient, "__version__", None)},
         "package": str(package),
         "config": vars(args),

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from deploy import export, validate
-from deploy.bench import latency as bench
+from deploy.bench import latency, trtexec
+from deploy.bench import report as bench_report
+from deploy.bench import runners as bench_runners
 from deploy.errors import ConfigError, InputFileError
 
 TRTEXEC_LOG = """\
@@ -38,27 +40,27 @@ def trtexec_times(n=50):
 
 
 def test_percentiles():
-    t = bench.percentiles([1.0] * 98 + [5.0, 10.0], batch=8)
+    t = bench_runners.percentiles([1.0] * 98 + [5.0, 10.0], batch=8)
     assert t["p50_ms"] == 1.0 and t["p99_ms"] > 5 and t["max_ms"] == 10.0
     assert t["throughput_per_s"] == pytest.approx(8000.0)
 
 
 def test_trtexec_summary_prefers_gpu_compute_time():
-    s = bench.parse_trtexec_summary(TRTEXEC_LOG)
+    s = trtexec.parse_trtexec_summary(TRTEXEC_LOG)
     assert s["p50_ms"] == pytest.approx(0.468018) and s["p99_ms"] == pytest.approx(0.487793)
     assert s["qps"] == pytest.approx(2113.56)
     only_latency = "\n".join(ln for ln in TRTEXEC_LOG.splitlines() if "GPU Compute" not in ln)
-    assert bench.parse_trtexec_summary(only_latency)["p50_ms"] == pytest.approx(0.469971)
+    assert trtexec.parse_trtexec_summary(only_latency)["p50_ms"] == pytest.approx(0.469971)
     with pytest.raises(InputFileError):
-        bench.parse_trtexec_summary("[I] nothing here")
+        trtexec.parse_trtexec_summary("[I] nothing here")
 
 
 def test_trtexec_times():
     data = trtexec_times()
-    ms = bench.parse_trtexec_times(data)
+    ms = trtexec.parse_trtexec_times(data)
     assert len(ms) == 50 and all(0.46 <= m <= 0.49 for m in ms)
     with pytest.raises(InputFileError):
-        bench.parse_trtexec_times([])
+        trtexec.parse_trtexec_times([])
 
 
 def _baseline(tmp_path, **meta):
@@ -73,14 +75,14 @@ def _baseline(tmp_path, **meta):
 
 def test_baseline_is_loaded_and_mismatches_refused(tmp_path):
     p = _baseline(tmp_path)
-    b = bench.load_baseline(p, "resnet50", 1, [3, 224, 224], "fp16")
+    b = trtexec.load_baseline(p, "resnet50", 1, [3, 224, 224], "fp16")
     assert b["kind"] == "tensorrt" and b["timing"]["iterations"] == 50 and b["timing"]["trtexec_qps"] == 2113.56
     for args, what in [(("mobilenet_v2", 1, [3, 224, 224], "fp16"), "model"), (("resnet50", 8, [3, 224, 224], "fp16"), "batch"),
                        (("resnet50", 1, [3, 224, 224], "fp32"), "precision"), (("resnet50", 1, [3, 112, 112], "fp16"), "input_shape")]:
         with pytest.raises(ConfigError, match=f"another {what}"):
-            bench.load_baseline(p, *args)
+            trtexec.load_baseline(p, *args)
     with pytest.raises(InputFileError):
-        bench.load_baseline(tmp_path / "none.json", "resnet50", 1, [3, 224, 224], "fp16")
+        trtexec.load_baseline(tmp_path / "none.json", "resnet50", 1, [3, 224, 224], "fp16")
 
 
 def test_runners_on_a_tiny_model(tmp_path, tiny_package):
@@ -90,13 +92,13 @@ def test_runners_on_a_tiny_model(tmp_path, tiny_package):
     inputs = [rng.standard_normal((4, 3, 16, 16)).astype("float32")]
     reference = validate.references(cfg, ex, inputs)["onnxruntime"]
     factory = lambda: export.build_torch_model(cfg)  # noqa: E731
-    runners = bench.make_runners(
+    runners = bench_runners.make_runners(
         ["tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-tf32", "torch-eager-fp16", "tensorrt"],
         package=folder, untuned=folder.parent / "no-untuned", onnx_path=ex.onnx_path, input_names=["input"],
         factory=factory, precision="fp32", compile_mode="default", fp16_onnx_path=None,
     )
-    wrong = bench.TorchRunner("torch-other-weights", lambda: __import__("models").build("tiny_cnn", seed=7))
-    case = bench.case(4, "fp32", runners + [wrong], inputs, reference, cfg.tolerance, warmup=2, iters=10)
+    wrong = bench_runners.TorchRunner("torch-other-weights", lambda: __import__("models").build("tiny_cnn", seed=7))
+    case = latency.case(4, "fp32", runners + [wrong], inputs, reference, cfg.tolerance, warmup=2, iters=10)
     rows = {r["name"]: r for r in case["runners"]}
     for name in ("tvm", "onnxruntime-cpu", "torch-eager"):
         assert rows[name]["status"] == "ok", rows[name]
@@ -107,15 +109,15 @@ def test_runners_on_a_tiny_model(tmp_path, tiny_package):
     assert rows["torch-eager-tf32"]["status"] == "skipped" and "CUDA" in rows["torch-eager-tf32"]["reason"]
     assert rows["torch-other-weights"]["check"]["passed"] is False  # fast but wrong is flagged
 
-    report = {"model": "tiny_cnn", "target": {}, "environment": bench.environment(), "cases": [case]}
-    md = bench.markdown(report)
+    report = {"model": "tiny_cnn", "target": {}, "environment": bench_report.environment(), "cases": [case]}
+    md = bench_report.markdown(report)
     assert "**differ**" in md and "skipped: tensorrt is not importable" in md and "tvm speed-up" in md
     with pytest.raises(ConfigError, match="unknown runner"):
-        bench.make_runners(["tvm", "tflite"], package=folder, untuned=folder, onnx_path=ex.onnx_path, input_names=["input"],
+        bench_runners.make_runners(["tvm", "tflite"], package=folder, untuned=folder, onnx_path=ex.onnx_path, input_names=["input"],
                            factory=factory, precision="fp32", compile_mode="default", fp16_onnx_path=None)
 
 
-class _Turns(bench.Runner):
+class _Turns(bench_runners.Runner):
     """A runner on a shared machine whose clock drops during round 2; it
     records its turns and can break on a given turn."""
 
@@ -147,7 +149,7 @@ def test_rounds_take_turns_and_show_a_machine_that_changed():
     machine = {"log": []}
     a, b, c = _Turns("a", 1.0, machine), _Turns("b", 2.0, machine), _Turns("c", 3.0, machine, break_on=2)
     machine["runners"] = [a, b, c]
-    rows = bench.run_all([a, b, c], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
+    rows = latency.run_all([a, b, c], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
                          warmup=1, iters=10, rounds=3)
     assert [(n, k) for n, k, _ in machine["log"]] == [("a", 4), ("b", 4), ("c", 4), ("a", 3), ("b", 3), ("c", 3),
                                                       ("a", 3), ("b", 3)]
@@ -157,7 +159,7 @@ def test_rounds_take_turns_and_show_a_machine_that_changed():
     assert by["b"]["timing"]["round_p50_ms"] == [2.0, 4.0, 2.0]
     assert by["c"]["status"] == "failed" and by["c"]["reason"] == "round 2: RuntimeError: device lost"
     assert not any(r.loaded for r in (a, b, c))  # every runner released
-    md = bench.markdown({"model": "m", "cases": [{"batch": 4, "precision": "fp32", "runners": rows}]})
+    md = bench_report.markdown({"model": "m", "cases": [{"batch": 4, "precision": "fp32", "runners": rows}]})
     assert "| a | 1.000 |" in md and "| 1.000-2.000 |" in md and "p50 by round" in md
 
     class Interrupted(_Turns):
@@ -166,19 +168,19 @@ def test_rounds_take_turns_and_show_a_machine_that_changed():
 
     stop = Interrupted("stop", 1.0, machine)
     with pytest.raises(KeyboardInterrupt):
-        bench.run_all([a, stop, b], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
+        latency.run_all([a, stop, b], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
                       warmup=1, iters=10, rounds=2)
     assert not any(r.loaded for r in (a, stop, b))  # released all the same
     with pytest.raises(ConfigError, match="invalid rounds"):
-        bench.run_all([a], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
+        latency.run_all([a], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
                       warmup=1, iters=2, rounds=5)
 
     machine["log"].clear()
-    rows = bench.run_all([a, b], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
+    rows = latency.run_all([a, b], [np.zeros((4, 3), "float32")], [np.ones(3, "float32")], Tolerances(),
                          warmup=1, iters=10, rounds=1)
     assert [(n, k) for n, k, _ in machine["log"]] == [("a", 10), ("b", 10)]
     assert machine["log"][1][2] == [False, True, False]  # one at a time: a released before b ran
-    assert "round_p50_ms" not in rows[0]["timing"] and "p50 by round" not in bench.markdown(
+    assert "round_p50_ms" not in rows[0]["timing"] and "p50 by round" not in bench_report.markdown(
         {"model": "m", "cases": [{"batch": 4, "precision": "fp32", "runners": rows}]})
 
 
@@ -189,7 +191,7 @@ def test_torch_fp32_is_strict_and_its_switches_are_restored():
 
     model = lambda: torch.nn.Conv2d(3, 4, 3)  # noqa: E731
     seen = []
-    r = bench.TorchRunner("torch-eager", model)
+    r = bench_runners.TorchRunner("torch-eager", model)
     r.activate([np.zeros((1, 3, 8, 8), "float32")])
     was = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, True
@@ -202,14 +204,14 @@ def test_torch_fp32_is_strict_and_its_switches_are_restored():
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # restored
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = was
-    assert bench.TorchRunner("torch-eager-tf32", model, tf32=True).precision == "fp16"  # checked like fp16
+    assert bench_runners.TorchRunner("torch-eager-tf32", model, tf32=True).precision == "fp16"  # checked like fp16
 
 
 def test_report_and_plot_from_a_results_file(tmp_path):
     """A results file as an H200 run writes it, with a TensorRT baseline row."""
     def row(name, kind, p50):
         return {"name": name, "kind": kind, "status": "ok", "reason": None, "setup_s": 1.0, "check": {"passed": True, "rel_l2": 1e-3},
-                "timing": bench.percentiles([p50] * 20, 1)}
+                "timing": bench_runners.percentiles([p50] * 20, 1)}
 
     report = {"model": "resnet50", "target": {"kind": "cuda"}, "environment": {"gpu": "NVIDIA H200"}, "cases": [{
         "batch": 1, "precision": "fp16", "warmup": 20, "iterations": 20, "runners": [
@@ -218,7 +220,7 @@ def test_report_and_plot_from_a_results_file(tmp_path):
              "check": None, "timing": None}]}]}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(report))
-    bench.write(json.loads(path.read_text()), tmp_path / "out")
+    bench_report.write(json.loads(path.read_text()), tmp_path / "out")
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| tvm | 2.000 |" in md and "4.00x |" in md  # TVM vs the TensorRT baseline
     assert "vs TensorRT" in md and "skipped: tensorrt is not importable" in md
@@ -259,21 +261,21 @@ def test_bench_never_replaces_a_folder_it_did_not_write(tmp_path):
     (keep / "notes.txt").write_text("keep me")
     report = {"model": "m", "target": {}, "environment": {}, "cases": []}
     with pytest.raises(ConfigError, match="not written by bench"):
-        bench.write(report, keep)
+        bench_report.write(report, keep)
     assert (keep / "notes.txt").read_text() == "keep me"
 
 
 def test_unreadable_baseline_files_are_user_errors(tmp_path):
     p = _baseline(tmp_path, times="missing.json", summary=None)
     with pytest.raises(InputFileError, match="unreadable file"):
-        bench.load_baseline(p, "resnet50", 1, [3, 224, 224], "fp16")
+        trtexec.load_baseline(p, "resnet50", 1, [3, 224, 224], "fp16")
     (tmp_path / "bad.json").write_text("{not json")
     p = _baseline(tmp_path, times="bad.json", summary=None)
     with pytest.raises(InputFileError, match="not valid JSON"):
-        bench.load_baseline(p, "resnet50", 1, [3, 224, 224], "fp16")
+        trtexec.load_baseline(p, "resnet50", 1, [3, 224, 224], "fp16")
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(InputFileError):
-        bench.parse_trtexec_times(json.loads((tmp_path / "list.json").read_text()))
+        trtexec.parse_trtexec_times(json.loads((tmp_path / "list.json").read_text()))
     (tmp_path / "arr.json").write_text("[]")
     with pytest.raises(InputFileError, match="JSON object"):
-        bench.load_baseline(tmp_path / "arr.json", "resnet50", 1, [3, 224, 224], "fp16")
+        trtexec.load_baseline(tmp_path / "arr.json", "resnet50", 1, [3, 224, 224], "fp16")
