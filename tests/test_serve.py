@@ -1176,3 +1176,14 @@ def test_shared_memory_regions_refuse_what_could_crash_or_escape(tmp_path):
         regions.close()
         path.unlink(missing_ok=True)
         link.unlink(missing_ok=True)
+
+
+def test_loadtest_paths_are_the_checkouts():
+    """The default results folder and the server's working directory are the
+    checkout's (the module sits two folders down in it)."""
+    from deploy.serving import loadtest
+
+    repo = Path(__file__).resolve().parent.parent
+    out = loadtest.default_out({"model": "m", "target": {"kind": "llvm"}})
+    assert out.parent.parent.parent == repo / "results" and out.name == "m-loadtest"
+    assert loadtest.REPO_ROOT == repo and (loadtest.REPO_ROOT / "deploy" / "__main__.py").is_file()

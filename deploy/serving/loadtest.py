@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 STAGE = "loadtest"
 TARGET_CONCURRENCY, TARGET_RATIO = 32, 0.70  # the serving issue's goal on the H200
 DISTINCT_REQUESTS = 8  # distinct inputs the clients cycle through (each answer is checked)
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # deploy/serving/loadtest.py -> the checkout
 
 
 # ---------------------------------------------------------------------- raw ---
