@@ -2,7 +2,7 @@
 thread, and where it goes.
 
 `python -m deploy serve` runs in a subprocess (uvicorn's loop in its main
-thread); closed-loop tritonclient clients (deploy.serving.loadtest's, in client
+thread); closed-loop tritonclient clients (deploy.serving.clients', in client
 processes) send requests of `--request-batch` samples as binary tensors
 (`binary`) or through system shared memory (`shm`). Over the measured
 window the script reads the server's threads' CPU time from
@@ -175,7 +175,7 @@ def profile_top(path: Path, n: int = 25) -> list[dict]:
 
 def raw_client_part(url: str, model: str, specs: list[dict], requests: list, expected: list, precision: str,
                     concurrency: int, warmup_s: float, duration_s: float, shared_memory: bool, sync) -> tuple:
-    """As deploy.serving.loadtest._client_part, with keep-alive connections on raw
+    """As deploy.serving.clients.client_part, with keep-alive connections on raw
     sockets and request bodies built once by tritonclient
     (generate_request_body: the bytes its clients send): a client that costs
     little CPU, so that on 2 cores the server is what is loaded. Answers are
@@ -295,8 +295,8 @@ def cpu_ns(pid: int) -> dict[int, int]:
 def start_server(package: Path, mode: str, compute: str, root: Path, log: Path, profile: Path | None, extra: list[str]):
     """`deploy serve` through LAUNCHER (null or real compute, cProfile on the
     loop), from the source tree `root` (the baseline's or this one); waiting
-    and stopping are loadtest.ServerProcess's."""
-    from deploy.serving.loadtest import ServerProcess
+    and stopping are deploy.serving.server_process.ServerProcess's."""
+    from deploy.serving.server_process import ServerProcess
 
     argv = [sys.executable, "-c", LAUNCHER, str(profile or ""), compute, "serve", "--package", str(package),
             "--port", "0", *extra]
@@ -307,17 +307,17 @@ def start_server(package: Path, mode: str, compute: str, root: Path, log: Path, 
 
 def one_run(args, pool, sync, package: Path, root: Path, mode: str, specs, requests, expected, precision,
             concurrency: int, work: Path, profile: Path | None) -> dict:
-    from deploy.serving import loadtest
+    from deploy.serving import clients as load_clients
 
     ready, go = sync
     server = start_server(package, mode, args.compute, root, work / f"server-{mode}-{time.time_ns()}.log", profile,
                     args.serve_args.split() if args.serve_args else [])
     try:
         server.wait_ready(300)
-        parts = loadtest._split(concurrency, args.client_procs)
+        parts = load_clients.split_clients(concurrency, args.client_procs)
         call = [(server.url, args.model_name or args.model, specs, requests, expected,
                  precision, n, args.warmup_s, args.duration_s, mode == "shm", (ready, go)) for n in parts]
-        client = raw_client_part if args.client == "raw" else loadtest._client_part
+        client = raw_client_part if args.client == "raw" else load_clients.client_part
         pending = pool.starmap_async(client, call)
         for _ in parts:
             ready.get(timeout=300)
@@ -386,7 +386,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--client-procs", type=int, default=1)
     ap.add_argument("--client", choices=("raw", "triton"), default="raw",
-                    help="raw: keep-alive sockets, tritonclient's request bytes (cheap); triton: deploy.serving.loadtest's")
+                    help="raw: keep-alive sockets, tritonclient's request bytes (cheap); triton: deploy.serving.clients'")
     ap.add_argument("--baseline", metavar="REV", help="also measure REV's deploy package (e.g. HEAD)")
     ap.add_argument("--profile", action="store_true", help="one more run per mode and variant under cProfile")
     ap.add_argument("--serve-args", default="", help="more `deploy serve` flags, one string")

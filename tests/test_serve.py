@@ -968,7 +968,7 @@ def test_cli_needs_a_package_and_valid_knobs(capsys, tmp_path):
 def test_sigterm_finishes_requests_in_flight(tiny_package, tmp_path):
     """`deploy serve` in its own process: SIGTERM while requests wait in the
     batch queue; every one is answered, then the process exits 0."""
-    from deploy.serving.loadtest import listening_url
+    from deploy.serving.server_process import listening_url
 
     log = tmp_path / "serve.log"
     with open(log, "w") as f:  # --port 0: the server binds a free port and logs it
@@ -1186,4 +1186,6 @@ def test_loadtest_paths_are_the_checkouts():
     repo = Path(__file__).resolve().parent.parent
     out = loadtest.default_out({"model": "m", "target": {"kind": "llvm"}})
     assert out.parent.parent.parent == repo / "results" and out.name == "m-loadtest"
-    assert loadtest.REPO_ROOT == repo and (loadtest.REPO_ROOT / "deploy" / "__main__.py").is_file()
+    from deploy.serving import server_process
+
+    assert server_process.REPO_ROOT == repo and (server_process.REPO_ROOT / "deploy" / "__main__.py").is_file()

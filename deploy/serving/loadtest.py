@@ -22,39 +22,30 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import datetime as _dt
-import functools
 import json
 import logging
 import math
 import os
 import platform
 import queue
-import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 from .. import artifacts
-from ..config import LoadtestConfig, ServeConfig
-from ..errors import StaleArtifactError
+from ..config import LoadtestConfig
+from . import clients as load_clients
+from . import server_process
 
 log = logging.getLogger(__name__)
 
 STAGE = "loadtest"
 TARGET_CONCURRENCY, TARGET_RATIO = 32, 0.70  # the serving issue's goal on the H200
 DISTINCT_REQUESTS = 8  # distinct inputs the clients cycle through (each answer is checked)
-REPO_ROOT = Path(__file__).resolve().parents[2]  # deploy/serving/loadtest.py -> the checkout
 
 
 # ---------------------------------------------------------------------- raw ---
@@ -96,271 +87,6 @@ def measure_raw(predictor, seconds: float) -> dict:
         }
     best = max(out, key=lambda k: out[k]["run_bucket_samples_per_s"])
     return {"buckets": out, "best_bucket": int(best), "best_samples_per_s": out[best]["run_bucket_samples_per_s"]}
-
-
-def _close(out: np.ndarray, ref: np.ndarray, precision: str) -> bool:
-    # Merged requests may run in another bucket (another compiled module)
-    # than the reference did: equal up to rounding, not bit for bit.
-    limit = 2e-2 if precision == "fp16" else 1e-4
-    out, ref = out.astype(np.float64), ref.astype(np.float64)
-    if out.shape != ref.shape:
-        return False
-    return bool(np.linalg.norm(out - ref) <= limit * max(np.linalg.norm(ref), 1e-30))
-
-
-# ------------------------------------------------------------------ clients ---
-
-
-def _client_part(url: str, model: str, specs: list[dict], requests: list[list[np.ndarray]],
-                 expected: list[dict], precision: str, concurrency: int, warmup_s: float, duration_s: float,
-                 shared_memory: bool = False, sync=None) -> tuple[float, list]:
-    """One client process: `concurrency` closed-loop clients for `warmup_s`
-    + `duration_s` seconds. `sync`, with several processes: (ready, go)
-    queues; the process says it is ready once its requests are built, and
-    gets the common start time (time.monotonic, shared by the processes of
-    one machine). With `shared_memory`, each client passes its inputs and
-    outputs through system shared memory regions of its own (written before
-    each request, read after it), as a client on the server's host would.
-    Returns (start, [(sent, answered, status) per request])."""
-    return asyncio.run(_clients(url, model, specs, requests, expected, precision, concurrency, warmup_s,
-                                duration_s, sync, shared_memory))
-
-
-async def _clients(url, model, specs, requests, expected, precision, concurrency, warmup_s, duration_s,
-                   sync, shared_memory: bool = False) -> tuple[float, list]:
-    from tritonclient.http.aio import InferenceServerClient, InferInput
-    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
-
-    client = InferenceServerClient(url.removeprefix("http://"), conn_limit=concurrency)
-    regions = None
-    prepared = []  # binary tensors, built once (through shared memory, each request writes its region)
-    for arrays in ([] if shared_memory else requests):
-        tensors = []
-        for spec, a in zip(specs, arrays):
-            t = InferInput(spec["name"], list(a.shape), np_to_triton_dtype(a.dtype))
-            t.set_data_from_numpy(a, binary_data=True)
-            tensors.append(t)
-        prepared.append(tensors)
-    if sync is None:
-        t_start = time.monotonic() + 0.1
-    else:
-        ready, go = sync
-        ready.put(os.getpid())
-        t_start = await asyncio.to_thread(go.get, True, 300)
-    t_end = t_start + warmup_s + duration_s
-    records = []
-
-    async def one_client(k: int) -> None:
-        i = k
-        await asyncio.sleep(max(0.0, t_start - time.monotonic()))
-        while time.monotonic() < t_end:
-            j = i % len(requests)
-            sent = time.monotonic()
-            try:
-                if regions is None:
-                    r = await client.infer(model, prepared[j])
-                else:
-                    inputs, outputs = regions.request(k, specs, requests[j])
-                    r = await client.infer(model, inputs, outputs=outputs)
-            except InferenceServerException as e:
-                answered, status = time.monotonic(), f"http {e.status()}"
-            except Exception as e:  # noqa: BLE001  counted, reported
-                answered, status = time.monotonic(), type(e).__name__
-            else:
-                answered = time.monotonic()  # before the check: it is the client's work, not the server's
-                got = r.as_numpy if regions is None else functools.partial(regions.output, k)
-                ok = all(_close(got(n), ref, precision) for n, ref in expected[j].items())
-                status = "ok" if ok else "mismatch"
-            records.append((sent, answered, status))
-            i += concurrency
-
-    try:
-        if shared_memory:
-            regions = _ShmClients(client, concurrency, requests[0], expected[0])
-            await regions.register()
-        await asyncio.gather(*(one_client(k) for k in range(concurrency)))
-    finally:
-        if regions is not None:
-            await regions.close()
-        await client.close()
-    return t_start, records
-
-
-class _ShmClients:
-    """Each client's input and output regions in system shared memory
-    (tritonclient.utils.shared_memory), registered with the server."""
-
-    def __init__(self, client, n: int, inputs: list[np.ndarray], outputs: dict):
-        import tritonclient.utils.shared_memory as shm
-
-        self.shm, self.client = shm, client
-        # Each output's place in a client's output region: (dtype, shape, offset, bytes), by name.
-        self.out_layout, offset = {}, 0
-        for name, a in outputs.items():
-            self.out_layout[name] = (a.dtype, a.shape, offset, a.nbytes)
-            offset += a.nbytes
-        in_bytes, out_bytes = sum(a.nbytes for a in inputs), offset
-        tag = f"lt{os.getpid()}"
-        self.names = [(f"{tag}-in{k}", f"{tag}-out{k}") for k in range(n)]
-        self.handles, self.registered = [], []
-        self.sizes = (in_bytes, out_bytes)
-        try:
-            for name_in, name_out in self.names:
-                h_in = shm.create_shared_memory_region(name_in, "/" + name_in, in_bytes)
-                self.handles.append(h_in)
-                self.handles.append(shm.create_shared_memory_region(name_out, "/" + name_out, out_bytes))
-        except BaseException:
-            self._destroy()
-            raise
-
-    async def register(self) -> None:
-        for (name_in, name_out) in self.names:
-            for name, size in ((name_in, self.sizes[0]), (name_out, self.sizes[1])):
-                await self.client.register_system_shared_memory(name, "/" + name, size)
-                self.registered.append(name)
-
-    def request(self, k: int, specs: list[dict], arrays: list[np.ndarray]) -> tuple[list, list]:
-        from tritonclient.http.aio import InferInput, InferRequestedOutput
-        from tritonclient.utils import np_to_triton_dtype
-
-        name_in, name_out = self.names[k]
-        self.shm.set_shared_memory_region(self.handles[2 * k], arrays)
-        inputs, offset = [], 0
-        for spec, a in zip(specs, arrays):
-            t = InferInput(spec["name"], list(a.shape), np_to_triton_dtype(a.dtype))
-            inputs.append(t.set_shared_memory(name_in, a.nbytes, offset))
-            offset += a.nbytes
-        outputs = []
-        for name, (_, _, offset, nbytes) in self.out_layout.items():
-            o = InferRequestedOutput(name, binary_data=True)
-            o.set_shared_memory(name_out, nbytes, offset)  # returns None, unlike InferInput's
-            outputs.append(o)
-        return inputs, outputs
-
-    def output(self, k: int, name: str) -> np.ndarray:
-        dtype, shape, offset, _ = self.out_layout[name]
-        return self.shm.get_contents_as_numpy(self.handles[2 * k + 1], dtype, shape, offset).copy()
-
-    async def close(self) -> None:
-        try:
-            for name in self.registered:
-                with contextlib.suppress(Exception):  # the server may be gone; the objects still go
-                    await self.client.unregister_system_shared_memory(name)
-        finally:
-            self._destroy()
-
-    def _destroy(self) -> None:
-        for h in self.handles:
-            with contextlib.suppress(Exception):
-                self.shm.destroy_shared_memory_region(h)
-        self.handles = []
-
-
-def _client_procs(cfg: LoadtestConfig) -> int:
-    if cfg.client_procs:
-        return cfg.client_procs
-    return max(1, min(8, (os.cpu_count() or 1) // 4))
-
-
-def _split(concurrency: int, procs: int) -> list[int]:
-    return [n for n in (concurrency // procs + (i < concurrency % procs) for i in range(procs)) if n]
-
-
-# ------------------------------------------------------------------- server ---
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-class ServerProcess:
-    """`python -m deploy serve` in a subprocess, its log in a file. With port
-    0 the server binds a free port itself and logs it (no race with another
-    process taking a port found free here)."""
-
-    def __init__(self, argv: list[str], log_path: Path, cwd: Path = REPO_ROOT, env: dict | None = None,
-                 url: str | None = None):
-        self.log_path = log_path
-        self.url = url  # with port 0, known once the server logs it
-        self._log = open(log_path, "w")  # noqa: SIM115  open while the server runs; closed by stop()
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-
-    @classmethod
-    def for_package(cls, cfg: ServeConfig, folder: Path, log_path: Path) -> ServerProcess:
-        from .serve import url
-
-        argv = [sys.executable, "-m", "deploy", "serve", "--package", str(folder), "--host", cfg.host,
-                "--port", str(cfg.port), "--max-queue-delay-ms", str(cfg.max_queue_delay_ms),
-                "--timeout-s", str(cfg.timeout_s), "--max-concurrency", str(cfg.max_concurrency),
-                "--max-body-mb", str(cfg.max_body_mb), "--max-inflight-mb", str(cfg.max_inflight_mb),
-                "--shutdown-grace-s", str(cfg.shutdown_grace_s), "--gil-switch-ms", str(cfg.gil_switch_ms)]
-        if cfg.model_name:
-            argv += ["--model-name", cfg.model_name]
-        if not cfg.warmup:
-            argv.append("--no-warmup")
-        if cfg.shared_memory:
-            argv.append("--shared-memory")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-        return cls(argv, log_path, REPO_ROOT, env, url(cfg.host, cfg.port) if cfg.port else None)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise StaleArtifactError("the server exited before it was ready", self._tail())
-            if self.url is None:
-                self._log.flush()
-                self.url = listening_url(self.log_path.read_text(errors="replace"))
-            try:
-                if self.url is not None and _get(self.url + "/v2/health/ready", 2.0)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the server was not ready after {timeout:g} s: {self._tail()}")
-
-    def metrics(self) -> dict[str, float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        _, body = _get(self.url + "/metrics")
-        out = {}
-        for family in text_string_to_metric_families(body.decode()):
-            for s in family.samples:
-                if s.name.startswith("tvm_serve_") and s.name.endswith(("_sum", "_count")):
-                    out[s.name] = s.value
-                elif s.name == "tvm_serve_requests_total":  # every outcome
-                    out[s.name] = out.get(s.name, 0.0) + s.value
-        try:  # the event loop's thread (the server's main thread): seconds on the CPU, Linux only
-            out["_loop_cpu_s"] = int(Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/schedstat").read_text().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
-            pass
-        return out
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-    def _tail(self) -> str:
-        self._log.flush()
-        lines = self.log_path.read_text(errors="replace").strip().splitlines()
-        return " / ".join(lines[-3:]) or "(no output)"
-
-
-def listening_url(log: str) -> str | None:
-    """The URL in serve's "serving ... on http://HOST:PORT" log line."""
-    m = re.search(r"serving .* on (http://\S+)$", log, re.MULTILINE)
-    return m.group(1) if m else None
 
 
 # --------------------------------------------------------------------- run ---
@@ -438,14 +164,14 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
     del predictor
 
     serve_cfg = cfg.serve
-    procs = _client_procs(cfg)
+    procs = load_clients.client_procs(cfg)
     levels = []
     with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
-        server = ServerProcess.for_package(serve_cfg, folder, Path(tmp) / "server.log")
+        server = server_process.ServerProcess.for_package(serve_cfg, folder, Path(tmp) / "server.log")
         pool = manager = None
         try:
             server.wait_ready(600)
-            model = json.loads(_get(server.url + "/v2/models/" + (serve_cfg.model_name or manifest["model"]))[1])
+            model = json.loads(server_process.http_get(server.url + "/v2/models/" + (serve_cfg.model_name or manifest["model"]))[1])
             if procs > 1:
                 import multiprocessing
 
@@ -454,14 +180,14 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
                 manager = ctx.Manager()
                 ready, go = manager.Queue(), manager.Queue()
             for c in cfg.concurrency:
-                parts = _split(c, procs)
+                parts = load_clients.split_clients(c, procs)
                 before = server.metrics()
                 args = [(server.url, model["name"], manifest["inputs"], requests, expected, precision, n,
                          cfg.warmup_s, cfg.duration_s, serve_cfg.shared_memory) for n in parts]
                 log.info("concurrency %d: %d client(s) in %d process(es) for %g + %g s", c, c, len(parts),
                          cfg.warmup_s, cfg.duration_s)
                 if pool is None:
-                    t_start, records = _client_part(*args[0])
+                    t_start, records = load_clients.client_part(*args[0])
                 else:
                     t_start, records = _run_parts(pool, args, ready, go)
                 t_measure, t_end = t_start + cfg.warmup_s, t_start + cfg.warmup_s + cfg.duration_s
@@ -502,7 +228,7 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
 def _run_parts(pool, args: list[tuple], ready, go) -> tuple[float, list]:
     """Every client process at once: the clock starts when all of them have
     their requests ready (unpickled and built), not when they were sent."""
-    pending = pool.starmap_async(_client_part, [(*a, (ready, go)) for a in args])
+    pending = pool.starmap_async(load_clients.client_part, [(*a, (ready, go)) for a in args])
     deadline, waiting = time.monotonic() + 300, len(args)
     while waiting:
         try:
@@ -556,7 +282,7 @@ def default_out(manifest: dict) -> Path:
         machine = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
     else:
         machine = "cpu"
-    return REPO_ROOT / "results" / machine / _dt.date.today().isoformat() / f"{manifest['model']}-loadtest"
+    return server_process.REPO_ROOT / "results" / machine / _dt.date.today().isoformat() / f"{manifest['model']}-loadtest"
 
 
 def write(report: dict, folder: Path, server_log: str = "") -> None:
