@@ -245,7 +245,7 @@ def cmd_bench(args) -> int:
     import tempfile
 
     from . import export
-    from .bench import latency
+    from .bench import latency, trtexec
     from .bench import report as bench_report
     from .export import is_onnx_source
     from .pipeline import Workspace
@@ -264,50 +264,20 @@ def cmd_bench(args) -> int:
     if not is_onnx_source(cfg.model.source):
         factory = lambda: export.build_torch_model(cfg)  # noqa: E731
     for b in args.baseline or []:
-        if _baseline_batch(Path(b)) not in profile.buckets:
-            raise ConfigError(f"baseline {b} is for a batch that is not benchmarked", _baseline_batch(Path(b)),
+        if trtexec.baseline_batch(Path(b)) not in profile.buckets:
+            raise ConfigError(f"baseline {b} is for a batch that is not benchmarked", trtexec.baseline_batch(Path(b)),
                               list(profile.buckets))
     report = {"model": cfg.model.name, "target": target.key(), "environment": bench_report.environment(), "cases": [],
               "command": args.command_line}
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        _bench_cases(args, cfg, profile, ws, ex, names, factory, Path(tmp), report)
+        report["cases"] = latency.cases(cfg, profile, ws, ex, names, factory, Path(tmp), baselines=args.baseline or [],
+                                        warmup=args.warmup, iters=args.iters, rounds=args.rounds,
+                                        compile_mode=args.compile_mode)
     out = Path(args.out) if args.out else ws.bench
     bench_report.write(report, out)
     print(bench_report.markdown(report), end="")
     print(f"bench: {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
     return 0
-
-
-def _bench_cases(args, cfg, profile, ws, ex, names, factory, tmpdir: Path, report: dict) -> None:
-    from .bench import latency, trtexec
-    from .bench import runners as bench_runners
-    from .runtime import random_inputs
-    from .validate import References
-
-    reference_for = References(cfg, ex, include_torch=False)
-    for batch in profile.buckets:
-        inputs = random_inputs([(i.shape, i.dtype) for i in ex.inputs], batch, seed=cfg.model.seed + 1000 + batch)
-        reference = reference_for(inputs)["onnxruntime"]
-        make16 = None
-        if factory is not None:
-            make16 = lambda xs, b=batch: bench_runners.fp16_onnx(factory, xs, cfg.model.opset, tmpdir / f"fp16_b{b}.onnx")  # noqa: E731
-        runners = bench_runners.make_runners(
-            names, package=ws.package, untuned=ws.untuned, onnx_path=ex.onnx_path,
-            input_names=[i.name for i in ex.inputs], factory=factory, precision=profile.precision,
-            compile_mode=args.compile_mode, fp16_onnx_path=make16,
-        )
-        baselines = [
-            trtexec.load_baseline(Path(b), cfg.model.name, batch, list(ex.inputs[0].shape), profile.precision)
-            for b in args.baseline or [] if _baseline_batch(Path(b)) == batch
-        ]
-        report["cases"].append(latency.case(batch, profile.precision, runners, inputs, reference, cfg.tolerance,
-                                          args.warmup, args.iters, baselines, args.rounds))
-
-
-def _baseline_batch(path: Path) -> int | None:
-    from .bench import trtexec
-
-    return trtexec.read_baseline_meta(path).get("batch")
 
 
 def cmd_info(args) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -130,3 +131,35 @@ def case(batch: int, precision: str, runners, inputs, reference, tolerances, war
     rows += list(baselines)
     return {"batch": batch, "precision": precision, "warmup": warmup, "iterations": iters, "rounds": rounds,
             "runners": rows}
+
+
+def cases(cfg, profile, ws, ex, names, factory, tmpdir: Path, *, baselines, warmup: int, iters: int, rounds: int,
+          compile_mode: str) -> list[dict]:
+    """`make bench`: one case per bucket of the profile, the named runners on
+    that bucket's seeded inputs against ONNX Runtime's outputs, beside the
+    baselines (files measured elsewhere) of the same batch. `factory` builds
+    the PyTorch model (None for an ONNX source); `tmpdir` takes the fp16 ONNX
+    files TensorRT needs."""
+    from ..runtime import random_inputs
+    from ..validate import References
+    from . import runners as bench_runners
+    from . import trtexec
+
+    reference_for = References(cfg, ex, include_torch=False)
+    out = []
+    for batch in profile.buckets:
+        inputs = random_inputs([(i.shape, i.dtype) for i in ex.inputs], batch, seed=cfg.model.seed + 1000 + batch)
+        reference = reference_for(inputs)["onnxruntime"]
+        make16 = None
+        if factory is not None:
+            make16 = lambda xs, b=batch: bench_runners.fp16_onnx(factory, xs, cfg.model.opset, tmpdir / f"fp16_b{b}.onnx")  # noqa: E731
+        runners = bench_runners.make_runners(
+            names, package=ws.package, untuned=ws.untuned, onnx_path=ex.onnx_path,
+            input_names=[i.name for i in ex.inputs], factory=factory, precision=profile.precision,
+            compile_mode=compile_mode, fp16_onnx_path=make16,
+        )
+        rows = [trtexec.load_baseline(Path(b), cfg.model.name, batch, list(ex.inputs[0].shape), profile.precision)
+                for b in baselines if trtexec.baseline_batch(Path(b)) == batch]
+        out.append(case(batch, profile.precision, runners, inputs, reference, cfg.tolerance, warmup, iters, rows,
+                        rounds))
+    return out

@@ -74,6 +74,11 @@ def read_baseline_meta(path: Path) -> dict:
     return meta
 
 
+def baseline_batch(path: Path) -> int | None:
+    """The batch a baseline was measured at."""
+    return read_baseline_meta(path).get("batch")
+
+
 def load_baseline(path: Path, model: str, batch: int, input_shape: list[int], precision: str) -> dict:
     """A baseline measured elsewhere: `baseline.json` naming what it measured,
     beside trtexec's --exportTimes JSON and/or its text output."""
