@@ -11,7 +11,7 @@ same package validates on llvm.
 
 Scope: only `power` with a constant scalar exponent of 1, 2, 3 or 4, rewritten
 to multiplications (exact, and no slower). Other exponents are left to `powf`.
-`tests/test_passes.py` checks that TVM still lowers `power(x, 2)` to `powf`,
+`tests/passes/test_passes.py` checks that TVM still lowers `power(x, 2)` to `powf`,
 and fails once it does not (then this can go).
 """
 

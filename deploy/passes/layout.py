@@ -11,7 +11,7 @@ style decoders), although TOPI only lowers it in NCHW/IOHW.
 
 Scope: the NHWC layout phase names `conv2d_transpose`'s own layout, NCHW/IOHW,
 so ConvertLayout keeps it there and transposes around it; every other operator
-is converted as before. `tests/test_passes.py` checks that TVM still cannot
+is converted as before. `tests/passes/test_passes.py` checks that TVM still cannot
 lower an NHWC `conv2d_transpose`, and fails once it can.
 """
 

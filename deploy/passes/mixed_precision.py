@@ -16,7 +16,7 @@ Scope: only calls with a "never" policy and at least one non-tensor argument.
 its own dtype; ToMixedPrecision then casts at that `astype` (a "follow" op it
 handles) and leaves the call's own arguments unchanged, so it never re-types
 them. `unpin` removes every `astype` that is left casting to the dtype it
-already has. `tests/test_passes.py` checks that ToMixedPrecision alone still
+already has. `tests/passes/test_passes.py` checks that ToMixedPrecision alone still
 fails on such a graph, and fails once TVM no longer needs this.
 """
 

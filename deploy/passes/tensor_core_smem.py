@@ -15,7 +15,7 @@ MergeSharedMemoryAllocations (`SharedMemoryRewriter::GetBufferOffset: Check
 failed: (it != scope.buffer_byte_offsets.end())`), which failed 15 of 17
 architectures. So this module registers a TIR pipeline, `PIPELINE`, that runs
 TVM's own pipeline twice: on the tensor-core kernels with the option on, and on
-every other function as TVM ships it. `tests/test_passes.py` checks that both
+every other function as TVM ships it. `tests/passes/test_passes.py` checks that both
 upstream failures still happen, and fails once TVM no longer needs this.
 """
 

@@ -2,7 +2,7 @@
 candidate it dies (SIGKILL to its whole process group: a crashed host) or
 hangs (SIGSTOP: a frozen one), mid-candidate from the client's side.
 
-    python tests/rpc_fault_server.py --tracker H:P --key K --port P --fault die|hang --at N --count-file F
+    python tests/tuning/rpc_fault_server.py --tracker H:P --key K --port P --fault die|hang --at N --count-file F
 
 Every candidate it loads is appended to the count file (sessions run in
 forked processes, so the count lives on disk)."""

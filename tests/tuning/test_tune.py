@@ -12,7 +12,7 @@ from deploy.tuning import database as dbs
 from deploy.tuning import tasks as tune_tasks
 from deploy.tuning import tune
 
-from .conftest import make_config
+from ..conftest import make_config
 
 
 @pytest.fixture(scope="module")

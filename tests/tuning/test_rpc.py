@@ -5,7 +5,7 @@ mid-run, one that hangs, a device that does not match, and bad addresses.
 
 The RPC servers are TVM's own (`deploy rpc-server` runs the same command);
 the faulty ones are TVM's server with a fault injected while it loads a
-candidate (tests/rpc_fault_server.py)."""
+candidate (tests/tuning/rpc_fault_server.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from deploy.tuning import lanes as tune_lanes
 from deploy.tuning import pool as rpc_pool
 from deploy.tuning import rpc, tune
 
-from .conftest import make_config
+from ..conftest import make_config
 
 FAULT_SERVER = Path(__file__).with_name("rpc_fault_server.py")
 
@@ -523,7 +523,7 @@ def test_loopback_pool_ends_with_a_terminated_or_killed_run(tmp_path, sig):
               "with rpc_pool.loopback_pool(2, 0, Path(sys.argv[1])) as pool:\n"
               "    print(pool.port, flush=True); time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parents[2])
     try:
         port = int(p.stdout.readline())
         rpc_devices.Tracker("127.0.0.1", port, timeout=2.0).close()  # up
