@@ -8,9 +8,8 @@
 #        BENCH_EXTRA="--any --bench flags" bash scripts/gpu_bench.sh ...   (from the environment, not as an argument)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-for a in "$@"; do
-  case "$a" in BENCH_EXTRA=*|EXTRA=*) echo "error: $a is read from the environment, not as an argument | got it after the script's name | expected: BENCH_EXTRA=\"...\" bash $0 MODEL=..." >&2; exit 2;; esac
-done
+source scripts/gpu_args.sh
+refuse_env_args "$0" BENCH_EXTRA "$@" || exit 2
 source scripts/gpu_env.sh
 build_package "$@" || exit $?
 make bench PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT --out $OUT/bench ${EXTRA:-} ${BENCH_EXTRA:-}" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -21,9 +21,8 @@
 # (CUDA_VISIBLE_DEVICES: the GPU the run's own validation and latency use.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-for a in "$@"; do
-  case "$a" in EXTRA=*) echo "error: $a is read from the environment, not as an argument | got it after the script's name (it would replace the script's --db-root) | expected: EXTRA=\"...\" bash $0 MODEL=..." >&2; exit 2;; esac
-done
+source scripts/gpu_args.sh
+refuse_env_args "$0" EXTRA "$@" || exit 2
 source scripts/gpu_env.sh
 POOL_ARGS=()
 if [ "${POOL:-0}" != 0 ]; then

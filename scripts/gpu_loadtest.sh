@@ -9,9 +9,8 @@
 #        LOADTEST_EXTRA="--request-batch 8" bash scripts/gpu_loadtest.sh ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
-for a in "$@"; do
-  case "$a" in LOADTEST_EXTRA=*|EXTRA=*) echo "error: $a is read from the environment, not as an argument | got it after the script's name | expected: LOADTEST_EXTRA=\"...\" bash $0 MODEL=..." >&2; exit 2;; esac
-done
+source scripts/gpu_args.sh
+refuse_env_args "$0" LOADTEST_EXTRA "$@" || exit 2
 source scripts/gpu_env.sh
 build_package "$@" || exit $?
 make loadtest PYTHON=python3 WORKDIR="$WORKDIR" OUT="$OUT/loadtest" EXTRA="${LOADTEST_EXTRA:-}" "$@" 2>&1 | tee "$OUT/loadtest.log"
