@@ -191,3 +191,22 @@ def test_per_kernel_profile(tmp_path, tiny_package, llvm_target):
     assert conv["flops"] > 0 and conv["gflops_per_s"] > 0 and conv["calls_per_run"] >= 1
     assert (tmp_path / "profile" / "profile.md").read_text().count("|") > 10
     assert profile.load(tmp_path / "profile")["bucket"] == 4
+
+
+def test_buckets_optimized_in_parallel_processes_match_one_by_one(tmp_path, llvm_target, monkeypatch):
+    """Large modules' buckets go to parallel processes; the optimized modules
+    are the same files as optimized one after another."""
+    from deploy import export, frontend, optimize
+
+    cfg = make_config("tiny_cnn", buckets=[1, 2])
+    ex = export.run(cfg, tmp_path / "export")
+    fe = frontend.run(cfg.llvm, ex, tmp_path / "frontend")
+    one = optimize.run(cfg.llvm, llvm_target, fe, tmp_path / "one")
+    assert one.manifest["processes"] == 1  # a tiny module: not worth a process
+    monkeypatch.setattr(optimize, "PARALLEL_MODULE_BYTES", 0)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    two = optimize.run(cfg.llvm, llvm_target, fe, tmp_path / "two")
+    assert two.manifest["processes"] == 2
+    for b in (1, 2):
+        assert two.module_path(b).read_text() == one.module_path(b).read_text()
+    assert two.manifest["report"] == one.manifest["report"]
