@@ -184,7 +184,7 @@ def cmd_run(args) -> int:
         print(pipeline.describe(cfg, target, workdir, db_root, profile.budget, args.pool), flush=True)
         _check_pool(args, target, profile)
         summary = pipeline.run(cfg, target, workdir, db_root, dump_ir=args.dump_ir, pool=args.pool,
-                               compare_untuned=not args.no_untuned)
+                               compare_untuned=False if args.no_untuned else (True if args.untuned else None))
     print(pipeline.format_summary(summary), flush=True)
     return 0
 
@@ -488,8 +488,12 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run every stage (make tune)")
     _add_common(p)
     _add_pool(p)
-    p.add_argument("--no-untuned", action="store_true",
-                   help="skip building and timing the untuned module beside the tuned one (saves ~20 s a chunk)")
+    untuned = p.add_mutually_exclusive_group()
+    untuned.add_argument("--untuned", action="store_true",
+                         help="build the tuned buckets from default schedules too and time them beside the tuned ones "
+                              "(the before/after line; a later run in the same workdir reuses that build)")
+    untuned.add_argument("--no-untuned", action="store_true",
+                         help="no untuned comparison, not even from an earlier build in the workdir")
     p.set_defaults(func=cmd_run)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"run the {stage} stage alone")

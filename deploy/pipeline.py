@@ -107,9 +107,13 @@ def run(
     db_root: Path = DEFAULT_DB_ROOT,
     budget: str | None = None,
     dump_ir: bool = False,
-    compare_untuned: bool = True,
+    compare_untuned: bool | None = None,
     pool: RPCPool | None = None,
 ) -> dict:
+    """Every stage in a row. `compare_untuned`: True builds (or reuses) a copy
+    of the tuned buckets from default schedules and times it beside them;
+    None (the default) times such a copy only where an earlier run in this
+    workdir left one built from the same optimized modules; False never."""
     profile = cfg.profile(target.kind)
     budget = profile.budget if budget is None else budget
     budget_s = parse_duration(budget)
@@ -148,7 +152,8 @@ def run(
 
     latency = None
     if target.has_device:
-        latency = timed("latency", measure_before_after, cfg, profile, target, exported, opt, package, ws, compare_untuned and bool(existing))
+        latency = timed("latency", measure_before_after, cfg, profile, target, exported, opt, package, ws,
+                        compare_untuned if existing else False)
     summary = {
         "package": str(ws.package),
         "model": cfg.model.name,
@@ -165,25 +170,54 @@ def run(
     return summary
 
 
-def measure_before_after(cfg, profile, target, exported, opt, package, ws: Workspace, compare_untuned: bool) -> dict:
+def measure_before_after(cfg, profile, target, exported, opt, package, ws: Workspace, compare_untuned: bool | None) -> dict:
     """Latency of each bucket of the package; for the tuned buckets also of the
-    same module built from default schedules only (the 'before')."""
+    same module built from default schedules only (the 'before'): built when
+    `compare_untuned` is True, reused from this workdir when an earlier build
+    of the same optimized modules is there (True or None)."""
     from . import runtime
 
     out = {}
     pred = runtime.load(package.folder)
     for b in pred.buckets:
         out[str(b)] = {"tuned": pred.latency(b)}
-    if compare_untuned:
-        tuned_buckets = [b for b in profile.tune_buckets if package.manifest["buckets"][str(b)]["tuned_kernels"]]
-        if tuned_buckets:
-            plain = dataclasses.replace(profile, buckets=tuple(tuned_buckets))
-            keys, _ = db_keys(cfg, plain, target, exported.inputs, DEFAULT_DB_ROOT)
-            untuned = build.run(plain, target, exported, opt, {}, keys, ws.untuned, cfg.model.name)
-            upred = runtime.load(untuned.folder, warn_unvalidated=False)
-            for b in tuned_buckets:
-                out[str(b)]["untuned"] = upred.latency(b)
+    tuned_buckets = [b for b in profile.tune_buckets if package.manifest["buckets"][str(b)]["tuned_kernels"]]
+    if compare_untuned is False or not tuned_buckets:
+        return out
+    key = untuned_key(opt, target, profile, tuned_buckets)
+    key_file = ws.root / UNTUNED_KEY
+    cached = key_file.is_file() and json.loads(key_file.read_text()) == key \
+        and (ws.untuned / artifacts.MANIFEST).is_file()
+    if cached:
+        how = "cached"
+    elif compare_untuned:
+        key_file.unlink(missing_ok=True)
+        plain = dataclasses.replace(profile, buckets=tuple(tuned_buckets))
+        keys, _ = db_keys(cfg, plain, target, exported.inputs, DEFAULT_DB_ROOT)
+        build.run(plain, target, exported, opt, {}, keys, ws.untuned, cfg.model.name)
+        artifacts.write_json_atomic(key_file, key)
+        how = "built"
+    else:
+        for b in tuned_buckets:
+            out[str(b)]["untuned"] = None  # not compared: no build of it here, none asked for
+        return out
+    upred = runtime.load(ws.untuned, warn_unvalidated=False)
+    for b in tuned_buckets:
+        out[str(b)]["untuned"] = {**upred.latency(b), "build": how}
     return out
+
+
+UNTUNED_KEY = "untuned-key.json"
+
+
+def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
+    """What an untuned build depends on: the optimized modules (their
+    sha256), the target and the build's own options."""
+    return {
+        "modules": {str(b): opt.manifest["files"][opt.manifest["buckets"][str(b)]] for b in buckets},
+        "target": target.key(),
+        "cuda_graph": bool(profile.cuda_graph),
+    }
 
 
 def format_summary(summary: dict) -> str:
@@ -195,9 +229,12 @@ def format_summary(summary: dict) -> str:
         lat = (summary.get("latency") or {}).get(b)
         if lat:
             line += f"  {lat['tuned']['median_ms']:.3f} ms"
-            if "untuned" in lat:
+            if lat.get("untuned"):
                 u = lat["untuned"]["median_ms"]
-                line += f"  (untuned {u:.3f} ms, {u / lat['tuned']['median_ms']:.2f}x)"
+                cached = ", a cached build" if lat["untuned"].get("build") == "cached" else ""
+                line += f"  (untuned {u:.3f} ms, {u / lat['tuned']['median_ms']:.2f}x{cached})"
+            elif "untuned" in lat:
+                line += "  (untuned: not compared; UNTUNED=1 builds it, later runs here reuse it)"
         lines.append(line)
     t = summary.get("tuning")
     if t:

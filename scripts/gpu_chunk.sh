@@ -50,7 +50,7 @@ if [ "${POOL:-0}" != 0 ]; then
   POOL_ARGS=(TRACKER="127.0.0.1:$tport" RPC_KEY=local)
 fi
 # Leave time to pack the results before the device command's 10-minute limit.
-timeout -k 60 --signal=INT "${CHUNK_SECONDS:-520}" make tune PYTHON=python3 WORKDIR="$WORKDIR" EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "${POOL_ARGS[@]}" "$@" 2>&1 | tee "$OUT/run.log"
+timeout -k 60 --signal=INT "${CHUNK_SECONDS:-520}" make tune PYTHON=python3 WORKDIR="$WORKDIR" UNTUNED=1 EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "${POOL_ARGS[@]}" "$@" 2>&1 | tee "$OUT/run.log"
 rc=${PIPESTATUS[0]}
 # A run killed past its grace period leaves its records in a working copy: fold it in.
 python3 -m deploy pack-databases "$DB_ROOT" > /dev/null

@@ -90,7 +90,7 @@ def test_shipped_configs_parse():
     assert {p.stem for p in paths} <= set(models.names())
 
 
-@pytest.mark.parametrize("flag, compare", [([], True), (["--no-untuned"], False)])
+@pytest.mark.parametrize("flag, compare", [([], None), (["--untuned"], True), (["--no-untuned"], False)])
 def test_run_no_untuned_flag_reaches_the_pipeline(flag, compare, monkeypatch, tmp_path):
     from deploy import cli, pipeline
 

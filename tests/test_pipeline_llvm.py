@@ -210,3 +210,38 @@ def test_buckets_optimized_in_parallel_processes_match_one_by_one(tmp_path, llvm
     for b in (1, 2):
         assert two.module_path(b).read_text() == one.module_path(b).read_text()
     assert two.manifest["report"] == one.manifest["report"]
+
+
+def test_untuned_comparison_is_built_when_asked_and_reused_after(tmp_path, tiny_package, llvm_target):
+    """The before/after line: built with compare_untuned=True, reused by a
+    later run of the same optimized modules (the default), never with False."""
+    import dataclasses
+    import shutil
+
+    from deploy import build, export, optimize, pipeline
+
+    folder, _, cfg, work = tiny_package
+    ws = pipeline.Workspace(tmp_path / "ws")
+    shutil.copytree(folder.parent, ws.root)
+    profile = cfg.profile("llvm")
+    package = build.load(ws.package)
+    tuned = dataclasses.replace(package, manifest={**package.manifest, "buckets": {
+        b: {**m, "tuned_kernels": 1 if b == "1" else 0} for b, m in package.manifest["buckets"].items()}})
+    exported, opt = export.load(ws.export), optimize.load(ws.optimize)
+
+    def measure(compare):
+        return pipeline.measure_before_after(cfg, profile, llvm_target, exported, opt, tuned, ws, compare)
+
+    assert measure(None)["1"]["untuned"] is None and not ws.untuned.exists()  # nothing built unasked
+    assert set(measure(False)["1"]) == {"tuned"}
+    built = measure(True)
+    assert built["1"]["untuned"]["build"] == "built" and "untuned" not in built["4"]  # bucket 4 has no records
+    assert measure(None)["1"]["untuned"]["build"] == "cached"
+    line = pipeline.format_summary({"package": "p", "buckets": {"1": {"tuned_kernels": 1, "kernels": 6}},
+                                    "latency": {"1": measure(None)["1"]}, "validation": None})
+    assert "a cached build" in line
+    (ws.root / pipeline.UNTUNED_KEY).write_text('{"modules": {}}')  # other modules since: not reused
+    assert measure(None)["1"]["untuned"] is None
+    assert "not compared; UNTUNED=1" in pipeline.format_summary(
+        {"package": "p", "buckets": {"1": {"tuned_kernels": 1, "kernels": 6}}, "latency": {"1": {
+            "tuned": {"median_ms": 1.0}, "untuned": None}}, "validation": None})
