@@ -2,7 +2,8 @@
 #   make tune MODEL=resnet50     the whole pipeline (creates .venv and installs the pins first)
 #   make test                    the linter (ruff), then the test suite
 # Options: TARGET=auto|llvm|cuda|cuda:sm_90  PRECISION=fp32|fp16  ACCUMULATE=fp32|fp16  BUCKETS=1,8,32
-#          TRIALS=N  BUDGET=10m  MAX_TASKS=N  WORKDIR=dir  UNTUNED=1 (time an untuned copy too)  EXTRA="--any --cli flags"
+#          TRIALS=N  BUDGET=10m  MAX_TASKS=N  WORKDIR=dir  UNTUNED=1 (time an untuned copy too)
+#          ALTERNATIVES=torch-eager,torch-compile,onnxruntime|none (timed beside the package; default torch-eager)  EXTRA="--any --cli flags"
 # PYTHON=python3 uses that interpreter as it is (no venv), e.g. on the GPU machine.
 # Serving (after make tune, same MODEL/TARGET/PRECISION/WORKDIR, or PACKAGE=folder):
 #   make serve MODEL=resnet50 [HOST=0.0.0.0 PORT=8000 EXTRA="--max-queue-delay-ms 1 --max-concurrency 64"]
@@ -80,7 +81,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 install: $(DEPS)
 
 tune: $(DEPS)
-	$(PY) -m deploy run $(ARGS) $(RPC_ARGS) $(if $(UNTUNED),--untuned)
+	$(PY) -m deploy run $(ARGS) $(RPC_ARGS) $(if $(UNTUNED),--untuned) $(if $(ALTERNATIVES),--alternatives $(ALTERNATIVES))
 
 bench: $(DEPS)
 	$(PY) -m deploy bench $(ARGS) $(if $(RUNNERS),--runners "$(RUNNERS)") $(if $(ITERS),--iters $(ITERS)) $(if $(ROUNDS),--rounds $(ROUNDS))

@@ -175,16 +175,29 @@ def _loopback(args, target, profile, workdir: Path):
             args.pool = None
 
 
+def _alternatives(text: str) -> tuple[str, ...]:
+    from .bench.latency import ALTERNATIVES
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
+    unknown = [n for n in names if n not in ALTERNATIVES]
+    if unknown:
+        raise ConfigError(f"unknown alternative(s) {', '.join(unknown)} (--alternatives)", text,
+                          ", ".join((*ALTERNATIVES, "none")))
+    return names
+
+
 def cmd_run(args) -> int:
     from . import pipeline
 
+    alternatives = _alternatives(args.alternatives)  # before any work
     cfg, target, workdir, db_root = prepare(args)
     profile = cfg.profile(target.kind)
     with _loopback(args, target, profile, workdir):
         print(pipeline.describe(cfg, target, workdir, db_root, profile.budget, args.pool), flush=True)
         _check_pool(args, target, profile)
         summary = pipeline.run(cfg, target, workdir, db_root, dump_ir=args.dump_ir, pool=args.pool,
-                               compare_untuned=False if args.no_untuned else (True if args.untuned else None))
+                               compare_untuned=False if args.no_untuned else (True if args.untuned else None),
+                               alternatives=alternatives)
     print(pipeline.format_summary(summary), flush=True)
     return 0
 
@@ -494,6 +507,9 @@ def parser() -> argparse.ArgumentParser:
                               "(the before/after line; a later run in the same workdir reuses that build)")
     untuned.add_argument("--no-untuned", action="store_true",
                          help="no untuned comparison, not even from an earlier build in the workdir")
+    p.add_argument("--alternatives", default="torch-eager",
+                   help="timed on the same inputs beside the package in the summary: comma list of torch-eager, "
+                        "torch-compile, onnxruntime, or none (an ONNX source: ONNX Runtime stands in for PyTorch)")
     p.set_defaults(func=cmd_run)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"run the {stage} stage alone")

@@ -109,11 +109,15 @@ def run(
     dump_ir: bool = False,
     compare_untuned: bool | None = None,
     pool: RPCPool | None = None,
+    alternatives: tuple[str, ...] = (),
 ) -> dict:
     """Every stage in a row. `compare_untuned`: True builds (or reuses) a copy
     of the tuned buckets from default schedules and times it beside them;
     None (the default) times such a copy only where an earlier run in this
-    workdir left one built from the same optimized modules; False never."""
+    workdir left one built from the same optimized modules; False never.
+    `alternatives` (bench.latency.ALTERNATIVES: torch-eager, torch-compile,
+    onnxruntime) are timed on the same inputs and set beside the package's
+    latency in the summary."""
     profile = cfg.profile(target.kind)
     budget = profile.budget if budget is None else budget
     budget_s = parse_duration(budget)
@@ -154,6 +158,14 @@ def run(
     if target.has_device:
         latency = timed("latency", measure_before_after, cfg, profile, target, exported, opt, package, ws,
                         compare_untuned if existing else False)
+        if alternatives:
+            from . import runtime
+            from .bench import latency as bench_latency
+
+            alt = timed("alternatives", bench_latency.alternatives, cfg, profile, target.kind, exported,
+                        runtime.load(package.folder, warn_unvalidated=False), alternatives)
+            for b, row in alt.items():
+                latency[b]["alternatives"] = row
     summary = {
         "package": str(ws.package),
         "model": cfg.model.name,
@@ -210,6 +222,15 @@ def measure_before_after(cfg, profile, target, exported, opt, package, ws: Works
 UNTUNED_KEY = "untuned-key.json"
 
 
+def _versus(name: str, alt: dict, tvm_ms: float) -> str:
+    if "error" in alt:
+        return f"{name}: could not run here ({alt['error']})"
+    ms = alt["median_ms"]
+    if ms >= tvm_ms:
+        return f"{name} {ms:.3f} ms on the same inputs: the package is {ms / tvm_ms:.2f}x faster"
+    return f"{name} {ms:.3f} ms on the same inputs: the package is {tvm_ms / ms:.2f}x slower"
+
+
 def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
     """What an untuned build depends on: the optimized modules (their
     sha256), the target and the build's own options."""
@@ -235,6 +256,8 @@ def format_summary(summary: dict) -> str:
                 line += f"  (untuned {u:.3f} ms, {u / lat['tuned']['median_ms']:.2f}x{cached})"
             elif "untuned" in lat:
                 line += "  (untuned: not compared; UNTUNED=1 builds it, later runs here reuse it)"
+            for name, alt in (lat.get("alternatives") or {}).items():
+                line += "\n" + " " * 11 + _versus(name, alt, lat["tuned"]["median_ms"])
         lines.append(line)
     t = summary.get("tuning")
     if t:

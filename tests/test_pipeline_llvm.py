@@ -245,3 +245,32 @@ def test_untuned_comparison_is_built_when_asked_and_reused_after(tmp_path, tiny_
     assert "not compared; UNTUNED=1" in pipeline.format_summary(
         {"package": "p", "buckets": {"1": {"tuned_kernels": 1, "kernels": 6}}, "latency": {"1": {
             "tuned": {"median_ms": 1.0}, "untuned": None}}, "validation": None})
+
+
+def test_the_users_alternatives_are_timed_beside_the_package(capsys, tmp_path):
+    """`make tune` ends with PyTorch eager (and what else is named) on the same
+    inputs beside each bucket's latency; an ONNX file has no PyTorch model, so
+    ONNX Runtime stands in; a name it does not know is refused before any work."""
+    from .test_errors import error_line, export_tiny, run_cli
+
+    ws = tmp_path / "ws"
+    rc, out, _ = run_cli(capsys, "run", "-m", "tiny_cnn", "--target", "llvm", "--buckets", "1", "--trials", "0",
+                         "--workdir", ws, "--db-root", tmp_path / "db", "--alternatives", "torch-eager,onnxruntime")
+    assert rc == 0
+    summary = json.loads((ws / "summary.json").read_text())
+    alt = summary["latency"]["1"]["alternatives"]
+    assert set(alt) == {"torch-eager", "onnxruntime-cpu"} and all(a["median_ms"] > 0 for a in alt.values())
+    assert "torch-eager " in out and "on the same inputs: the package is" in out
+
+    onnx = tmp_path / "net.onnx"
+    export_tiny(onnx)
+    rc, out, _ = run_cli(capsys, "run", "-m", onnx, "--input", "x:3x16x16", "--target", "llvm", "--buckets", "1",
+                         "--trials", "0", "--workdir", tmp_path / "ws2", "--db-root", tmp_path / "db")
+    assert rc == 0
+    assert set(json.loads((tmp_path / "ws2" / "summary.json").read_text())["latency"]["1"]["alternatives"]) == \
+        {"onnxruntime-cpu"}
+
+    rc, _, err = run_cli(capsys, "run", "-m", "tiny_cnn", "--target", "llvm", "--workdir", tmp_path / "ws3",
+                         "--alternatives", "tensorrt")
+    assert rc == 2 and "unknown alternative(s) tensorrt" in error_line(err)
+    assert not (tmp_path / "ws3").exists()
