@@ -5,17 +5,15 @@ exactly what it holds."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
-import multiprocessing
 import os
 import time
 from pathlib import Path
 
 from . import artifacts
 from .config import Profile
-from .errors import BuildError
+from .errors import BuildError, run_in_processes
 from .export import ExportArtifact
 from .optimize import OptimizeArtifact
 from .targets import TargetInfo
@@ -139,12 +137,7 @@ def run(
             db = (str(databases[bucket]), db_keys[bucket]) if bucket in databases else None
             jobs.append((str(opt.module_path(bucket)), target, profile, db, str(tmp / f"b{bucket}.so")))
         workers = min(len(jobs), max(1, (os.cpu_count() or 1)))
-        if workers > 1:
-            ctx = multiprocessing.get_context("spawn")
-            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-                results = list(pool.map(_build_bucket, jobs))
-        else:
-            results = [_build_bucket(j) for j in jobs]
+        results = run_in_processes(_build_bucket, jobs, workers)
         buckets, outputs_sig = {}, None
         for bucket, (info, outs) in zip(profile.buckets, results):
             outputs_sig = outs

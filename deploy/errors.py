@@ -132,3 +132,38 @@ def error_line(exc: BaseException, limit: int = 300) -> str:
     if not type(exc).__module__.startswith("tvm") and not pick.startswith(name):
         pick = f"{name}: {pick}"
     return pick[:limit]
+
+
+class WorkerTrace(Exception):
+    """The traceback of a failure in a worker process, as text: the cause
+    attached to what the parent re-raises, so the stage's log holds it."""
+
+
+def _call_catching(job):
+    import traceback
+
+    fn, args = job
+    try:
+        return True, fn(args)
+    except Exception as e:  # noqa: BLE001 - carried to the parent, re-raised there
+        cause = e.__cause__ if isinstance(e, DeployError) and e.__cause__ is not None else e
+        return False, (e, "".join(traceback.format_exception(cause)))
+
+
+def run_in_processes(fn, jobs: list, workers: int) -> list:
+    """fn(job) for every job, in `workers` spawned processes (in this one
+    when workers is 1), results in order. A failure is re-raised here as it
+    was raised there, its traceback attached as the cause (a user error keeps
+    its one line; pipeline.stage_guard writes the trace to the stage's log)."""
+    if workers <= 1:
+        return [fn(j) for j in jobs]
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        outcomes = list(pool.map(_call_catching, [(fn, j) for j in jobs]))
+    for ok, value in outcomes:
+        if not ok:
+            exc, trace = value
+            raise exc from WorkerTrace(trace)
+    return [value for _, value in outcomes]

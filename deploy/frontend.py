@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import artifacts
 from .config import Profile
-from .errors import BuildError, UnsupportedOperatorError, error_line
+from .errors import BuildError, UnsupportedOperatorError, error_line, run_in_processes
 from .export import ExportArtifact, check_buckets, load_onnx
 
 log = logging.getLogger(__name__)
@@ -79,9 +79,39 @@ def simplify(model, inputs, batch: int):
     return slim, {"nodes_before": before, "nodes_after": len(slim.graph.node), "slim": "ok"}
 
 
-def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArtifact:
+def _import_bucket(job) -> dict:
+    """One bucket: the graph simplified for its static shapes, imported, saved
+    (a process-pool entry as well; there `model` is None and is read again)."""
     from .tvm_compat import save_json
 
+    model, onnx_path, inputs, bucket, out = job
+    if model is None:
+        model = load_onnx(Path(onnx_path))
+    shapes = {i.name: [bucket, *i.shape] for i in inputs}
+    dtypes = {i.name: i.dtype for i in inputs}
+    graph, changes = simplify(model, inputs, bucket)
+    Path(out).write_text(save_json(import_graph(graph, shapes, dtypes, bucket)))
+    return changes
+
+
+# A model this large (ResNet-50's 100 MB) takes seconds a bucket to simplify
+# and import, so its buckets go to parallel processes where cores are spare;
+# a small one is not worth a process's start (optimize uses the same rule).
+PARALLEL_BYTES = 16 << 20
+
+
+def parallel_workers(path: Path, jobs: int, threshold: int | None = None) -> int:
+    """Processes for `jobs` per-bucket jobs over a file of that size: half
+    this machine's cores at most, one for a small file or a 2-core machine."""
+    import os
+
+    size = sum(p.stat().st_size for p in Path(path).parent.glob(Path(path).name + "*"))  # with external data
+    if jobs < 2 or size < (PARALLEL_BYTES if threshold is None else threshold):
+        return 1
+    return max(1, min(jobs, (os.cpu_count() or 1) // 2))
+
+
+def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArtifact:
     check_buckets(exported, profile.buckets)
     model = load_onnx(exported.onnx_path)
     hist = onnx_op_histogram(model.graph)
@@ -91,17 +121,17 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
         raise UnsupportedOperatorError(
             f"{len(missing)} ONNX operator type(s) are not supported by TVM's ONNX frontend: {listed}"
         )
+    workers = parallel_workers(exported.onnx_path, len(profile.buckets))
     with artifacts.staged_dir(folder) as tmp:
-        files, simplified = {}, {}
-        for bucket in profile.buckets:
-            shapes = {i.name: [bucket, *i.shape] for i in exported.inputs}
-            dtypes = {i.name: i.dtype for i in exported.inputs}
-            graph, changes = simplify(model, exported.inputs, bucket)
-            mod = import_graph(graph, shapes, dtypes, bucket)
-            name = f"b{bucket}.relax.json"
-            (tmp / name).write_text(save_json(mod))
-            files[bucket], simplified[str(bucket)] = name, changes
-            log.info("frontend: bucket %d imported (onnxslim: %d -> %d nodes)", bucket,
+        files = {b: f"b{b}.relax.json" for b in profile.buckets}
+        jobs = [(None if workers > 1 else model, str(exported.onnx_path), exported.inputs, b, str(tmp / files[b]))
+                for b in profile.buckets]
+        if workers > 1:
+            log.info("frontend: %d buckets in %d processes", len(jobs), workers)
+        simplified = {}
+        for b, changes in zip(profile.buckets, run_in_processes(_import_bucket, jobs, workers)):
+            simplified[str(b)] = changes
+            log.info("frontend: bucket %d imported (onnxslim: %d -> %d nodes)", b,
                      changes["nodes_before"], changes["nodes_after"])
         artifacts.write_manifest(
             tmp,
@@ -111,6 +141,7 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
                 "buckets": {str(b): f for b, f in files.items()},
                 "onnx_ops": {f"{d}:{op}" if d != "ai.onnx" else op: n for (d, op), n in sorted(hist.items())},
                 "simplified": simplified,
+                "processes": workers,
             },
         )
     return load(folder, exported)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from . import artifacts
 from .config import Profile
-from .errors import StaleArtifactError
-from .frontend import FrontendArtifact
+from .errors import StaleArtifactError, run_in_processes
+from .frontend import FrontendArtifact, parallel_workers
 from .passes.exact_power import power_to_multiply
 from .passes.layout import convert_to_nhwc
 from .passes.mixed_precision import to_mixed_precision
@@ -141,23 +141,12 @@ def _optimize_bucket(job) -> list[dict]:
 
 # A frontend module this large (its weights inline) takes tens of seconds a
 # bucket (ResNet-50: ~25 s on the H200 machine, mostly folding the weights'
-# layout and fp16 casts), so its buckets are optimized in parallel processes
-# where there are cores to spare; a small one is not worth a process's start.
+# layout and fp16 casts): its buckets go to parallel processes where cores
+# are spare (frontend.parallel_workers).
 PARALLEL_MODULE_BYTES = 16 << 20
 
 
-def _workers(paths: list[Path]) -> int:
-    import os
-
-    if len(paths) < 2 or min(p.stat().st_size for p in paths) < PARALLEL_MODULE_BYTES:
-        return 1
-    return max(1, min(len(paths), (os.cpu_count() or 1) // 2))
-
-
 def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, dump_ir: bool = False) -> OptimizeArtifact:
-    import concurrent.futures
-    import multiprocessing
-
     for bucket in profile.buckets:
         if bucket not in front.modules:
             raise StaleArtifactError(
@@ -167,13 +156,10 @@ def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, du
         files = {b: f"b{b}.relax.json" for b in profile.buckets}
         jobs = [(str(front.modules[b]), profile, target_info, str(tmp / "ir" / f"b{b}") if dump_ir else None,
                  str(tmp / files[b])) for b in profile.buckets]
-        workers = _workers([front.modules[b] for b in profile.buckets])
+        workers = parallel_workers(front.modules[profile.buckets[0]], len(jobs), PARALLEL_MODULE_BYTES)
         if workers > 1:
             log.info("optimize: %d buckets in %d processes", len(jobs), workers)
-            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                results = list(pool.map(_optimize_bucket, jobs))
-        else:
-            results = [_optimize_bucket(j) for j in jobs]
+        results = run_in_processes(_optimize_bucket, jobs, workers)
         reports = {}
         for bucket, report in zip(profile.buckets, results):
             reports[str(bucket)] = report

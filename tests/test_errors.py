@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 import deploy
 import models
 from deploy import artifacts, cli
-from deploy.errors import StaleArtifactError
+from deploy.errors import BuildError, StaleArtifactError
 
 from .conftest import HAS_GPU
 
@@ -182,3 +182,28 @@ def test_unsupported_ops_against_tvms_convert_map():
 
     assert unsupported_ops(collections.Counter({("ai.onnx", "Conv"): 3})) == {}
     assert unsupported_ops(collections.Counter({("ai.onnx", "LSTM"): 2, ("ai.onnx", "Loop"): 1})) == {"LSTM": 2, "Loop": 1}
+
+
+def _fails_on_two(n):
+    if n == 2:
+        try:
+            raise ValueError("deep inside TVM")
+        except ValueError as e:
+            raise BuildError("build: bucket 2 failed") from e
+    return n * 10
+
+
+def test_a_worker_processes_failure_keeps_its_line_and_its_trace(tmp_path):
+    """A failure in a worker process (buckets built or imported in parallel)
+    is the same one-line error here, and the stage's log holds the worker's
+    trace."""
+    from deploy.errors import WorkerTrace, run_in_processes
+    from deploy.pipeline import stage_guard
+
+    assert run_in_processes(_fails_on_two, [1, 3], 2) == [10, 30]
+    with pytest.raises(BuildError, match="full trace in") as info:
+        with stage_guard(tmp_path, "build"):
+            run_in_processes(_fails_on_two, [1, 2], 2)
+    assert str(info.value).startswith("build: bucket 2 failed | full trace in")
+    log = (tmp_path / "logs" / "build.log").read_text()
+    assert "ValueError: deep inside TVM" in log and WorkerTrace.__name__ in log

@@ -193,23 +193,27 @@ def test_per_kernel_profile(tmp_path, tiny_package, llvm_target):
     assert profile.load(tmp_path / "profile")["bucket"] == 4
 
 
-def test_buckets_optimized_in_parallel_processes_match_one_by_one(tmp_path, llvm_target, monkeypatch):
-    """Large modules' buckets go to parallel processes; the optimized modules
-    are the same files as optimized one after another."""
+def test_buckets_imported_and_optimized_in_parallel_processes_match_one_by_one(tmp_path, llvm_target, monkeypatch):
+    """Large models' buckets go to parallel processes (frontend and optimize);
+    the modules are the same files as made one after another."""
     from deploy import export, frontend, optimize
 
     cfg = make_config("tiny_cnn", buckets=[1, 2])
     ex = export.run(cfg, tmp_path / "export")
-    fe = frontend.run(cfg.llvm, ex, tmp_path / "frontend")
-    one = optimize.run(cfg.llvm, llvm_target, fe, tmp_path / "one")
-    assert one.manifest["processes"] == 1  # a tiny module: not worth a process
+    fe1 = frontend.run(cfg.llvm, ex, tmp_path / "fe1")
+    one = optimize.run(cfg.llvm, llvm_target, fe1, tmp_path / "one")
+    assert fe1.manifest["processes"] == one.manifest["processes"] == 1  # a tiny model: not worth a process
+    monkeypatch.setattr(frontend, "PARALLEL_BYTES", 0)
     monkeypatch.setattr(optimize, "PARALLEL_MODULE_BYTES", 0)
     monkeypatch.setattr("os.cpu_count", lambda: 4)
-    two = optimize.run(cfg.llvm, llvm_target, fe, tmp_path / "two")
-    assert two.manifest["processes"] == 2
+    fe2 = frontend.run(cfg.llvm, ex, tmp_path / "fe2")
+    two = optimize.run(cfg.llvm, llvm_target, fe2, tmp_path / "two")
+    assert fe2.manifest["processes"] == two.manifest["processes"] == 2
     for b in (1, 2):
+        assert fe2.modules[b].read_text() == fe1.modules[b].read_text()
         assert two.module_path(b).read_text() == one.module_path(b).read_text()
     assert two.manifest["report"] == one.manifest["report"]
+    assert fe2.manifest["simplified"] == fe1.manifest["simplified"]
 
 
 def test_untuned_comparison_is_built_when_asked_and_reused_after(tmp_path, tiny_package, llvm_target):
