@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -117,6 +118,7 @@ class InferenceServer:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.batcher = batching.Batcher(self._load, self.cfg.max_queue_delay_ms / 1e3, self.metrics)
+        self.batcher.settle = functools.partial(settle, asyncio.get_running_loop())
         yield
         # uvicorn gets here after in-flight requests finished (or the grace
         # ran out). The batcher may still be loading or warming up: wait for
@@ -291,9 +293,13 @@ class InferenceServer:
             in_flight = m.child(m.in_flight)
             in_flight.inc()
             reserved = [0]  # body bytes this request holds in in_flight_bytes
+            arriving = [True]  # admitted, not yet handed to the batcher: company the batcher may wait for
+            self.batcher.arriving += 1
             try:
-                response = await self._infer(request, start, reserved)
+                response = await self._infer(request, start, reserved, arriving)
             finally:
+                if arriving[0]:
+                    self.batcher.arriving -= 1
                 self.in_flight -= 1
                 self.in_flight_bytes -= reserved[0]
                 in_flight.dec()
@@ -322,7 +328,7 @@ class InferenceServer:
         finally:
             m.child(m.requests, outcome).inc()
 
-    async def _infer(self, request, start: float, reserved: list[int]):
+    async def _infer(self, request, start: float, reserved: list[int], arriving: list[bool]):
         """The response, or None if the client disconnected while waiting."""
         from starlette.responses import Response
 
@@ -354,6 +360,8 @@ class InferenceServer:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
                 loop.call_soon_threadsafe(wake)
 
+        self.batcher.arriving -= 1  # this event-loop thread alone changes it
+        arriving[0] = False
         job = self.batcher.submit(req.arrays, req.batch)
         job.add_done_callback(answered)
         gone = loop.create_task(_disconnected(request))
@@ -468,3 +476,27 @@ def _error(status: int, message: str, headers: dict | None = None):
 def _internal(e: BaseException) -> str:
     first = (str(e).strip().splitlines() or [""])[0][:300]
     return f"internal error | {type(e).__name__}: {first}" if first else f"internal error | {type(e).__name__}"
+
+
+# Event-loop iterations after which a request whose bytes had reached the
+# socket has been admitted (selected, parsed, its handler started).
+SETTLE_HOPS = 3
+
+
+def settle(loop) -> threading.Event:
+    """An event set once `loop` has run SETTLE_HOPS more iterations (at once
+    if it is gone): called from the batcher's thread, it tells whether a
+    request that had arrived by now is on its way in (`Batcher.arriving`)."""
+    done = threading.Event()
+
+    def hop(n: int) -> None:
+        if n <= 0:
+            done.set()
+        else:
+            loop.call_soon(hop, n - 1)
+
+    try:
+        loop.call_soon_threadsafe(hop, SETTLE_HOPS)
+    except RuntimeError:  # the loop closed
+        done.set()
+    return done

@@ -34,6 +34,10 @@ _STOP = object()
 # the GIL, at most the 0.5 ms switch interval, and the outputs' copy).
 COLLECT_WAITED_S = 1e-3
 
+# While gathering, how often the batcher looks again whether company can
+# still come (a request admitted by the server and not yet queued).
+ARRIVING_POLL_S = 2e-4
+
 
 class Batcher:
     """The one thread that runs the Predictor (see the module docstring)."""
@@ -49,6 +53,13 @@ class Batcher:
         self._carry = None  # a job taken from the queue that did not fit the last batch
         self._device_s: dict[int, float] = {}  # bucket -> estimated seconds from launch to outputs back
         self._stage_s = 0.0  # recent seconds to stage a batch
+        # Requests the server has admitted and not yet submitted (their bodies
+        # being read or decoded): the only company a batch can wait for. The
+        # server's event-loop thread alone changes it; this thread reads it.
+        self.arriving = 0
+        # settle() -> threading.Event, set once the server's event loop has
+        # admitted whatever had reached it (app.settle); None: no server.
+        self.settle = None
         self._thread = threading.Thread(target=self._main, args=(load,), name="batcher", daemon=True)
         self._thread.start()
 
@@ -88,7 +99,9 @@ class Batcher:
         # running one is collected and answered and the staged one launched.
         # While a batch runs, the next one waits for company only until it
         # must be staged for the running one's end (see _expected_done):
-        # past that, waiting would hold up the finished batch's answers.
+        # past that, waiting would hold up the finished batch's answers. And
+        # it waits at all only while company can come (`arriving`): a lone
+        # request at low load runs at once instead of waiting out the delay.
         running = None  # (jobs, batch, launched at)
         while True:
             first = self._next(None if running is None else 0)
@@ -107,10 +120,23 @@ class Batcher:
             deadline = first.enqueued + self.max_delay
             if running is not None:
                 deadline = min(deadline, self._expected_done(*running) - self._stage_s)
+            settled = False
             while rows < self.max_rows:
-                job = self._next(deadline - time.perf_counter())
+                # Wait for company only while some can come: with nothing
+                # queued, no request on its way in, and none left for the
+                # server's event loop to admit, the batch goes now.
+                left = deadline - time.perf_counter()
+                job = self._next(min(left, ARRIVING_POLL_S) if left > 0 else 0)
                 if job is None:
-                    break
+                    if left <= ARRIVING_POLL_S:
+                        break
+                    if self.arriving > 0:
+                        continue
+                    if settled or self.settle is None:
+                        break
+                    settled = True
+                    self.settle().wait(max(0.0, deadline - time.perf_counter()))
+                    continue
                 if job is _STOP or rows + job.rows > self.max_rows:
                     self._carry = job
                     break

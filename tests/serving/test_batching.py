@@ -327,3 +327,32 @@ def test_two_binary_inputs_and_a_float_binary_data_size(two_input, size, status)
         np.testing.assert_allclose(np.array(resp.json()["outputs"][0]["data"]), pred(x, ids)["y"][0], rtol=1e-5)
     else:
         assert "binary_data_size" in resp.json()["error"]
+
+
+def test_the_batcher_waits_for_company_only_while_some_can_come(tiny_package):
+    """A lone request (nothing queued, nothing admitted on its way in) runs at
+    once instead of waiting out --max-queue-delay-ms; one admitted by the
+    server and still being read (`arriving`) is waited for, and shares the batch."""
+    from deploy.serving.batcher import Batcher
+    from deploy.serving.metrics import Metrics
+
+    pred = Controlled(deploy.load(tiny_package[0]))
+    launched = []
+    real_launch = pred.launch
+    pred.launch = lambda batch: (launched.append(batch.rows), real_launch(batch))[1]
+    batcher = Batcher(lambda: pred, 0.5, Metrics("t"))
+    x = pred.random_inputs(1)
+    try:
+        t0 = time.perf_counter()
+        batcher.submit(x, 1).result(timeout=30)
+        assert time.perf_counter() - t0 < 0.25  # not the 0.5 s window
+        launched.clear()
+        batcher.arriving = 1  # the server has admitted one more, its body not yet read
+        first = batcher.submit(x, 1)
+        time.sleep(0.05)
+        batcher.arriving = 0
+        second = batcher.submit(x, 1)
+        first.result(timeout=30), second.result(timeout=30)
+        assert launched == [2]  # one batch of both
+    finally:
+        batcher.close(30)
