@@ -126,17 +126,20 @@ class Batcher:
                 # queued, no request on its way in, and none left for the
                 # server's event loop to admit, the batch goes now.
                 left = deadline - time.perf_counter()
-                job = self._next(min(left, ARRIVING_POLL_S) if left > 0 else 0)
+                job = self._next(0)
                 if job is None:
-                    if left <= ARRIVING_POLL_S:
+                    if left <= 0:
                         break
-                    if self.arriving > 0:
+                    if self.arriving > 0:  # on its way: look again shortly
+                        job = self._next(min(left, ARRIVING_POLL_S))
+                        if job is None:
+                            continue
+                    elif settled or self.settle is None:
+                        break
+                    else:
+                        settled = True
+                        self.settle().wait(left)
                         continue
-                    if settled or self.settle is None:
-                        break
-                    settled = True
-                    self.settle().wait(max(0.0, deadline - time.perf_counter()))
-                    continue
                 if job is _STOP or rows + job.rows > self.max_rows:
                     self._carry = job
                     break
