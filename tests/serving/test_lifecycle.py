@@ -270,7 +270,8 @@ def test_cli_needs_a_package_and_valid_knobs(capsys, tmp_path):
 
 def test_sigterm_finishes_requests_in_flight(tiny_package, tmp_path):
     """`deploy serve` in its own process: SIGTERM while requests wait in the
-    batch queue; every one is answered, then the process exits 0."""
+    batch queue (for a fourth whose body is still arriving: company the
+    batcher waits for); every one is answered, then the process exits 0."""
     from deploy.serving.server_process import listening_url
 
     log = tmp_path / "serve.log"
@@ -290,21 +291,37 @@ def test_sigterm_finishes_requests_in_flight(tiny_package, tmp_path):
             except httpx.TransportError:
                 pass
             time.sleep(0.02)
-        xs = [rng_input(200 + i) for i in range(3)]  # 3 rows < bucket 4: they wait out the queue delay
+        xs = [rng_input(200 + i) for i in range(4)]  # 4 rows: bucket 4, once the slow one is in
         results = [None] * len(xs)
 
         def send(i):
-            results[i] = httpx.post(url + f"/v2/models/{MODEL}/infer", timeout=30,
-                                    json={"inputs": [{**GOOD, "data": xs[i].ravel().tolist()}]})
+            body = json.dumps({"inputs": [{**GOOD, "data": xs[i].ravel().tolist()}]}).encode()
+            if i == len(xs) - 1:  # the slow one: its body arrives over ~2 s, the others wait for it
+                whole, step = body, len(body) // 10 + 1
+
+                def slowly():
+                    for k in range(0, len(whole), step):
+                        time.sleep(0.2)
+                        yield whole[k:k + step]
+                body = slowly()
+            try:
+                results[i] = httpx.post(url + f"/v2/models/{MODEL}/infer", timeout=30, content=body,
+                                        headers={"Content-Type": "application/json"})
+            except httpx.HTTPError as e:
+                results[i] = e
+
+        def in_flight() -> float:
+            text = httpx.get(url + "/metrics").text
+            return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                         if s.name == "tvm_serve_in_flight"), 0)
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(len(xs))]
-        for t in threads:
+        threads[-1].start()  # the slow one first: admitted, it is the company the others wait for
+        while in_flight() < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for t in threads[:-1]:
             t.start()
-        in_flight = 0
-        while in_flight < len(xs) and time.monotonic() < deadline:  # all three read and queued
-            text = httpx.get(url + "/metrics").text
-            in_flight = next((s.value for f in text_string_to_metric_families(text) for s in f.samples
-                              if s.name == "tvm_serve_in_flight"), 0)
+        while in_flight() < len(xs) and time.monotonic() < deadline:  # all four in
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
@@ -314,7 +331,7 @@ def test_sigterm_finishes_requests_in_flight(tiny_package, tmp_path):
         if proc.poll() is None:
             proc.kill()
     out = log.read_text()
-    assert [r.status_code for r in results] == [200, 200, 200], out
+    assert [getattr(r, "status_code", r) for r in results] == [200] * len(xs), out
     pred = deploy.load(tiny_package[0])
     for x, r in zip(xs, results):
         np.testing.assert_allclose(np.array(r.json()["outputs"][0]["data"]), pred(x)["output"][0], rtol=1e-4, atol=1e-5)
