@@ -16,6 +16,8 @@ from pathlib import Path
 
 from .errors import ConfigError, StaleArtifactError
 
+# The checkout this package runs from (configs/, tuning_logs/, results/ are in it).
+REPO_ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = "manifest.json"
 FORMAT = 1
 

@@ -54,7 +54,7 @@ def _input_spec(text: str) -> config_mod.InputSpec:
 def resolve_config(args) -> config_mod.Config:
     """--model is a registry name, a config name under configs/, a .toml file
     or an .onnx file; --config points at a .toml explicitly."""
-    from .pipeline import REPO_ROOT
+    from .artifacts import REPO_ROOT
 
     model = args.model
     if args.config:

@@ -25,8 +25,7 @@ from .tuning import tune
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DB_ROOT = REPO_ROOT / "tuning_logs"
+DEFAULT_DB_ROOT = artifacts.REPO_ROOT / "tuning_logs"
 DEFAULT_ARTIFACTS = Path("artifacts")
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deploy import config, export, frontend, optimize, targets
-from deploy.pipeline import REPO_ROOT
+from deploy.artifacts import REPO_ROOT
 from deploy.tuning import builder as tune_builder
 from deploy.tuning import database as dbs
 from deploy.tuning import devices as rpc_devices

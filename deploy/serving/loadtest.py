@@ -282,7 +282,7 @@ def default_out(manifest: dict) -> Path:
         machine = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
     else:
         machine = "cpu"
-    return server_process.REPO_ROOT / "results" / machine / _dt.date.today().isoformat() / f"{manifest['model']}-loadtest"
+    return artifacts.REPO_ROOT / "results" / machine / _dt.date.today().isoformat() / f"{manifest['model']}-loadtest"
 
 
 def write(report: dict, folder: Path, server_log: str = "") -> None:

@@ -14,10 +14,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .. import artifacts
 from ..config import ServeConfig
 from ..errors import StaleArtifactError
-
-REPO_ROOT = Path(__file__).resolve().parents[2]  # deploy/serving/server_process.py -> the checkout
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -33,7 +32,7 @@ class ServerProcess:
     0 the server binds a free port itself and logs it (no race with another
     process taking a port found free here)."""
 
-    def __init__(self, argv: list[str], log_path: Path, cwd: Path = REPO_ROOT, env: dict | None = None,
+    def __init__(self, argv: list[str], log_path: Path, cwd: Path = artifacts.REPO_ROOT, env: dict | None = None,
                  url: str | None = None):
         self.log_path = log_path
         self.url = url  # with port 0, known once the server logs it
@@ -55,8 +54,8 @@ class ServerProcess:
             argv.append("--no-warmup")
         if cfg.shared_memory:
             argv.append("--shared-memory")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-        return cls(argv, log_path, REPO_ROOT, env, url(cfg.host, cfg.port) if cfg.port else None)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(artifacts.REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+        return cls(argv, log_path, artifacts.REPO_ROOT, env, url(cfg.host, cfg.port) if cfg.port else None)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

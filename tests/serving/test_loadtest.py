@@ -36,12 +36,11 @@ def test_loadtest_writes_a_report(capsys, tmp_path, tiny_package):
 
 def test_loadtest_paths_are_the_checkouts():
     """The default results folder and the server's working directory are the
-    checkout's (the module sits two folders down in it)."""
+    checkout's (one REPO_ROOT, in deploy/artifacts.py)."""
+    from deploy import artifacts
     from deploy.serving import loadtest
 
     repo = Path(__file__).resolve().parents[2]
     out = loadtest.default_out({"model": "m", "target": {"kind": "llvm"}})
     assert out.parent.parent.parent == repo / "results" and out.name == "m-loadtest"
-    from deploy.serving import server_process
-
-    assert server_process.REPO_ROOT == repo and (server_process.REPO_ROOT / "deploy" / "__main__.py").is_file()
+    assert artifacts.REPO_ROOT == repo and (artifacts.REPO_ROOT / "deploy" / "__main__.py").is_file()
