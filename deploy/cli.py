@@ -176,13 +176,10 @@ def _loopback(args, target, profile, workdir: Path):
 
 
 def _alternatives(text: str) -> tuple[str, ...]:
-    from .bench.latency import ALTERNATIVES
+    from .bench.latency import check_alternatives
 
     names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
-    unknown = [n for n in names if n not in ALTERNATIVES]
-    if unknown:
-        raise ConfigError(f"unknown alternative(s) {', '.join(unknown)} (--alternatives)", text,
-                          ", ".join((*ALTERNATIVES, "none")))
+    check_alternatives(names)
     return names
 
 

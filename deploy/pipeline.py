@@ -158,11 +158,10 @@ def run(
         latency = timed("latency", measure_before_after, cfg, profile, target, exported, opt, package, ws,
                         compare_untuned if existing else False)
         if alternatives:
-            from . import runtime
             from .bench import latency as bench_latency
 
             alt = timed("alternatives", bench_latency.alternatives, cfg, profile, target.kind, exported,
-                        runtime.load(package.folder, warn_unvalidated=False), alternatives)
+                        profile.buckets, alternatives)
             for b, row in alt.items():
                 latency[b]["alternatives"] = row
     summary = {

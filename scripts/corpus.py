@@ -56,13 +56,6 @@ def plain_tvm_builds(onnx_path: Path, inputs, target) -> str:
         return error_line(e)
 
 
-def _iters(runner, most: int, seconds: float = 3.0) -> int:
-    """Iterations for ~`seconds` of timing (at least 5, at most `most`): an
-    untuned CPU module can take seconds a run."""
-    once = min(runner.time(0, 1))
-    return int(max(5, min(most, seconds / max(once / 1e3, 1e-6))))
-
-
 def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path: Path, iters: int,
               compile_precisions=("fp16",)) -> dict:
     """p50 (ms) of what a user could run instead, on the same inputs."""
@@ -91,7 +84,7 @@ def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path
             r.activate(inputs_np)
             setup = time.time() - t0
             label = r.name
-            n = _iters(r, iters)
+            n = bench.iterations_for(r, 3.0, iters)
             out[label] = {"p50_ms": bench.percentiles(r.time(max(1, n // 10), n), 1)["p50_ms"],
                           "setup_s": round(setup, 1), "iterations": n}
         except Exception as e:  # noqa: BLE001 - a runner that cannot run is recorded, not fatal
@@ -163,7 +156,7 @@ def time_one(entry: dict, args, target) -> None:
     inputs = pred.random_inputs(1, seed=0)
     r = bench.TVMRunner("tvm", pkg)
     r.activate(inputs)
-    iters = _iters(r, args.iters)
+    iters = bench.iterations_for(r, 3.0, args.iters)
     entry["tvm_p50_ms"] = bench.percentiles(r.time(max(1, iters // 10), iters), 1)["p50_ms"]
     r.deactivate()
     if args.baselines:

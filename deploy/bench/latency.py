@@ -168,26 +168,33 @@ def cases(cfg, profile, ws, ex, names, factory, tmpdir: Path, *, baselines, warm
 ALTERNATIVES = ("torch-eager", "torch-compile", "onnxruntime")
 
 
-def alternatives(cfg, profile, target_kind: str, exported, pred, names, seconds: float = 1.0) -> dict:
+def check_alternatives(names) -> None:
+    unknown = [n for n in names if n not in ALTERNATIVES]
+    if unknown:
+        raise ConfigError(f"unknown alternative(s) {', '.join(unknown)} (--alternatives)", ", ".join(names),
+                          ", ".join((*ALTERNATIVES, "none")))
+
+
+def alternatives(cfg, profile, target_kind: str, exported, buckets, names, seconds: float = 1.0) -> dict:
     """What the user could run instead, beside the package in the run's
     summary: per bucket, each named alternative's median (ms) on the same
     inputs as the package's latency, or why it could not run. torch-eager is
     fp16 and channels-last on CUDA for an fp16 package (strict fp32
     otherwise); an ONNX source has no PyTorch model, so ONNX Runtime stands
-    in for it. torch.compile (default mode) runs only when named."""
+    in for it. torch.compile (default mode) runs only when named. The
+    inputs are the package's latency inputs (runtime.random_inputs, seed 0)."""
     from .. import export
+    from ..runtime import random_inputs
     from . import runners as bench_runners
 
-    unknown = [n for n in names if n not in ALTERNATIVES]
-    if unknown:
-        raise ConfigError(f"unknown alternative(s) {', '.join(unknown)}", None, ", ".join(ALTERNATIVES))
+    check_alternatives(names)
     factory = None if export.is_onnx_source(cfg.model.source) else (lambda: export.build_torch_model(cfg))
     half = target_kind == "cuda" and profile.precision == "fp16"
-    made = []
+    made = {}
     for n in names:
         if n.startswith("torch") and factory is None:
             n = "onnxruntime"
-        if n in [m for m, _ in made]:
+        if n in made:
             continue
         if n == "onnxruntime":
             r = bench_runners.ORTRunner(exported.onnx_path, [i.name for i in exported.inputs])
@@ -197,17 +204,17 @@ def alternatives(cfg, profile, target_kind: str, exported, pred, names, seconds:
         else:
             r = bench_runners.TorchRunner("torch-compile", factory, half=half, channels_last=half,
                                           compile_mode="default")
-        made.append((n, r))
+        made[n] = r
+    specs = [(i.shape, i.dtype) for i in exported.inputs]
     out: dict[str, dict] = {}
-    for _, r in made:
-        for b in pred.buckets:
+    for r in made.values():
+        for b in buckets:
             row = out.setdefault(str(b), {})
             label = r.name
             try:
-                r.activate(pred.random_inputs(b, seed=0))
-                label = r.name
-                once = min(r.time(1, 1))
-                n_iter = int(max(5, min(100, seconds / max(once / 1e3, 1e-6))))
+                r.activate(random_inputs(specs, b, seed=0))
+                label = r.name  # ONNX Runtime names itself by its provider in activate
+                n_iter = bench_runners.iterations_for(r, seconds, 100)
                 times = r.time(max(1, n_iter // 10), n_iter)
                 row[label] = {"median_ms": float(np.median(times)), "iterations": n_iter}
             except Exception as e:  # noqa: BLE001 - an alternative that cannot run is said, never fatal

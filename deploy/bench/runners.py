@@ -50,6 +50,14 @@ def _timed_loop(step, sync, warmup: int, iters: int) -> list[float]:
     return out
 
 
+def iterations_for(runner, seconds: float, most: int, least: int = 5) -> int:
+    """Iterations for ~`seconds` of timing an activated runner (at least
+    `least`, at most `most`), from one probe run: an untuned CPU module can
+    take seconds a run, a GPU one microseconds."""
+    once = min(runner.time(0, 1))
+    return int(max(least, min(most, seconds / max(once / 1e3, 1e-6))))
+
+
 class Runner:
     name = "runner"
     kind = ""  # "tvm", "onnxruntime", "pytorch", "tensorrt"
