@@ -105,8 +105,13 @@ rpc-server: $(DEPS)
 rpc-status: $(DEPS)
 	$(PY) -m deploy rpc-status $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY))
 
+# Tests that are not timing-sensitive run on every core; the `serial` ones
+# (tuning, serving: time-outs, load, hung servers) run after them, alone.
+# Exit 5 (nothing selected, e.g. PYTEST_ARGS="-k name") is not a failure.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test: $(DEPS) lint
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m serial $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
 
 lint: $(DEPS)
 	$(PY) -m ruff check deploy models tests scripts

@@ -24,11 +24,18 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+SERIAL_DIRS = ("tuning", "serving")  # time-outs, load tests, hung servers: never beside another test
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    here = Path(__file__).parent
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip)
+        rel = Path(str(item.fspath)).relative_to(here) if Path(str(item.fspath)).is_relative_to(here) else None
+        if rel is not None and rel.parts[0] in SERIAL_DIRS:
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")
