@@ -71,23 +71,35 @@ def _build_bucket(job) -> tuple[dict, list[dict]]:
     return build_bucket(*job)
 
 
-def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tuple[str, dict] | None, out: str):
+def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tuple[str, dict] | None, out: str,
+                 store_root: str | None = None):
     """Compile one bucket's optimized module (tuning records from `db`, a
-    (folder, key) pair, when given) into the .so at `out`; returns the
-    manifest entry and the output signature."""
+    (folder, key) pair, when given, and from the kernel store under
+    `store_root` for kernels other models tuned) into the .so at `out`;
+    returns the manifest entry and the output signature."""
     from .passes import schedule
     from .tuning import database as dbs
+    from .tuning import store as kernel_store
     from .tvm_compat import load_json, relax
 
     mod = load_json(Path(module_path).read_text())
     params_sig, outs = signature(mod["main"])
-    db_info, tuned_mod = None, None
+    db_info, store_info, tuned_mod = None, None, None
     tvm_target = target.tvm_target()
     with tvm_target:
-        if db is not None:
-            with dbs.open_readonly(Path(db[0]), db[1]) as database:
+        store_lines = None
+        if store_root is not None and kernel_store.digest(Path(store_root), target) is not None:
+            store_lines = kernel_store.lines_for(Path(store_root), target, kernel_store.module_hashes(mod, tvm_target))
+            own = dbs._all_lines(Path(db[0])) if db is not None else ([], [])
+            store_info = {"path": str(kernel_store.folder(Path(store_root), target)),
+                          "digest": kernel_store.digest(Path(store_root), target), "kernels": len(store_lines[1]),
+                          "not_in_database": len(kernel_store.hashes_of(store_lines) - kernel_store.hashes_of(own))}
+        if db is not None or store_lines:
+            folder, key = (Path(db[0]), db[1]) if db is not None else (None, None)
+            with dbs.open_readonly(folder, key, store_lines) as database:
                 if database is not None:
-                    db_info = {"path": db[0], "digest": dbs.digest(Path(db[0]))}
+                    if db is not None:
+                        db_info = {"path": db[0], "digest": dbs.digest(Path(db[0]))}
                     with database:
                         tuned_mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
         t0 = time.time()
@@ -109,6 +121,8 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
         "kernels": n_funcs,
         "tuned_kernels": n_tuned,
         "database": db_info,
+        # The kernel store (other models' records for the same kernels): how many of this module's kernels it holds.
+        "store": store_info,
         # Where each kernel's schedule came from, and every fallback with its reason.
         "schedules": report["sources"],
         "fallbacks": report["fallbacks"],
@@ -127,15 +141,19 @@ def run(
     db_keys: dict[int, dict],
     folder: Path,
     model: str,
+    store_root: Path | None = None,
 ) -> PackageArtifact:
     """`databases` maps buckets to tuning databases (a bucket without one is
-    built from default schedules). Buckets are compiled in parallel processes
-    (each ResNet-50 bucket takes about a minute of single-threaded compile)."""
+    built from default schedules); the kernel store under `store_root` (the
+    databases' root) adds the records other models have for the same
+    kernels. Buckets are compiled in parallel processes (each ResNet-50
+    bucket takes about a minute of single-threaded compile)."""
     jobs = []
     with artifacts.staged_dir(folder) as tmp:
         for bucket in profile.buckets:
             db = (str(databases[bucket]), db_keys[bucket]) if bucket in databases else None
-            jobs.append((str(opt.module_path(bucket)), target, profile, db, str(tmp / f"b{bucket}.so")))
+            jobs.append((str(opt.module_path(bucket)), target, profile, db, str(tmp / f"b{bucket}.so"),
+                         None if store_root is None else str(store_root)))
         workers = min(len(jobs), max(1, (os.cpu_count() or 1)))
         results = run_in_processes(_build_bucket, jobs, workers)
         buckets, outputs_sig = {}, None

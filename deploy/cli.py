@@ -306,18 +306,23 @@ def cmd_info(args) -> int:
 
 
 def cmd_pack_databases(args) -> int:
-    """Fold working copies left by killed tuning runs into the compressed
-    database files, for every database under a root."""
+    """Fold what killed tuning runs left (working copies, journals, lanes)
+    into the compressed database files, for every database under a root;
+    then rebuild each GPU's kernel store from them."""
     from .tuning import database
+    from .tuning import store as kernel_store
 
     root = Path(args.root)
     if not root.is_dir():
         raise ConfigError("tuning database root not found", str(root), "an existing folder (e.g. tuning_logs)")
     # A tuning lane's folder is folded into its database (which it may precede).
-    folders = {database.lane_owner(k.parent) or k.parent for k in root.rglob(database.KEY_FILE)}
+    folders = {database.lane_owner(db) or db for db, _ in kernel_store.databases(root)}
+    folders |= {database.lane_owner(k.parent) for k in root.rglob(database.KEY_FILE)} - {None}
     for folder in sorted(folders):
         added = database.pack(folder)
         print(f"{folder}: {added} record(s) folded in" if added else f"{folder}: packed")
+    for dest, n in sorted(kernel_store.refresh(root).items()):
+        print(f"{dest}: kernel store, the best record of {n} kernels")
     return 0
 
 
@@ -544,7 +549,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--raw-seconds", type=float, help=f"seconds timing each bucket without HTTP (default {lt.raw_seconds:g})")
     p.add_argument("--out", help="results folder (default results/<cpu or the GPU's name, e.g. h200>/<date>/<model>-loadtest)")
     p.set_defaults(func=cmd_loadtest)
-    p = sub.add_parser("pack-databases", help="fold tuning working copies left by killed runs into the .xz files")
+    p = sub.add_parser("pack-databases", help="fold what killed tuning runs left into the .xz files; rebuild the kernel stores")
     p.add_argument("root", nargs="?", default="tuning_logs")
     p.set_defaults(func=cmd_pack_databases)
     p = sub.add_parser("rpc-tracker", help="start TVM's RPC tracker (foreground)")

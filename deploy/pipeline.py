@@ -145,7 +145,8 @@ def run(
             )
             tune_summary = json.loads((tuned.folder / "summary.json").read_text())
     keys, existing = existing_databases(cfg, profile, target, exported.inputs, db_root)
-    package = timed("build", build.run, profile, target, exported, opt, existing, keys, ws.package, cfg.model.name)
+    package = timed("build", build.run, profile, target, exported, opt, existing, keys, ws.package, cfg.model.name,
+                    db_root)
     tol = getattr(cfg.tolerance, profile.precision)
     report = None
     if target.has_device:
@@ -155,8 +156,9 @@ def run(
 
     latency = None
     if target.has_device:
+        any_tuned = any(m["tuned_kernels"] for m in package.manifest["buckets"].values())
         latency = timed("latency", measure_before_after, cfg, profile, target, exported, opt, package, ws,
-                        compare_untuned if existing else False)
+                        compare_untuned if any_tuned else False)
         if alternatives:
             from .bench import latency as bench_latency
 
@@ -169,7 +171,7 @@ def run(
         "model": cfg.model.name,
         "target": target.key(),
         "profile": to_dict(profile),
-        "buckets": {b: {k: v for k, v in m.items() if k in ("tuned_kernels", "kernels", "compile_seconds", "schedules", "fallbacks")}
+        "buckets": {b: {k: v for k, v in m.items() if k in ("tuned_kernels", "kernels", "compile_seconds", "schedules", "fallbacks", "store")}
                     for b, m in package.manifest["buckets"].items()},
         "validation": None if report is None else {"passed": report["passed"], "worst_rel_l2": report["worst_rel_l2"]},
         "latency": latency,
@@ -191,7 +193,8 @@ def measure_before_after(cfg, profile, target, exported, opt, package, ws: Works
     pred = runtime.load(package.folder)
     for b in pred.buckets:
         out[str(b)] = {"tuned": pred.latency(b)}
-    tuned_buckets = [b for b in profile.tune_buckets if package.manifest["buckets"][str(b)]["tuned_kernels"]]
+    # buckets with a record for some kernel: their own database's, or the kernel store's
+    tuned_buckets = [b for b in profile.buckets if package.manifest["buckets"][str(b)]["tuned_kernels"]]
     if compare_untuned is False or not tuned_buckets:
         return out
     key = untuned_key(opt, target, profile, tuned_buckets)
@@ -243,6 +246,8 @@ def format_summary(summary: dict) -> str:
     lines = [f"package    {summary['package']}"]
     for b, info in sorted(summary["buckets"].items(), key=lambda kv: int(kv[0])):
         line = f"bucket {b:>4}  {info['tuned_kernels']}/{info['kernels']} kernels tuned"
+        if (info.get("store") or {}).get("not_in_database"):
+            line += f" ({info['store']['not_in_database']} by other models, from the kernel store)"
         if info.get("fallbacks"):
             line += f", {len(info['fallbacks'])} fell back (manifest.json 'fallbacks' says why)"
         lat = (summary.get("latency") or {}).get(b)

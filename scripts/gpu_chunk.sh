@@ -50,10 +50,13 @@ if [ "${POOL:-0}" != 0 ]; then
   POOL_ARGS=(TRACKER="127.0.0.1:$tport" RPC_KEY=local)
 fi
 # Leave time to pack the results before the device command's 10-minute limit.
-timeout -k 60 --signal=INT "${CHUNK_SECONDS:-520}" make tune PYTHON=python3 WORKDIR="$WORKDIR" UNTUNED=1 EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "${POOL_ARGS[@]}" "$@" 2>&1 | tee "$OUT/run.log"
+# SIGNAL=KILL ends the chunk as a machine taken back would (the whole run
+# killed outright): the tuning journal keeps every candidate measured.
+timeout -k 60 --signal="${SIGNAL:-INT}" "${CHUNK_SECONDS:-520}" make tune PYTHON=python3 WORKDIR="$WORKDIR" UNTUNED=1 EXTRA="--db-root $DB_ROOT ${EXTRA:-}" "${POOL_ARGS[@]}" "$@" 2>&1 | tee "$OUT/run.log"
 rc=${PIPESTATUS[0]}
-# A run killed past its grace period leaves its records in a working copy: fold it in.
-python3 -m deploy pack-databases "$DB_ROOT" > /dev/null
+# A run killed past its grace period leaves its records in a working copy and
+# its journal: fold them in (and rebuild the kernel store).
+python3 -m deploy pack-databases "$DB_ROOT" > "$OUT/pack.log" 2>&1
 tar -czf "$OUT/tuning_logs.tgz" -C "$DB_ROOT" .
 # The small, reviewable outputs: summaries, manifests, reports, failure reasons.
 tar -czf "$OUT/reports.tgz" -C "$WORKDIR" --ignore-failed-read \

@@ -156,12 +156,14 @@ def sweep_nvrtc_pch(folder: str | None = None) -> int:
     return n
 
 
-def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
+def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64, journal=None):
     """MetaSchedule's LocalBuilder, but with one worker pool for the whole
     run. LocalBuilder starts a fresh pool for every batch, and each worker
     then imports TVM (which imports torch): seconds of every batch on 16
     workers. TVM restarts its pools because workers leak memory after many
-    builds, so each worker here is replaced after `recycle_after` builds."""
+    builds, so each worker here is replaced after `recycle_after` builds.
+    Each batch's results go to `journal` (a `journal.Journal`), which pairs
+    them with the candidates the search handed out."""
     from ..tvm_compat import PopenPoolExecutor, StatusKind, derived_object, ms
 
     @derived_object
@@ -193,6 +195,8 @@ def _make_builder(max_workers: int, timeout_s: float, recycle_after: int = 64):
                     results.append(ms.builder.BuilderResult(None, "build failed\n" + str(r.value)))
             self.times["batch_wall_s"].append(time.perf_counter() - t0)
             sweep_nvrtc_pch()
+            if journal is not None:
+                journal.built(results)
             return results
 
         def close(self):

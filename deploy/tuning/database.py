@@ -12,12 +12,14 @@ fully tuned ResNet-50 is ~70 MB as plain JSON; the records repeat each other
 so much that xz keeps it to a few hundred KB (430x on a real database).
 
 While a run tunes, the plain files `database_*.json` (git-ignored) are the
-working copy, which MetaSchedule appends to as each candidate is measured,
-so a killed run loses nothing already measured. `pack` folds a working copy
-into the compressed files (a union: records already there are kept, new ones
-appended) and removes it; it runs when a tuning run ends, and before any
-open, so a working copy left by a killed run is folded in the next time.
-Packing needs no TVM: it works on the JSON lines.
+working copy, which MetaSchedule appends to when it saves a batch, and
+`database_measured.jsonl` the journal (`journal`), which holds each
+candidate from the moment it is measured, so a run killed outright loses
+nothing already measured. `pack` folds a working copy and a journal into the
+compressed files (a union: records already there are kept, new ones
+appended) and removes them; it runs when a tuning run ends, and before any
+open, so what a killed run left is folded in the next time. Packing needs
+no TVM: it works on the JSON lines.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .. import artifacts
 from ..config import InputSpec, Profile
 from ..errors import DatabaseMismatchError, StaleArtifactError
 from ..targets import TargetInfo
+from . import journal
 
 log = logging.getLogger(__name__)
 KEY_FILE = "key.json"
@@ -43,6 +46,7 @@ WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
 PACKED = ".xz"
 FAILED_SECS = 1e9  # MetaSchedule stores 1e10 s for a candidate that failed
+SEEDED = "database_seeded.json"  # the working copy's records that came from the kernel store
 
 
 def database_key(model: str, inputs: tuple[InputSpec, ...], bucket: int, profile: Profile, target: TargetInfo) -> dict:
@@ -194,7 +198,7 @@ def pack(folder: Path) -> int:
             if not (folder / KEY_FILE).is_file():
                 artifacts.write_json_atomic(folder / KEY_FILE, key)
     added = 0
-    if (folder / WORKLOADS).is_file() or (folder / RECORDS).is_file() or lanes:
+    if (folder / WORKLOADS).is_file() or (folder / RECORDS).is_file() or (folder / journal.MEASURED).is_file() or lanes:
         base = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
         for src in (folder, *lanes):
             repair_jsonl(src / WORKLOADS, only_last=True)
@@ -203,10 +207,12 @@ def pack(folder: Path) -> int:
         for lane in lanes:
             workloads, records, n = merge((workloads, records), _all_lines(lane))
             added += n
+        workloads, records, n = journal.fold(workloads, records, folder / journal.MEASURED)
+        added += n
         if added:
             _write_packed(folder / (WORKLOADS + PACKED), workloads)
             _write_packed(folder / (RECORDS + PACKED), records)
-    for name in (WORKLOADS, RECORDS):
+    for name in (WORKLOADS, RECORDS, journal.MEASURED, SEEDED):
         (folder / name).unlink(missing_ok=True)
     for lane in lane_dirs(folder):
         if lane in lanes or not has_records(lane):
@@ -215,27 +221,36 @@ def pack(folder: Path) -> int:
 
 
 def _working_lines(folder: Path) -> tuple[list[str], list[str]]:
-    """The working copy's workload and record lines (empty when absent)."""
-    return tuple(
+    """The working copy's workload and record lines (empty when absent),
+    less the records seeded from the kernel store (`SEEDED`): another
+    model's, never this database's own."""
+    workloads, records = (
         [ln for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else []
         for p in (folder / WORKLOADS, folder / RECORDS)
     )
+    seeded = folder / SEEDED
+    if seeded.is_file():
+        drop = set(json.loads(seeded.read_text()))
+        records = [ln for ln in records if ln not in drop]
+    return workloads, records
 
 
 def has_records(folder: Path) -> bool:
     folder = Path(folder)
-    return any((d / n).is_file() for d in (folder, *lane_dirs(folder)) for n in (RECORDS, RECORDS + PACKED))
+    return any((d / n).is_file() for d in (folder, *lane_dirs(folder))
+               for n in (RECORDS, RECORDS + PACKED, journal.MEASURED))
 
 
 def _all_lines(folder: Path) -> tuple[list[str], list[str]]:
-    """Every workload and record: the compressed files plus any working copy."""
-    base = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
-    if not (folder / RECORDS).is_file():
-        return base
-    try:
-        workloads, records, _ = merge(base, _working_lines(folder))
-    except (json.JSONDecodeError, IndexError):  # a torn line being written: count what is packed
-        return base
+    """Every workload and record: the compressed files plus any working copy
+    and journal."""
+    workloads, records = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
+    if (folder / RECORDS).is_file():
+        try:
+            workloads, records, _ = merge((workloads, records), _working_lines(folder))
+        except (json.JSONDecodeError, IndexError):  # a torn line being written: count what is packed
+            pass
+    workloads, records, _ = journal.fold(workloads, records, folder / journal.MEASURED)
     return workloads, records
 
 
@@ -258,13 +273,24 @@ def _best_per_workload(records: list[str], top_k: int) -> list[str]:
     return [records[i] for i in keep]
 
 
-def _expand(folder: Path, dest: Path, top_k: int | None = None) -> None:
+def _expand(folder: Path, dest: Path, top_k: int | None = None, extra: tuple[list[str], list[str]] | None = None
+            ) -> list[str]:
+    """Write `folder`'s records (the best `top_k` of each workload) as a
+    plain JSON database into `dest`, with `extra` (workload and record
+    lines, the kernel store's) added where they are not already there;
+    returns the record lines that came from `extra`."""
     workloads = _packed_lines(folder / (WORKLOADS + PACKED))
     records = _packed_lines(folder / (RECORDS + PACKED))
     if top_k is not None:
         records = _best_per_workload(records, top_k)
+    added: list[str] = []
+    if extra is not None and extra[1]:
+        n = len(records)
+        workloads, records, _ = merge((workloads, records), extra)
+        added = records[n:]
     (dest / WORKLOADS).write_text("".join(ln + "\n" for ln in workloads))
     (dest / RECORDS).write_text("".join(ln + "\n" for ln in records))
+    return added
 
 
 def _json_database(folder: Path):
@@ -286,14 +312,18 @@ def _json_database(folder: Path):
 SEED_RECORDS = 64
 
 
-def open_for_tuning(folder: Path, key: dict, seed_records: int = SEED_RECORDS, seed_from: Path | None = None):
+def open_for_tuning(folder: Path, key: dict, seed_records: int = SEED_RECORDS, seed_from: Path | None = None,
+                    store: tuple[list[str], list[str]] | None = None):
     """The database to tune into: a working copy holding every workload and
     the best `seed_records` records of each (after folding in any copy a
-    killed run left). New records are appended to it; call `pack(folder)`
-    when tuning ends, which adds them to the full compressed files. A tuning
-    lane's folder (`lane_dir`) is seeded from its run's packed database
-    `seed_from` instead: it holds only that working copy, which the run's
-    `pack` folds in."""
+    killed run left), and the kernel store's records of the tasks (`store`,
+    workload and record lines: other models' kernels that are the same
+    task), which seed the search and the cost model and are never packed
+    into this database (`SEEDED`). New records are appended to it; call
+    `pack(folder)` when tuning ends, which adds them to the full compressed
+    files. A tuning lane's folder (`lane_dir`) is seeded from its run's
+    packed database `seed_from` instead: it holds only that working copy,
+    which the run's `pack` folds in."""
     folder = Path(folder)
     check_key(folder, key)
     folder.mkdir(parents=True, exist_ok=True)
@@ -301,25 +331,30 @@ def open_for_tuning(folder: Path, key: dict, seed_records: int = SEED_RECORDS, s
         artifacts.write_json_atomic(folder / KEY_FILE, key)
     if seed_from is None:
         pack(folder)
-        _expand(folder, folder, seed_records)
-    else:
-        _expand(Path(seed_from), folder, seed_records)
+    seeded = _expand(Path(seed_from) if seed_from is not None else folder, folder, seed_records, store)
+    if seeded:
+        artifacts.write_json_atomic(folder / SEEDED, seeded)
+        log.info("tune: %d record(s) of the kernel store seed %s", len(seeded), folder.name)
     return _json_database(folder)
 
 
 @contextlib.contextmanager
-def open_readonly(folder: Path, key: dict):
+def open_readonly(folder: Path | None, key: dict | None, store: tuple[list[str], list[str]] | None = None):
     """Yield a JSONDatabase with the best record of each workload (what a
-    build applies), or None when the database has no records."""
-    folder = Path(folder)
-    check_key(folder, key)
-    if (folder / RECORDS).is_file() or lane_dirs(folder):
-        pack(folder)  # records a killed run left behind
-    if not (folder / (RECORDS + PACKED)).is_file():
+    build applies) of the database at `folder` (None: no database of its
+    own) and the kernel store's records `store`, or None when neither has a
+    record."""
+    if folder is not None:
+        folder = Path(folder)
+        check_key(folder, key)
+        if has_records(folder):
+            pack(folder)  # records a killed run left behind (working copy, journal, lanes)
+    own = folder is not None and (folder / (RECORDS + PACKED)).is_file()
+    if not own and not (store and store[1]):
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="tvm-deploy-db-") as tmp:
-        _expand(folder, Path(tmp), top_k=1)
+        _expand(folder if own else Path(tmp), Path(tmp), top_k=1, extra=store)
         yield _json_database(Path(tmp))
 
 

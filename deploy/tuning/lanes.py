@@ -14,6 +14,7 @@ from ..config import RPCPool
 from ..errors import DeployError
 from . import builder as candidates
 from . import database as dbs
+from . import journal as tuning_journal
 from . import tasks as task_loop
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def lane_budgets(lefts: list[int], global_left: int, per_iter: int) -> list[int]
 
 
 def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadline, work, seed, pool, n_servers,
-                summary, stats) -> None:
+                summary, stats, store=None) -> None:
     """Tune `todo` in `n_lanes` processes, each over its share of the tasks
     with its share of the CPUs, each measuring on the pool (the tracker
     hands each session a free server, so one GPU never measures two
@@ -97,6 +98,7 @@ def _tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadli
             "db": str(dbs.lane_dir(db_dir, i)), "seed_from": str(db_dir), "name": db_dir.name, "key": key, "target": target, "profile": profile,
             "deadline": deadline, "work": str(lane_work), "seed": seed + 104729 * i,
             "pool": pool, "n_servers": n_servers, "cpus": cpus, "result": str(lane_work / "result.pickle"),
+            "store": store,
         })
     log.info("tune: %s: %d tasks in %d lanes of %d CPUs each (%s tasks)", db_dir.name, len(todo), len(groups), cpus,
              "/".join(str(len(g)) for g in groups))
@@ -221,13 +223,16 @@ def _lane_main(spec: dict) -> dict:
     started = time.time()
     # Its records stay in the working copy, appended as measured: the run's
     # `dbs.pack` folds them in (or the next run's, if this one is killed).
-    db = dbs.open_for_tuning(spec["db"], spec["key"], seed_from=spec["seed_from"])
+    db = dbs.open_for_tuning(spec["db"], spec["key"], seed_from=spec["seed_from"], store=spec.get("store"))
+    journal = tuning_journal.Journal(spec["db"])
     try:
         task_loop._tune_tasks(todo, spec["global_left"], db, spec["name"], spec["key"], spec["target"], spec["profile"],
                     spec["deadline"], Path(spec["work"]), spec["seed"], spec["pool"], spec["n_servers"],
-                    spec["cpus"], summary, stats, lane=spec["lane"])
+                    spec["cpus"], summary, stats, lane=spec["lane"], journal=journal)
     except DeployError as e:  # the pool was lost: the parent raises it once every lane's records are folded in
         fatal = e
+    finally:
+        journal.close()
     for s in stats.values():
         s["best_s"] = None if s["best_s"] is None else float(s["best_s"])
     return {"lane": spec["lane"], "summary": summary, "stats": stats, "fatal": fatal,

@@ -41,6 +41,7 @@ processes are `pool`, its tracker and devices `devices`.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -447,11 +448,12 @@ class Measurer:
 
 
 def make_runner(pool: RPCPool, target: TargetInfo, n_servers: int, evaluator_config, timeout_s: float,
-                stop: threading.Event | None = None):
+                stop: threading.Event | None = None, on_result=None):
     """A MetaSchedule runner measuring on the pool. `.measurer` holds its
     state: `stop` (set when the pool is lost), `fatal` (why), `stats`;
     `.measurer.add_to_database()` is the measure callback to record with;
-    `.measurer.close()` ends it."""
+    `.measurer.close()` ends it. `on_result(artifact_path, future)` is called
+    as each candidate's measurement ends (the tuning journal)."""
     from ..tvm_compat import derived_object, ms
 
     measurer = Measurer(pool, target, n_servers, evaluator_config, timeout_s, stop)
@@ -475,7 +477,13 @@ def make_runner(pool: RPCPool, target: TargetInfo, n_servers: int, evaluator_con
             self.measurer = measurer
 
         def run(self, runner_inputs):
-            return [PoolFuture(measurer.submit(r)) for r in runner_inputs]
+            futures = []
+            for r in runner_inputs:
+                future = measurer.submit(r)
+                if on_result is not None:
+                    future.add_done_callback(functools.partial(on_result, str(r.artifact_path)))
+                futures.append(PoolFuture(future))
+            return futures
 
     return PoolRunner()
 

@@ -11,10 +11,12 @@ import time
 log = logging.getLogger(__name__)
 
 
-def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int, stop=()):
+def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int, stop=(),
+                          journal=None):
     """An EvolutionarySearch that stops at a wall-clock deadline, after
     `budget` new trials (what is left of this task's budget), or once one of
-    the `stop` events is set (the RPC pool is gone, the run was interrupted)."""
+    the `stop` events is set (the RPC pool is gone, the run was interrupted).
+    Each batch it hands out is offered to `journal` (a `journal.Journal`)."""
     from ..tvm_compat import derived_object, ms
 
     @derived_object
@@ -23,9 +25,12 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
             self.inner = ms.search_strategy.EvolutionarySearch(
                 population_size=population, genetic_num_iters=generations
             )
+            self.task = None
 
         def _initialize_with_tune_context(self, context):
             self.inner._initialize_with_tune_context(context)
+            if journal is not None:
+                self.task = journal.task(context)
 
         def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None):
             self.inner.pre_tuning(min(max_trials, budget), num_trials_per_iter, design_spaces, database, cost_model)
@@ -38,13 +43,16 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
                 return None
             if any(e.is_set() for e in stop):
                 return None
-            return self.inner.generate_measure_candidates()
+            candidates = self.inner.generate_measure_candidates()
+            if journal is not None and candidates is not None:
+                journal.offer(self.task, candidates)
+            return candidates
 
         def notify_runner_results(self, measure_candidates, results):
             self.inner.notify_runner_results(measure_candidates, results)
 
         def clone(self):
-            return _make_deadline_search(deadline, budget, population, generations, stop)
+            return _make_deadline_search(deadline, budget, population, generations, stop, journal)
 
     return DeadlineSearch()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..config import Profile, RPCPool
 from ..targets import TargetInfo
 from . import builder as candidates
+from . import journal as tuning_journal
 from . import search as deadline_search
 from .rpc import LOST, ignore_sigint
 
@@ -109,17 +110,21 @@ def _drop_unnamed_handlers() -> None:
             lg.removeHandler(h)
 
 
-def _runner(target: TargetInfo, profile: Profile, pool: RPCPool | None = None, n_servers: int = 0, stop=None):
+def _runner(target: TargetInfo, profile: Profile, pool: RPCPool | None = None, n_servers: int = 0, stop=None,
+            journal=None):
     """This machine's device (MetaSchedule's LocalRunner), or the RPC pool,
-    with the same evaluator settings: kernel times compare across the two."""
+    with the same evaluator settings: kernel times compare across the two.
+    Each result goes to `journal` as it is measured."""
     from ..tvm_compat import ms
 
     if pool is not None:
         from . import rpc
 
-        return rpc.make_runner(pool, target, n_servers, _evaluator_config(target), profile.runner_timeout_s, stop)
-    return ms.runner.LocalRunner(timeout_sec=profile.runner_timeout_s, evaluator_config=_evaluator_config(target),
-                                 initializer=ignore_sigint)
+        return rpc.make_runner(pool, target, n_servers, _evaluator_config(target), profile.runner_timeout_s, stop,
+                               on_result=None if journal is None else journal.measured_future)
+    local = ms.runner.LocalRunner(timeout_sec=profile.runner_timeout_s, evaluator_config=_evaluator_config(target),
+                                  initializer=ignore_sigint)
+    return local if journal is None else tuning_journal.make_runner(local, journal)
 
 
 def task_flops(task) -> float:
@@ -143,11 +148,12 @@ def _new_stats() -> dict:
 
 
 def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadline, work, seed, pool, n_servers, cpus,
-                summary, stats, lane: int | None = None) -> None:
+                summary, stats, lane: int | None = None, journal=None) -> None:
     """MetaSchedule over `todo` into `db`, with `cpus` build workers and
     search threads; fills `stats` (per task) and `summary` (time split, RPC
-    statistics, tasks without a design space). Raises the RPC pool's fatal
-    error after the run has stopped."""
+    statistics, tasks without a design space). Every candidate is written to
+    `journal` (a `journal.Journal` beside `db`) as it is measured. Raises the
+    RPC pool's fatal error after the run has stopped."""
     from tqdm.auto import tqdm
 
     from ..tvm_compat import ms
@@ -169,6 +175,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
             space_generator=deadline_search._design_space(p["mod"], tvm_target, s)[0],
             search_strategy=deadline_search._make_deadline_search(
                 deadline, p["left"], profile.search_population, profile.search_generations, (stop, interrupted),
+                journal,
             ),
             task_name=p["name"],
             logger=lg,
@@ -210,8 +217,8 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     summary["cost_model_warm_start"] = {"records": warm, "seconds": round(time.time() - t0, 1)}
     # MetaSchedule's own profiler splits the time between search,
     # building, running and the cost model: where tuning time goes.
-    builder = candidates._make_builder(cpus, profile.builder_timeout_s)
-    runner = _runner(target, profile, pool, n_servers, stop)
+    builder = candidates._make_builder(cpus, profile.builder_timeout_s, journal=journal)
+    runner = _runner(target, profile, pool, n_servers, stop, journal)
     measurer = getattr(runner, "measurer", None)  # the RPC pool's state
     try:
         with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True, position=lane or 0) as bar, \

@@ -15,11 +15,11 @@ committed, because tuning is the expensive part. A run:
   - stops cleanly on the first Ctrl-C (SIGINT, which `timeout --signal=INT`
     sends too): no new candidates, and what is built or being measured is
     measured and saved; a second Ctrl-C stops at once.
-MetaSchedule saves a batch's results when it comes back to that task, which
-in its first round is after every other task has had a batch (minutes, for
-ResNet-50 at batch 64): a run killed outright loses the batches measured but
-not yet saved. JSONDatabase appends one line per saved candidate; a line cut
-short by a kill is dropped on the next open.
+  - loses no measured candidate when killed outright (SIGKILL, the
+    out-of-memory killer): MetaSchedule saves a batch only when it comes
+    back to its task, so each candidate is also journaled as it is measured
+    (`journal`) and folded into the database the next time it is opened.
+A line cut short by a kill is dropped on the next open.
 
 This module is the stage (plan, run, summary); the wing's other modules serve
 it: `tasks` (the task loop), `builder` (the candidate builder), `search` (the
@@ -42,7 +42,9 @@ from ..optimize import OptimizeArtifact
 from ..targets import TargetInfo
 from . import builder as candidates
 from . import database as dbs
+from . import journal as tuning_journal
 from . import lanes as tuning_lanes
+from . import store as kernel_store
 from . import tasks as task_loop
 
 log = logging.getLogger(__name__)
@@ -67,14 +69,19 @@ def tune_bucket(
     seed: int = 0,
     pool: RPCPool | None = None,
     n_servers: int = 0,
+    store_root: Path | None = None,
 ) -> dict:
     """Tune one bucket's module into the database at `db_dir`; returns a
     summary. The database's working copy is packed however the run ends
     (deadline, Ctrl-C, an error, the RPC pool lost). With `pool`, candidates
     are measured on its `n_servers` servers (checked by `rpc_devices.check_pool`),
-    from `lanes(pool, n_servers)` tuning processes."""
+    from `lanes(pool, n_servers)` tuning processes. The kernel store under
+    `store_root` seeds each task that another model tuned."""
     tvm_target = target.tvm_target()
     all_tasks = task_loop.extract_tasks(mod, tvm_target)
+    if dbs.has_records(db_dir):
+        dbs.check_key(db_dir, key)
+        dbs.pack(db_dir)  # what a killed run left (working copy, journal, lanes) counts towards the plan
     plan, global_left = _plan(all_tasks, db_dir, profile)
     summary = {
         "database": str(db_dir),
@@ -90,15 +97,21 @@ def tune_bucket(
     stats: dict = {}
     started = time.time()
     if todo and global_left > 0 and (deadline is None or time.time() < deadline):
+        seeds = None
+        if store_root is not None:
+            seeds = kernel_store.lines_for(store_root, target, kernel_store.workload_hashes([p["mod"] for p in todo]))
+            summary["store_seeds"] = len(seeds[1])
         if n_lanes > 1:
             tuning_lanes._tune_lanes(todo, n_lanes, global_left, db_dir, key, target, profile, deadline, work, seed, pool, n_servers,
-                        summary, stats)
+                        summary, stats, seeds)
         else:
-            db = dbs.open_for_tuning(db_dir, key)
+            db = dbs.open_for_tuning(db_dir, key, store=seeds)
+            journal = tuning_journal.Journal(db_dir)
             try:
                 task_loop._tune_tasks(todo, global_left, db, db_dir.name, key, target, profile, deadline, work, seed, pool,
-                            n_servers, tuning_lanes.lane_cpus(pool, 1), summary, stats)
+                            n_servers, tuning_lanes.lane_cpus(pool, 1), summary, stats, journal=journal)
             finally:
+                journal.close()
                 dbs.pack(db_dir)
     summary.update(_outcome(plan, db_dir, stats, time.time() - started, deadline))
     times = summary.pop("build_times", None)  # this run's, or its lanes' merged: the raw seconds
@@ -187,9 +200,15 @@ def run(
             key = dbs.database_key(model, inputs, bucket, profile, target)
             db_dir = dbs.database_dir(db_root, key, target)
             summaries[str(bucket)] = tune_bucket(
-                opt.load_module(bucket), db_dir, key, target, profile, deadline, tmp, seed, pool, n_servers
+                opt.load_module(bucket), db_dir, key, target, profile, deadline, tmp, seed, pool, n_servers, db_root
             )
             folders[str(bucket)] = str(db_dir)
+        if any(s.get("new_trials") for s in summaries.values()):
+            try:
+                for dest, n in kernel_store.refresh(db_root, only=target.key()).items():
+                    log.info("tune: kernel store %s: %d kernels", dest, n)
+            except (OSError, ValueError) as e:  # the databases are saved; the store is rebuilt by the next run
+                log.warning("tune: kernel store not refreshed (%s); `python -m deploy pack-databases` rebuilds it", e)
         # Logs are bulky; keep them out of the manifest's hashed files.
         files = [f for f in ("failures.jsonl",) if (tmp / f).is_file()]
         artifacts.write_json_atomic(tmp / "summary.json", summaries)

@@ -154,3 +154,65 @@ def test_pack_databases_folds_a_lane_whose_database_is_new(tmp_path, capsys):
     assert cli.main(["pack-databases", str(tmp_path / "root")]) == 0
     assert f"{a}: 1 record(s) folded in" in capsys.readouterr().out
     assert not b.exists() and len(dbs._packed_lines(a / (dbs.RECORDS + dbs.PACKED))) == 1
+
+
+def _journal(folder, *items, torn=False):
+    from deploy.tuning import journal
+
+    folder.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in items)
+    (folder / journal.MEASURED).write_text(text + ('{"w":"h1","record":[["cut' if torn else ""))
+
+
+def test_pack_folds_the_journal_of_a_killed_run(tmp_path):
+    """A run killed outright leaves candidates in its journal that
+    MetaSchedule never saved: pack adds each once (a candidate MetaSchedule
+    saved too is matched by workload, trace and arguments, not by its times
+    or the target's key order), a new workload with it; a torn last line
+    and a record whose workload line was lost are dropped."""
+    from deploy.tuning import journal
+
+    d = tmp_path / "db"
+    target = {"kind": "llvm", "keys": ["cpu"]}
+    _working_copy(d, _lines(["h1", "A"]), _lines([0, ["t1", [1.0], {"keys": ["cpu"], "kind": "llvm"}, ["a"]]]))
+    _journal(
+        d,
+        {"workload": ["h1", "A"]},
+        {"w": "h1", "record": ["t1", [1.0000001], target, ["a"]]},  # saved by MetaSchedule too
+        {"w": "h1", "record": ["t2", [2.0], target, ["a"]]},
+        {"workload": ["h2", "B"]},
+        {"w": "h2", "record": ["t3", [1e10], target, ["b"]]},  # a failed candidate is a record too
+        {"w": "h9", "record": ["t4", [3.0], target, ["c"]]},  # its workload line never written
+        torn=True,
+    )
+    assert dbs.has_records(d)
+    _, r = dbs._all_lines(d)  # what trials_done counts, before any pack
+    assert len(r) == 3
+    assert dbs.pack(d) == 3
+    assert not (d / journal.MEASURED).exists()
+    w = [json.loads(x) for x in dbs._packed_lines(d / (dbs.WORKLOADS + dbs.PACKED))]
+    r = [json.loads(x) for x in dbs._packed_lines(d / (dbs.RECORDS + dbs.PACKED))]
+    assert w == [["h1", "A"], ["h2", "B"]]
+    assert [(wi, rec[0]) for wi, rec in r] == [(0, "t1"), (0, "t2"), (1, "t3")]
+    # the same journal again (a second kill before any pack) adds nothing
+    _journal(d, {"workload": ["h1", "A"]}, {"w": "h1", "record": ["t2", [2.5], target, ["a"]]})
+    assert dbs.pack(d) == 0
+
+
+def test_a_candidate_is_one_candidate_however_its_trace_is_written():
+    """TVM's Python API writes a tensorized trace's layout maps as indented
+    JSON and some of its booleans as true; its JSON database writes the same
+    candidate compactly and with 1 (seen on the H200: 572 of a vit chunk's
+    865 candidates were kept twice). The journal's identity sees one."""
+    from deploy.tuning import journal
+
+    layout = {"root_index": 2, "nodes": [{"type": "None"}, {"type": "ir.Var", "data": {"name": 1}}]}
+    python_api = [[["TransformLayout", ["b0", json.dumps(layout, indent=2)], [0, 0, None, True], []]], [[4, [1, 2]]]]
+    database = [[["TransformLayout", ["b0", json.dumps(layout, separators=(",", ":"))], [0, 0, None, 1], []]],
+                [[4, [1, 2]]]]
+    args = [["TENSOR", "float16", [1, 8]]]
+    assert journal.identity("h", [python_api, [1.0], {}, args]) == journal.identity("h", [database, [2.0], {}, args])
+    other = [[["TransformLayout", ["b0", json.dumps(layout)], [0, 0, None, 0], []]], [[4, [2, 1]]]]
+    assert journal.identity("h", [other, [1.0], {}, args]) != journal.identity("h", [database, [1.0], {}, args])
+    # the journal stores the compact form, as the database does
+    assert journal.canonical(python_api)[0][0][1][1] == database[0][0][1][1]

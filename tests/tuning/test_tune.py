@@ -62,6 +62,28 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert not (db_dir / dbs.RECORDS).exists() and (db_dir / (dbs.RECORDS + dbs.PACKED)).is_file()
     assert len(dbs._packed_lines(db_dir / (dbs.RECORDS + dbs.PACKED))) == 2
 
+    # The run refreshed the kernel store: another model with the same kernel
+    # (here the same module, built with no database of its own) gets its record.
+    import dataclasses
+
+    from deploy import build
+    from deploy.tuning import store
+
+    assert store.hashes_of(store.lines_for(db_root, llvm_target)) and store.digest(db_root, llvm_target)
+    one = dataclasses.replace(cfg.llvm, buckets=(1,))  # built in this process, whose TVM has the intrinsics already
+    other = build.run(one, llvm_target, exported, opt, {}, {}, tmp_path / "other", "other", store_root=db_root)
+    b1 = other.manifest["buckets"]["1"]
+    assert b1["tuned_kernels"] == 1 and b1["database"] is None
+    assert b1["store"]["kernels"] == 1 and b1["store"]["not_in_database"] == 1
+    assert b1["store"]["digest"] == store.digest(db_root, llvm_target)
+    text = pipeline.format_summary({"package": "p", "buckets": {"1": b1}, "validation": None})
+    assert "1/" in text and "(1 by other models, from the kernel store)" in text
+    # The same bucket with its own database: the store adds nothing new.
+    keys = {1: json.loads((a1.databases[1] / "key.json").read_text())}
+    own = build.run(one, llvm_target, exported, opt, a1.databases, keys, tmp_path / "own", cfg.model.name,
+                    store_root=db_root)
+    assert own.manifest["buckets"]["1"]["store"]["not_in_database"] == 0
+
     # Same budget again: the task has reached it, nothing is redone.
     s2, _ = _tune(cfg, llvm_target, exported, opt, db_root, tmp_path / "t2")
     assert s2["new_trials"] == 0 and s2["trials_after"] == 2
@@ -228,3 +250,71 @@ def test_sweep_removes_precompiled_headers_of_dead_workers_only(tmp_path):
         (d / "sub" / "pch").write_bytes(b"x" * 10)
     assert tune_builder.sweep_nvrtc_pch(str(tmp_path)) == 1
     assert not gone.exists() and alive.exists() and other.exists()
+
+
+KILLED_RUN = """
+import sys
+from pathlib import Path
+
+from deploy import export, optimize, targets
+from deploy.tuning import tune
+from tests.conftest import make_config
+
+ws, db_root, folder = (Path(a) for a in sys.argv[1:4])
+cfg = make_config(trials=16, trials_per_task=16, trials_per_iter=16, max_tasks=1)
+exported = export.load(ws / "export")
+tune.run(cfg.llvm, targets.resolve("llvm"), optimize.load(ws / "optimize"), cfg.model.name, exported.inputs,
+         db_root, folder, None)
+"""
+
+
+def test_a_run_killed_mid_batch_loses_no_measured_candidate(tmp_path, tiny_package):
+    """SIGKILL to a tuning run's whole process group (the out-of-memory
+    killer, a GPU machine taken back) while it measures a batch of 16:
+    MetaSchedule saves a batch only after measuring all of it, so without the
+    journal every candidate measured so far was lost. After the kill, every
+    candidate the run measured is in the database once it is packed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from deploy.artifacts import REPO_ROOT
+    from deploy.tuning import journal
+
+    ws = tiny_package[0].parent
+    db_root = tmp_path / "db"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(ws), str(db_root), str(tmp_path / "t")],
+                            cwd=REPO_ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+    def measured():
+        found = list(db_root.rglob(journal.MEASURED))
+        if not found:
+            return None, []
+        _, records = journal.read(found[0])
+        return found[0].parent, [r for _, r in records if max(r[1]) < 1e9]
+
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        db_dir, done = measured()
+        if len(done) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    db_dir, done = measured()
+    assert 3 <= len(done) < 16  # killed mid-batch
+    # MetaSchedule itself had saved none of them
+    saved = (db_dir / dbs.RECORDS).read_text().splitlines() if (db_dir / dbs.RECORDS).is_file() else []
+    assert saved == []
+    assert dbs.pack(db_dir) >= len(done)
+    _, records = dbs._all_lines(db_dir)
+    have = {json.dumps(json.loads(r)[1][0]) for r in records}
+    assert all(json.dumps(r[0]) in have for r in done)
+    # ... and MetaSchedule reads every one of them back
+    every = tmp_path / "every"
+    every.mkdir()
+    dbs._expand(db_dir, every)
+    assert len(dbs._json_database(every).get_all_tuning_records()) == len(records)

@@ -1,0 +1,85 @@
+"""The kernel store: the best record of each workload over every database of
+one target, shared by every model (no TVM needed, but for the seeding test's
+database object, which is stubbed)."""
+
+import json
+
+from deploy.targets import TargetInfo
+from deploy.tuning import database as dbs
+from deploy.tuning import store
+
+
+def _lines(*items):
+    return [json.dumps(x, separators=(",", ":")) for x in items]
+
+
+H200 = TargetInfo("cuda", '{"arch": "sm_90", "kind": "cuda"}', "sm_90", "NVIDIA H200", False)
+H100 = TargetInfo("cuda", '{"arch": "sm_90", "kind": "cuda"}', "sm_90", "NVIDIA H100", False)
+
+
+def _database(root, model, target, workloads, records):
+    folder = root / model / target.slug / "fp16-nhwc-b1"
+    folder.mkdir(parents=True)
+    (folder / dbs.KEY_FILE).write_text(json.dumps({"model": model, "target": target.key()}))
+    dbs._write_packed(folder / (dbs.WORKLOADS + dbs.PACKED), _lines(*workloads))
+    dbs._write_packed(folder / (dbs.RECORDS + dbs.PACKED), _lines(*records))
+    return folder
+
+
+def test_refresh_keeps_the_fastest_valid_record_of_each_workload_per_target(tmp_path):
+    _database(tmp_path, "a", H200, [["h1", "A"], ["h2", "B"]],
+              [[0, ["t1", [3.0]]], [0, ["t2", [1.0]]], [1, ["t3", [1e10]]]])  # h2 only failed
+    _database(tmp_path, "b", H200, [["h3", "C"], ["h1", "A"]], [[0, ["t4", [2.0]]], [1, ["t5", [2.0]]]])
+    _database(tmp_path, "c", H100, [["h1", "A"]], [[0, ["t6", [0.5]]]])  # another GPU: its own store
+    out = store.refresh(tmp_path)
+    assert out == {str(store.folder(tmp_path, H200)): 2, str(store.folder(tmp_path, H100)): 1}
+    w, r = store.lines_for(tmp_path, H200)
+    best = {json.loads(w[json.loads(ln)[0]])[0]: json.loads(ln)[1][0] for ln in r}
+    assert best == {"h1": "t2", "h3": "t4"}  # the fastest of a's and b's; no failed record
+    assert store.lines_for(tmp_path, H100)[1] and json.loads(store.lines_for(tmp_path, H100)[1][0])[1][0] == "t6"
+    # only the kernels a module has
+    w, r = store.lines_for(tmp_path, H200, {"h3", "h9"})
+    assert [json.loads(x)[0] for x in w] == ["h3"] and [json.loads(x)[0] for x in r] == [0]
+    assert store.hashes_of((w, r)) == {"h3"}
+    # rebuilt, not appended to: a database removed takes its records out
+    first = store.digest(tmp_path, H200)
+    assert store.refresh(tmp_path) and store.digest(tmp_path, H200) == first  # deterministic
+    import shutil
+
+    shutil.rmtree(tmp_path / "b")
+    store.refresh(tmp_path)
+    assert store.hashes_of(store.lines_for(tmp_path, H200)) == {"h1"}
+
+
+def test_a_store_for_another_target_is_not_used(tmp_path):
+    _database(tmp_path, "a", H200, [["h1", "A"]], [[0, ["t1", [1.0]]]])
+    store.refresh(tmp_path)
+    other = TargetInfo("cuda", '{"arch": "sm_90", "kind": "cuda", "max_shared_memory_per_block": 1}', "sm_90",
+                       "NVIDIA H200", False)
+    assert other.slug == H200.slug  # the same folder, another target
+    assert store.lines_for(tmp_path, other) == ([], [])
+
+
+def test_seeded_records_guide_the_search_but_never_enter_the_database(tmp_path, monkeypatch):
+    monkeypatch.setattr(dbs, "_json_database", lambda folder: None)
+    d = tmp_path / "db"
+    key = {"model": "m"}
+    seeds = (_lines(["h1", "A"], ["h2", "B"]), _lines([0, ["s1", [1.0]]], [1, ["s2", [2.0]]]))
+    # an own record for h1 already: the store's is seeded beside it
+    _database(tmp_path, "own", H200, [["h1", "A"]], [[0, ["o1", [1.5]]]])
+    own = tmp_path / "own" / H200.slug / "fp16-nhwc-b1"
+    (d).mkdir()
+    (d / dbs.KEY_FILE).write_text(json.dumps(key))
+    for name in (dbs.WORKLOADS, dbs.RECORDS):
+        (d / (name + dbs.PACKED)).write_bytes((own / (name + dbs.PACKED)).read_bytes())
+    dbs.open_for_tuning(d, key, store=seeds)
+    working = (d / dbs.RECORDS).read_text().splitlines()
+    assert len(working) == 3 and (d / dbs.SEEDED).is_file()
+    assert len(dbs._all_lines(d)[1]) == 1  # what trials_done counts: the own record only
+    # a candidate measured during the run is appended by MetaSchedule
+    with open(d / dbs.RECORDS, "a") as f:
+        f.write(json.dumps([1, ["n1", [0.5]]], separators=(",", ":")) + "\n")
+    assert dbs.pack(d) == 1
+    assert not (d / dbs.SEEDED).exists()
+    r = [json.loads(x)[1][0] for x in dbs._packed_lines(d / (dbs.RECORDS + dbs.PACKED))]
+    assert r == ["o1", "n1"]
