@@ -15,7 +15,7 @@
 #   make rpc-server TRACKER=hostA:9190 RPC_KEY=h200 GPU=0 HOST=0.0.0.0       once per GPU, on its host
 #   make tune MODEL=resnet50 TRACKER=hostA:9190 RPC_KEY=h200 [RPC_LANES=N RPC_LANE_CPUS=N]   builds here, measures there
 #   make rpc-status TRACKER=hostA:9190 RPC_KEY=h200                          the servers and their GPUs
-#   make tune MODEL=resnet50 RPC_LANES=2      no TRACKER: two tuning lanes on this machine's GPU (loopback pool)
+#   make tune MODEL=resnet50 RPC_LANES=1      no TRACKER: one tuning process (default on a GPU machine with 8+ CPUs: two lanes, loopback pool)
 
 MODEL     ?= resnet50
 TARGET    ?=

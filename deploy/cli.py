@@ -119,6 +119,11 @@ def prepare(args):
     else:
         target = targets.resolve(_nonempty(args.target) or "auto")
     args.pool = pool
+    if lanes is None and pool is None and target.kind == "cuda" and target.has_device:
+        from .tuning.builder import usable_cpus
+
+        if usable_cpus() >= config_mod.LOCAL_LANES_MIN_CPUS:
+            args.loopback = (config_mod.LOCAL_LANES, lane_cpus or 0)  # started only when the run tunes (_loopback)
     buckets = config_mod.parse_int_list(args.buckets, "--buckets") if _nonempty(args.buckets) else None
     tune_buckets = config_mod.parse_int_list(args.tune_buckets, "--tune-buckets") if _nonempty(args.tune_buckets) else None
     cfg = config_mod.apply_overrides(
@@ -164,6 +169,8 @@ def _loopback(args, target, profile, workdir: Path):
     from .tuning import pool as rpc_pool
 
     lanes, lane_cpus = args.loopback
+    log.info("tune: %d lanes on this machine's %s through a loopback pool (--rpc-lanes 1: one process)", lanes,
+             target.kind)
     if target.kind == "llvm":
         log.warning("--rpc-lanes on the CPU target: a lane's candidates are timed on the same cores that the other "
                     "lanes search and build on, so CPU timings will be noisy")
@@ -445,7 +452,8 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-lanes", type=int,
                    help="tuning processes sharing this machine's CPUs, each over a share of the tasks (default: one per "
                         "server); 2 or more without --tracker: that many on this machine's device, through a loopback "
-                        "tracker and server")
+                        f"tracker and server (default on a local GPU with {config_mod.LOCAL_LANES_MIN_CPUS}+ CPUs: "
+                        f"{config_mod.LOCAL_LANES}; 1 for one process)")
     p.add_argument("--rpc-lane-cpus", type=int,
                    help="CPUs each tuning process uses (default: this machine's CPUs divided among them; "
                         "more lets one search or build while another waits)")

@@ -233,6 +233,15 @@ class RPCPool:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
+# Tuning on this machine's GPU goes in this many lanes through a loopback
+# pool when nothing else is asked for (no --rpc-lanes, no tracker) and the
+# machine has at least LOCAL_LANES_MIN_CPUS CPUs for them to share: tuning is
+# CPU-bound, and a second lane searches and builds while the first measures
+# (1.85x the trials/min on one H200, results/h200/2026-11-30/rpc-check-x2-lanes/).
+# `--rpc-lanes 1` tunes in one process.
+LOCAL_LANES = 2
+LOCAL_LANES_MIN_CPUS = 8
+
 # Where `deploy rpc-tracker` / `rpc-server` listen unless told otherwise: TVM's
 # ports, on loopback (an RPC server runs any code it is sent; see README).
 RPC_HOST = "127.0.0.1"
@@ -474,8 +483,8 @@ def rpc_pool(tracker: str | None, key: str | None, lanes: int | None = None,
     from `lanes` processes (--rpc-lanes; default one per server) of
     `lane_cpus` CPUs each (--rpc-lane-cpus; default an equal share)."""
     check_lanes(lanes, lane_cpus)
-    for flag, value in (("--rpc-lanes", lanes), ("--rpc-lane-cpus", lane_cpus)):
-        if value and not (tracker or key):
+    for flag, value in (("--rpc-lanes", lanes if lanes != 1 else None), ("--rpc-lane-cpus", lane_cpus)):
+        if value and not (tracker or key):  # (--rpc-lanes 1 alone: one tuning process, no pool)
             raise ConfigError(f"{flag} needs --tracker and --rpc-key", value,
                               "a pool to measure on, or --rpc-lanes 2 or more: lanes on this machine's device")
     if not tracker and not key:

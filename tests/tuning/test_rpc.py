@@ -398,7 +398,7 @@ def test_tune_in_two_lanes_one_server_dies(procs, llvm_target, tiny_opt, tmp_pat
 
 @pytest.mark.parametrize("argv, message", [
     (["--rpc-lanes", "-1", "--tracker", "127.0.0.1:9190", "--rpc-key", "k"], "invalid --rpc-lanes | got -1"),
-    (["--rpc-lanes", "1"], "--rpc-lanes needs --tracker and --rpc-key | got 1"),
+    (["--rpc-lanes", "1", "--rpc-lane-cpus", "4"], "--rpc-lane-cpus needs --tracker and --rpc-key | got 4"),
     (["--rpc-lane-cpus", "-2", "--tracker", "127.0.0.1:9190", "--rpc-key", "k"], "invalid --rpc-lane-cpus | got -2"),
     (["--rpc-lane-cpus", "8"], "--rpc-lane-cpus needs --tracker and --rpc-key"),
     (["--rpc-lanes", "2", "--rpc-lane-cpus", "-3"], "invalid --rpc-lane-cpus | got -3"),  # lanes on this machine too
@@ -541,3 +541,28 @@ def test_loopback_pool_ends_with_a_terminated_or_killed_run(tmp_path, sig):
         assert time.time() < deadline, f"the loopback tracker outlived the run ({sig})"
         time.sleep(0.3)
     assert (tmp_path / "server.log").is_file()
+
+
+def test_a_local_gpu_tunes_in_two_lanes_unless_told_otherwise(monkeypatch):
+    """On a machine with a GPU and 8+ CPUs, `run` tunes in two lanes through
+    a loopback pool by default (tuning is CPU-bound: a second lane searches
+    and builds while the first measures); `--rpc-lanes 1` keeps one process,
+    and a machine with few CPUs, the CPU target or a tracker get none."""
+    from deploy import cli, config, targets
+    from deploy.tuning import builder
+
+    gpu = targets.TargetInfo("cuda", '{"arch": "sm_90", "kind": "cuda"}', "sm_90", "NVIDIA H200", True)
+    monkeypatch.setattr(targets, "resolve", lambda text: gpu)
+
+    def loopback(*extra, cpus=16):
+        monkeypatch.setattr(builder, "usable_cpus", lambda: cpus)
+        args = cli.parser().parse_args(["run", "-m", "tiny_cnn", *extra])
+        cli.prepare(args)
+        return args.loopback
+
+    assert loopback() == (config.LOCAL_LANES, 0) and config.LOCAL_LANES == 2
+    assert loopback("--rpc-lanes", "1") is None
+    assert loopback("--rpc-lanes", "3") == (3, 0)
+    assert loopback(cpus=4) is None
+    monkeypatch.setattr(targets, "resolve", lambda text: dataclasses.replace(gpu, has_device=False))
+    assert loopback() is None
