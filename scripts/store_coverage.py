@@ -72,6 +72,7 @@ def markdown(report: dict) -> str:
         f"Databases under `{report['db_root']}` for `{report['store']}`; modules built for cuda:sm_90 at "
         f"{report['precision']}. Command: `{report['command']}`",
         "",
+        "Machine: any (the modules are built for cuda:sm_90 without a GPU). "
         "A kernel is covered when a database has a valid record for its workload (its TIR).",
         "'by others' counts only databases of other models: what a new model starts from.",
         "",
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
     store_all = set().union(*by_model.values()) if by_model else set()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"date": time.strftime("%Y-%m-%d"), "db_root": str(args.db_root), "store": args.store,
+    shown_root = db_root.resolve().relative_to(REPO) if db_root.resolve().is_relative_to(REPO) else db_root
+    report = {"date": time.strftime("%Y-%m-%d"), "db_root": str(shown_root), "store": args.store,
               "precision": args.precision, "results": [],
               "databases": {m: len(s) for m, s in sorted(by_model.items())},
               "command": "python scripts/store_coverage.py " + " ".join(argv if argv is not None else sys.argv[1:])}
