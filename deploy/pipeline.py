@@ -88,9 +88,19 @@ def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budg
 
 def existing_databases(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path) -> tuple[dict, dict]:
     """(bucket -> database key, bucket -> database folder) for the buckets
-    whose database has records: what the build applies."""
+    whose database has records: what the build applies. With none for a CPU
+    target while the model has CPU databases for another x86-64 level, one
+    line says so."""
     keys, dirs = db_keys(cfg, profile, target, inputs, db_root)
-    return keys, {b: d for b, d in dirs.items() if dbs.has_records(d)}
+    found = {b: d for b, d in dirs.items() if dbs.has_records(d)}
+    if not found and target.kind == "llvm":
+        others = sorted(p.name.removeprefix("llvm-") for p in (Path(db_root) / cfg.model.name).glob("llvm-*")
+                        if p.name != target.slug and any(dbs.has_records(d) for d in p.iterdir() if d.is_dir()))
+        if others:
+            log.warning("build: %s has CPU tuning databases for %s, not for this machine's %s (%s): its kernels are "
+                        "untuned here; tune here, or build on a machine of that level", cfg.model.name,
+                        ", ".join(others), target.arch, target.device_name)
+    return keys, found
 
 
 def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path) -> tuple[dict, dict]:

@@ -58,6 +58,7 @@ def check_device(manifest: dict):
 
     target = manifest["target"]
     if target["kind"] != "cuda":
+        check_cpu_level(target.get("arch", ""))
         return tvm.cpu(0)
     dev = None
     try:
@@ -73,6 +74,22 @@ def check_device(manifest: dict):
             "package was built for another GPU architecture", f"compute capability {dev.compute_version}", want
         )
     return dev
+
+
+def check_cpu_level(want: str) -> None:
+    """A CPU package runs on a machine of its x86-64 level or a higher one;
+    on a lower one its code would stop at the first instruction the CPU
+    lacks (SIGILL), so that is refused first, in one line."""
+    from .targets import cpu_level, level_rank
+    from .tvm_compat import target_codegen
+
+    if level_rank(want) is None:
+        return  # an older package (keyed by the CPU model) or another architecture: nothing to compare
+    cpu = target_codegen.llvm_get_system_cpu()
+    have = cpu_level(cpu)
+    if (level_rank(have) or 0) < level_rank(want):
+        raise TargetError("package was built for a CPU level this machine lacks", f"{have} ({cpu})",
+                          f"{want} or higher (rebuild here: make tune TARGET=llvm)")
 
 
 @dataclass(eq=False)

@@ -25,7 +25,7 @@ class TargetInfo:
     kind: str  # "llvm" | "cuda"
     spec: str  # JSON of the tvm Target (the exact target string in manifests)
     arch: str  # "sm_90", or the LLVM CPU name
-    device_name: str  # "NVIDIA H200", "cpu", or "" when cross-compiling
+    device_name: str  # "NVIDIA H200", the CPU model ("znver4"), or "" when cross-compiling
     has_device: bool  # whether code for it can run on this machine
 
     def tvm_target(self):
@@ -52,6 +52,13 @@ class TargetInfo:
         return f"llvm-{self.arch}"
 
     def key(self) -> dict:
+        """What tuning databases and packages are keyed by. A GPU's model is
+        part of it; a CPU's is not, nor its core count: the level (`arch`)
+        and the target string without `num-cores` (records tuned on any
+        machine of the level apply to every other)."""
+        if self.kind == "llvm":
+            spec = {k: v for k, v in json.loads(self.spec).items() if k != "num-cores"}
+            return {"kind": self.kind, "arch": self.arch, "device": "", "target": json.dumps(spec, sort_keys=True)}
         return {"kind": self.kind, "arch": self.arch, "device": self.device_name, "target": self.spec}
 
 
@@ -65,15 +72,52 @@ def _cuda_device():
         return None
 
 
+# The x86-64 micro-architecture levels of the psABI, each with the features
+# (LLVM's names) it adds to the one below. A CPU target is generated for its
+# level, not its model (`-mcpu=x86-64-v4`, not `znver4`), so that a tuning
+# database and a package serve every machine of that level: this project's
+# CPU machines changed from znver3 to znver4 to emeraldrapids between
+# sessions, and a database keyed by the model applied to none of the others.
+X86_LEVELS = (
+    ("x86-64-v2", frozenset({"cx16", "popcnt", "sahf", "sse3", "sse4.1", "sse4.2", "ssse3"})),
+    ("x86-64-v3", frozenset({"avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave"})),
+    ("x86-64-v4", frozenset({"avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"})),
+)
+
+
+def cpu_level(cpu: str) -> str:
+    """The highest x86-64 level whose features the CPU model `cpu` (as LLVM
+    names it, e.g. the host's `llvm_get_system_cpu()`) has; the model itself
+    when it has none (another architecture, or a CPU LLVM does not know)."""
+    from .tvm_compat import Target, target_codegen
+
+    try:
+        features = set(target_codegen.llvm_get_cpu_features(Target({"kind": "llvm", "mcpu": cpu})))
+    except Exception:  # an unknown CPU name: no features to go by
+        return cpu
+    level = cpu
+    for name, needs in X86_LEVELS:
+        if not needs <= features:
+            break
+        level = name
+    return level
+
+
+def level_rank(arch: str) -> int | None:
+    """1 for x86-64-v2 up to 3 for x86-64-v4; None for anything else."""
+    return next((i + 1 for i, (name, _) in enumerate(X86_LEVELS) if name == arch), None)
+
+
 def _llvm() -> TargetInfo:
     import psutil
 
     from .tvm_compat import target_codegen
 
     cpu = target_codegen.llvm_get_system_cpu()
+    level = cpu_level(cpu)
     cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    spec = {"kind": "llvm", "mcpu": cpu, "num-cores": int(cores)}
-    return TargetInfo("llvm", json.dumps(spec, sort_keys=True), cpu, "cpu", True)
+    spec = {"kind": "llvm", "mcpu": level, "num-cores": int(cores)}
+    return TargetInfo("llvm", json.dumps(spec, sort_keys=True), level, cpu, True)
 
 
 def cuda_from_device(dev, has_device: bool = True) -> TargetInfo:

@@ -127,7 +127,10 @@ def probe(sess, address: str) -> ServerDevice:
 
         tensor(np.zeros(1, "float32"), dev)
         return ServerDevice(address, True, dev.device_name, "sm_" + dev.compute_version.replace(".", ""))
-    return ServerDevice(address, False, "cpu", sess.get_function("target.llvm_get_system_cpu")())
+    from ..targets import cpu_level
+
+    # the CPU's x86-64 level, as a local CPU target is named (targets.cpu_level)
+    return ServerDevice(address, False, "cpu", cpu_level(sess.get_function("target.llvm_get_system_cpu")()))
 
 
 def mismatch(found: ServerDevice, target: TargetInfo) -> str | None:

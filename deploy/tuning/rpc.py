@@ -30,9 +30,10 @@ Device check. CUDA: the server's `cuda(0)` must exist and have the target's
 architecture and GPU name (for `auto`/`cuda` its target string is read from
 the device the way a local run reads it; for `cuda:sm_XY` it is the generic
 spec `targets.resolve` builds, with the GPU name from the server: either way
-the database is a local run's on that GPU). llvm: the server's LLVM
-CPU name must be the target's `mcpu` (core count and triple are not checked:
-they do not change the generated code's correctness, only its speed).
+the database is a local run's on that GPU). llvm: the server's CPU must be
+of the target's x86-64 level (`targets.cpu_level` of its LLVM CPU name; core
+count and triple are not checked: they do not change the generated code's
+correctness, only its speed).
 
 This module is the measurer (sessions, retries, lost servers); the pool's
 processes are `pool`, its tracker and devices `devices`.

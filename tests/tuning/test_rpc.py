@@ -225,7 +225,7 @@ def test_server_errors_before_loading_are_not_the_candidates(monkeypatch):
 
     def measure(fail):
         monkeypatch.setattr(tvm.rpc, "connect", lambda *a, **k: Sess(fail))
-        return rpc._measure("h", 1, "k", 5.0, "/x/a.so", "cpu", (), None, "llvm", "znver4", "cpu")
+        return rpc._measure("h", 1, "k", 5.0, "/x/a.so", "cpu", (), None, "llvm", "x86-64-v4", "znver4")
 
     status, why = measure("upload")
     assert status == "lost" and "before loading the candidate" in why and "disk full" in why
