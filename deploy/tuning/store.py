@@ -81,7 +81,9 @@ def _best(groups: list[tuple[list[str], list[str]]]) -> tuple[list[str], list[st
 def refresh(root: Path, only: dict | None = None) -> dict[str, int]:
     """Rebuild the store of every target with a database under `root` (or
     only of the target whose key is `only`); returns {store folder: kernels}.
-    Each database is packed first (what a killed run left is folded in)."""
+    Each database is read whole (compressed files, working copy, journal)
+    and left as it is: another run may be tuning into it right now, and
+    packing would take its working copy from under it."""
     groups: dict[str, list[Path]] = {}
     keys: dict[str, dict] = {}
     for db, key in databases(root):
@@ -102,8 +104,6 @@ def refresh(root: Path, only: dict | None = None) -> dict[str, int]:
             if have.is_file() and json.loads(have.read_text()) != _key(keys[tkey]):
                 log.warning("store: %s holds another target's records; left as it is", dest)
                 continue
-            for db in folders:
-                dbs.pack(db)
             workloads, records = _best([dbs._all_lines(db) for db in folders])
             artifacts.write_json_atomic(have, _key(keys[tkey]))
             dbs._write_packed(dest / (dbs.WORKLOADS + dbs.PACKED), workloads)
