@@ -53,25 +53,39 @@ class Journal:
         self.failed = False
 
     # -- the search: a batch handed out ---------------------------------
-    def task(self, context) -> dict:
+    def task(self, context) -> dict | None:
         """What the journal needs of a task, once per task: its workload
-        (structural hash and module, as MetaSchedule stores them) and target."""
+        (structural hash and module, as MetaSchedule stores them) and target;
+        None when it cannot be read (the task is then not journaled)."""
         from ..tvm_compat import ms
 
-        shash, mod = plain(ms.database.Workload(context.mod).as_json())
-        return {"shash": shash, "workload": [shash, mod], "target": plain(context.target.export())}
+        try:
+            shash, mod = plain(ms.database.Workload(context.mod).as_json())
+            return {"shash": shash, "workload": [shash, mod], "target": plain(context.target.export())}
+        except Exception as e:  # a safety net must not stop the tuning it guards
+            log.warning("tune: journal: a task's workload could not be read (%s); it is not journaled", e)
+            return None
 
-    def offer(self, task: dict, candidates) -> None:
-        self._pending = [
-            {"task": task, "trace": canonical(plain(c.sch.trace.as_json(remove_postproc=False))),
-             "args": plain([a.as_json() for a in c.args_info])}
-            for c in candidates
-        ]
+    def offer(self, task: dict | None, candidates) -> None:
+        """Called by the search with each batch it hands out, in order."""
+        self._pending = []
+        if task is None:
+            return
+        try:
+            self._pending = [
+                {"task": task, "trace": canonical(plain(c.sch.trace.as_json(remove_postproc=False))),
+                 "args": plain([a.as_json() for a in c.args_info])}
+                for c in candidates
+            ]
+        except Exception as e:  # as above: this batch goes unjournaled, tuning goes on
+            log.warning("tune: journal: a batch's traces could not be read (%s); it is not journaled", e)
 
     # -- the builder: which artifact is which candidate ------------------
     def built(self, results) -> None:
         """`results`: the builder's results for the batch last offered, in order."""
         pending, self._pending = self._pending, []
+        if not pending:
+            return
         if len(pending) != len(results):  # not the batch offered: nothing to pair it with
             log.warning("tune: journal: a batch of %d built against %d offered; not journaled",
                         len(results), len(pending))

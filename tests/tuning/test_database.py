@@ -216,3 +216,27 @@ def test_a_candidate_is_one_candidate_however_its_trace_is_written():
     assert journal.identity("h", [other, [1.0], {}, args]) != journal.identity("h", [database, [1.0], {}, args])
     # the journal stores the compact form, as the database does
     assert journal.canonical(python_api)[0][0][1][1] == database[0][0][1][1]
+
+
+def test_the_journal_never_stops_the_tuning_it_guards(tmp_path):
+    """A trace the journal cannot read, a batch it was not offered, a write
+    after it was closed: each is a warning, never an error in the search,
+    the builder or the runner."""
+    import types
+
+    from deploy.tuning import journal
+
+    j = journal.Journal(tmp_path)
+    broken = types.SimpleNamespace(sch=types.SimpleNamespace(trace=None), args_info=[])  # .as_json fails
+    j.offer({"shash": "h", "workload": ["h", "A"], "target": {}}, [broken])
+    ok = types.SimpleNamespace(error_msg=None, artifact_path="/a.so")
+    j.built([ok])  # nothing offered: nothing paired
+    j.measured("/a.so", types.SimpleNamespace(error_msg=None, run_secs=[1.0]))
+    j.offer(None, [broken])  # a task whose workload could not be read
+    entry = {"task": {"shash": "h", "workload": ["h", "A"], "target": {}}, "trace": [], "args": []}
+    j._pending = [entry]
+    j.built([ok])
+    j.close()
+    j.measured("/a.so", types.SimpleNamespace(error_msg=None, run_secs=[1.0]))  # after close
+    assert j.failed and j.records == 0
+    assert journal.read(tmp_path / journal.MEASURED) == ({}, [])
