@@ -88,15 +88,17 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
     tvm_target = target.tvm_target()
     with tvm_target:
         store_lines = None
-        if store_root is not None and kernel_store.digest(Path(store_root), target) is not None:
+        store_digest = None if store_root is None else kernel_store.digest(Path(store_root), target)
+        if store_digest is not None:
             store_lines = kernel_store.lines_for(Path(store_root), target, kernel_store.module_hashes(mod, tvm_target))
-            own = dbs._all_lines(Path(db[0])) if db is not None else ([], [])
-            store_info = {"path": str(kernel_store.folder(Path(store_root), target)),
-                          "digest": kernel_store.digest(Path(store_root), target), "kernels": len(store_lines[1]),
-                          "not_in_database": len(kernel_store.hashes_of(store_lines) - kernel_store.hashes_of(own))}
+            store_info = {"path": str(kernel_store.folder(Path(store_root), target)), "digest": store_digest,
+                          "kernels": len(store_lines[1])}
         if db is not None or store_lines:
             folder, key = (Path(db[0]), db[1]) if db is not None else (None, None)
-            with dbs.open_readonly(folder, key, store_lines) as database:
+            own_kernels: set[str] = set()
+            with dbs.open_readonly(folder, key, store_lines, own_kernels) as database:
+                if store_info is not None:
+                    store_info["not_in_database"] = len(dbs.hashes_of(store_lines) - own_kernels)
                 if database is not None:
                     if db is not None:
                         db_info = {"path": db[0], "digest": dbs.digest(Path(db[0]))}

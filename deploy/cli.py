@@ -323,8 +323,8 @@ def cmd_pack_databases(args) -> int:
     if not root.is_dir():
         raise ConfigError("tuning database root not found", str(root), "an existing folder (e.g. tuning_logs)")
     # A tuning lane's folder is folded into its database (which it may precede).
-    folders = {database.lane_owner(db) or db for db, _ in kernel_store.databases(root)}
-    folders |= {database.lane_owner(k.parent) for k in root.rglob(database.KEY_FILE)} - {None}
+    folders = {database.lane_owner(k.parent) or k.parent for k in root.rglob(database.KEY_FILE)
+               if k.relative_to(root).parts[0] != kernel_store.STORE}
     for folder in sorted(folders):
         added = database.pack(folder)
         print(f"{folder}: {added} record(s) folded in" if added else f"{folder}: packed")

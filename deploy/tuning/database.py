@@ -279,10 +279,30 @@ def _expand(folder: Path, dest: Path, top_k: int | None = None, extra: tuple[lis
     plain JSON database into `dest`, with `extra` (workload and record
     lines, the kernel store's) added where they are not already there;
     returns the record lines that came from `extra`."""
+    workloads, records = _best_lines(folder, top_k)
+    return _write_plain(dest, workloads, records, extra)
+
+
+def _best_lines(folder: Path, top_k: int | None) -> tuple[list[str], list[str]]:
+    """`folder`'s packed workload lines and the best `top_k` records of each
+    workload (all of them with None)."""
     workloads = _packed_lines(folder / (WORKLOADS + PACKED))
     records = _packed_lines(folder / (RECORDS + PACKED))
     if top_k is not None:
         records = _best_per_workload(records, top_k)
+    return workloads, records
+
+
+def hashes_of(lines: tuple[list[str], list[str]]) -> set[str]:
+    """The workloads (structural hashes) that have a record among (workload lines, record lines)."""
+    workloads, records = lines
+    return {json.loads(workloads[json.loads(ln)[0]])[0] for ln in records}
+
+
+def _write_plain(dest: Path, workloads: list[str], records: list[str],
+                 extra: tuple[list[str], list[str]] | None) -> list[str]:
+    """A plain JSON database in `dest`: the given lines, with `extra` added
+    where not already there; returns the record lines that came from `extra`."""
     added: list[str] = []
     if extra is not None and extra[1]:
         n = len(records)
@@ -339,11 +359,13 @@ def open_for_tuning(folder: Path, key: dict, seed_records: int = SEED_RECORDS, s
 
 
 @contextlib.contextmanager
-def open_readonly(folder: Path | None, key: dict | None, store: tuple[list[str], list[str]] | None = None):
+def open_readonly(folder: Path | None, key: dict | None, store: tuple[list[str], list[str]] | None = None,
+                  own_kernels: set[str] | None = None):
     """Yield a JSONDatabase with the best record of each workload (what a
     build applies) of the database at `folder` (None: no database of its
     own) and the kernel store's records `store`, or None when neither has a
-    record."""
+    record. `own_kernels`, when given, receives the workloads the database
+    itself has a record for."""
     if folder is not None:
         folder = Path(folder)
         check_key(folder, key)
@@ -354,7 +376,10 @@ def open_readonly(folder: Path | None, key: dict | None, store: tuple[list[str],
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="tvm-deploy-db-") as tmp:
-        _expand(folder if own else Path(tmp), Path(tmp), top_k=1, extra=store)
+        workloads, records = _best_lines(folder, 1) if own else ([], [])
+        if own_kernels is not None:
+            own_kernels |= hashes_of((workloads, records))
+        _write_plain(Path(tmp), workloads, records, store)
         yield _json_database(Path(tmp))
 
 

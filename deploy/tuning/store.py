@@ -12,9 +12,9 @@ database's (`database_*.json.xz`), and it is committed with them.
 - `refresh` rebuilds it from the databases: at the end of every tuning run
   and by `python -m deploy pack-databases`. Rebuilt, not appended to, so a
   database that is removed takes its records out of the store.
-- A build (`records_for_build`) applies, for each kernel, the fastest record
-  of its own database and the store together, so a kernel that another model
-  tuned is tuned here too.
+- A build (`build.build_bucket`, through `lines_for`) applies, for each
+  kernel, the fastest record of its own database and the store together, so
+  a kernel that another model tuned is tuned here too.
 - A tuning run (`database.open_for_tuning`) seeds each task's search and the
   cost model with the store's record of that task, marked as seeded so that
   it is never packed into the model's own database.
@@ -108,8 +108,7 @@ def refresh(root: Path, only: dict | None = None) -> dict[str, int]:
             artifacts.write_json_atomic(have, _key(keys[tkey]))
             dbs._write_packed(dest / (dbs.WORKLOADS + dbs.PACKED), workloads)
             dbs._write_packed(dest / (dbs.RECORDS + dbs.PACKED), records)
-        (dest / ".lock").unlink(missing_ok=True)
-        out[str(dest)] = len(records)
+        out[str(dest)] = len(records)  # (the lock file stays: removed, a waiting run would lock a file no one else sees)
     return out
 
 
@@ -135,12 +134,6 @@ def lines_for(root: Path, target: TargetInfo, shashes: set[str] | None = None) -
         if wi in index:
             out.append(json.dumps([index[wi], rec], separators=(",", ":")))
     return [workloads[i] for i in keep_w], out
-
-
-def hashes_of(lines: tuple[list[str], list[str]]) -> set[str]:
-    """The workloads that have a record among (workload lines, record lines)."""
-    workloads, records = lines
-    return {json.loads(workloads[json.loads(ln)[0]])[0] for ln in records}
 
 
 def digest(root: Path, target: TargetInfo) -> str | None:

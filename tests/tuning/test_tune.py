@@ -69,7 +69,7 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     from deploy import build
     from deploy.tuning import store
 
-    assert store.hashes_of(store.lines_for(db_root, llvm_target)) and store.digest(db_root, llvm_target)
+    assert dbs.hashes_of(store.lines_for(db_root, llvm_target)) and store.digest(db_root, llvm_target)
     one = dataclasses.replace(cfg.llvm, buckets=(1,))  # built in this process, whose TVM has the intrinsics already
     other = build.run(one, llvm_target, exported, opt, {}, {}, tmp_path / "other", "other", store_root=db_root)
     b1 = other.manifest["buckets"]["1"]
