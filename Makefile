@@ -2,6 +2,7 @@
 #   make tune MODEL=resnet50     the whole pipeline (creates .venv and installs the pins first)
 #   make test                    the linter (ruff), then the test suite
 # Options: TARGET=auto|llvm|cuda|cuda:sm_90  PRECISION=fp32|fp16  ACCUMULATE=fp32|fp16  BUCKETS=1,8,32
+#          DIMS="seq=64,128" (lengths of a dimension the config declares, docs/shapes.md)
 #          TRIALS=N  BUDGET=10m  MAX_TASKS=N  WORKDIR=dir  UNTUNED=1 (time an untuned copy too)
 #          ALTERNATIVES=torch-eager,torch-compile,onnxruntime|none (timed beside the package; default torch-eager)  EXTRA="--any --cli flags"
 # PYTHON=python3 uses that interpreter as it is (no venv), e.g. on the GPU machine.
@@ -22,6 +23,7 @@ TARGET    ?=
 PRECISION ?=
 ACCUMULATE ?=
 BUCKETS   ?=
+DIMS      ?=
 TRIALS    ?=
 BUDGET    ?=
 MAX_TASKS ?=
@@ -53,6 +55,7 @@ ARGS := --model $(MODEL) \
 	$(if $(PRECISION),--precision $(PRECISION)) \
 	$(if $(ACCUMULATE),--accumulate $(ACCUMULATE)) \
 	$(if $(BUCKETS),--buckets $(BUCKETS)) \
+	$(if $(DIMS),--dim-buckets "$(DIMS)") \
 	$(if $(TRIALS),--trials $(TRIALS)) \
 	$(if $(BUDGET),--budget $(BUDGET)) \
 	$(if $(MAX_TASKS),--max-tasks $(MAX_TASKS)) \

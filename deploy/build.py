@@ -139,31 +139,35 @@ def run(
     target: TargetInfo,
     exported: ExportArtifact,
     opt: OptimizeArtifact,
-    databases: dict[int, Path],
-    db_keys: dict[int, dict],
+    databases: dict,
+    db_keys: dict,
     folder: Path,
     model: str,
     store_root: Path | None = None,
+    only: set | None = None,
 ) -> PackageArtifact:
-    """`databases` maps buckets to tuning databases (a bucket without one is
+    """`databases` maps buckets (shapes.Bucket; the optimized module's
+    buckets are built) to tuning databases (a bucket without one is
     built from default schedules); the kernel store under `store_root` (the
     databases' root) adds the records other models have for the same
     kernels. Buckets are compiled in parallel processes (each ResNet-50
-    bucket takes about a minute of single-threaded compile)."""
+    bucket takes about a minute of single-threaded compile). `only`: build
+    just these buckets."""
     jobs = []
     with artifacts.staged_dir(folder) as tmp:
-        for bucket in profile.buckets:
+        order = sorted(b for b in opt.modules if b.batch in profile.buckets and (only is None or b in only))
+        for bucket in order:
             db = (str(databases[bucket]), db_keys[bucket]) if bucket in databases else None
-            jobs.append((str(opt.module_path(bucket)), target, profile, db, str(tmp / f"b{bucket}.so"),
+            jobs.append((str(opt.module_path(bucket)), target, profile, db, str(tmp / f"b{bucket.label}.so"),
                          None if store_root is None else str(store_root)))
         workers = min(len(jobs), max(1, (os.cpu_count() or 1)))
         results = run_in_processes(_build_bucket, jobs, workers)
         buckets, outputs_sig = {}, None
-        for bucket, (info, outs) in zip(profile.buckets, results):
-            outputs_sig = outs
-            buckets[str(bucket)] = info
+        for bucket, (info, outs) in zip(order, results):
+            outputs_sig = outs  # the last (largest) bucket's: a dimension's axis has its largest length
+            buckets[bucket.label] = info
             log.info(
-                "build: bucket %d: %d of %d kernels tuned, compiled in %.1f s (schedules: %s%s)",
+                "build: bucket %s: %d of %d kernels tuned, compiled in %.1f s (schedules: %s%s)",
                 bucket, info["tuned_kernels"], info["kernels"], info["compile_seconds"],
                 ", ".join(f"{k} {v}" for k, v in info["schedules"].items()),
                 f"; {len(info['fallbacks'])} fallback(s), listed in the manifest" if info["fallbacks"] else "",
@@ -185,6 +189,7 @@ def run(
             # Without a CUDA driver at build time TVM embeds CUDA source, compiled when loaded.
             "cuda_code": None if target.kind != "cuda" else ("binary" if target.has_device else "source"),
             "onnx_sha256": artifacts.sha256_file(exported.onnx_path),
+            "dims": [dataclasses.asdict(d) for d in exported.dims],
             "buckets": buckets,
             "validation": None,
         }

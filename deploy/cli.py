@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import shlex
 import sys
@@ -140,6 +141,12 @@ def prepare(args):
         split_k=getattr(args, "split_k", None),
         budget=args.budget,
     )
+    if _nonempty(getattr(args, "dim_buckets", None)):
+        if not cfg.model.dims:
+            raise ConfigError("--dim-buckets for a model without dimensions besides the batch", args.dim_buckets,
+                              "[[model.dims]] in the model's config (docs/shapes.md)")
+        dims = config_mod.parse_dim_buckets(args.dim_buckets, cfg.model.dims)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dims=dims))
     workdir = Path(args.workdir) if args.workdir else default_workdir(cfg, target)
     db_root = Path(args.db_root) if args.db_root else DEFAULT_DB_ROOT
     return cfg, target, workdir, db_root
@@ -217,7 +224,7 @@ def cmd_stage(args) -> int:
 
 
 def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
-    from . import build, export, frontend, optimize, validate
+    from . import build, export, frontend, optimize, shapes, validate
     from .pipeline import existing_databases
     from .tuning import tune
 
@@ -236,23 +243,27 @@ def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
         ex = export.load(ws.export)
         with _loopback(args, target, profile, workdir):
             a = tune.run(profile, target, optimize.load(ws.optimize), cfg.model.name, ex.inputs, db_root, ws.tune,
-                         config_mod.parse_duration(profile.budget), cfg.model.seed, args.pool)
+                         config_mod.parse_duration(profile.budget), cfg.model.seed, args.pool, ex.dims)
         print(f"tune: databases {', '.join(map(str, a.databases.values()))}")
         for reason, n in tune.failure_reasons(a.folder):
             print(f"  {n:5d} x {reason}")
     elif stage == "build":
         ex = export.load(ws.export)
-        keys, existing = existing_databases(cfg, profile, target, ex.inputs, db_root)
+        keys, existing = existing_databases(cfg, profile, target, ex.inputs, db_root, ex.dims)
         a = build.run(profile, target, ex, optimize.load(ws.optimize), existing, keys, ws.package, cfg.model.name)
         print(f"build: package {a.folder}")
     elif stage == "profile":
         from .bench import profile as profile_mod
 
         ex = export.load(ws.export)
-        bucket = args.bucket if args.bucket is not None else (profile.tune_buckets or profile.buckets)[0]
-        if bucket not in profile.buckets:
-            raise ConfigError("--bucket is not one of the built buckets", bucket, list(profile.buckets))
-        keys, existing = existing_databases(cfg, profile, target, ex.inputs, db_root)
+        built = ex.buckets(profile)
+        if args.bucket is not None:
+            bucket = shapes.parse(args.bucket)
+        else:
+            bucket = next(b for b in built if b.batch == (profile.tune_buckets or profile.buckets)[0])
+        if bucket not in built:
+            raise ConfigError("--bucket is not one of the built buckets", bucket.label, [b.label for b in built])
+        keys, existing = existing_databases(cfg, profile, target, ex.inputs, db_root, ex.dims)
         db = (existing[bucket], keys[bucket]) if bucket in existing else None
         rep = profile_mod.run(profile, target, optimize.load(ws.optimize), db, bucket, ws.profile, iters=args.iters)
         print(profile_mod.format_report(rep, top=15), end="")
@@ -432,6 +443,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accumulate", default="", help="fp32 or fp16: accumulator dtype of fp16 convolutions/matmuls")
     p.add_argument("--buckets", default="", help="batch buckets, e.g. 1,8,32")
     p.add_argument("--tune-buckets", default="", help="buckets to tune, e.g. 1")
+    p.add_argument("--dim-buckets", default="",
+                   help="lengths of a dimension the config declares ([[model.dims]]), e.g. seq=64,128,256")
     p.add_argument("--trials", type=int, help="trials a tuned bucket's database should hold: tunes only what it lacks (0: no tuning)")
     p.add_argument("--trials-per-task", type=int)
     p.add_argument("--max-tasks", type=int, help="tune only the N heaviest tasks (0: all)")
@@ -527,7 +540,7 @@ def parser() -> argparse.ArgumentParser:
         if stage == "tune":
             _add_pool(p)
         if stage == "profile":
-            p.add_argument("--bucket", type=int, help="bucket to profile (default: the first tuned bucket)")
+            p.add_argument("--bucket", help="bucket to profile, e.g. 1 or 1-seq128 (default: the first tuned bucket)")
             p.add_argument("--iters", type=int, default=20)
         p.set_defaults(func=cmd_stage)
     p = sub.add_parser("bench", help="latency diff of the package against the other runtimes")

@@ -36,6 +36,26 @@ class InputSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class DimSpec:
+    """A dimension besides the batch that changes from request to request (a
+    sequence length): the pipeline builds one module per value in `buckets`
+    (for each batch bucket), and a request is padded to the smallest bucket
+    that holds it, as TensorRT's optimization profiles allow."""
+
+    name: str  # e.g. "seq"
+    inputs: tuple[str, ...]  # the inputs that carry it, all at `axis`
+    buckets: tuple[int, ...]  # the lengths built, e.g. [64, 128, 256]
+    axis: int = 1  # its axis in those inputs and in `outputs` (0 is the batch)
+    # Outputs that carry it at `axis`: cut back to the request's length.
+    outputs: tuple[str, ...] = ()
+    # The input that is 1 at real positions and 0 at padding (an attention
+    # mask): padded with 0, which is what makes padding exact. Other inputs
+    # are padded with `pad`.
+    mask: str = ""
+    pad: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     # A registry name (see `models/`) or the path of an ONNX file.
     source: str
@@ -56,6 +76,8 @@ class ModelConfig:
     # TVM's importer is most tested with) or the torch.export-based one
     # ("dynamo", torch's default since 2.9).
     exporter: str = "torchscript"
+    # Dimensions besides the batch with buckets of their own ([[model.dims]]).
+    dims: tuple[DimSpec, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +365,19 @@ def _check_values(obj, where: str) -> None:
         names = [i.name for i in obj.inputs]
         if len(set(names)) != len(names):
             raise ConfigError(f"duplicate input names in {where}.inputs", names)
+        check_dims(obj.dims, obj.inputs, f"{where}.dims")
+    elif isinstance(obj, DimSpec):
+        if not re.fullmatch(r"[A-Za-z](?:[A-Za-z0-9_]*[A-Za-z_])?", obj.name):
+            raise ConfigError(f"invalid {where}.name", repr(obj.name),
+                              "letters, digits and '_', not ending in a digit (bucket labels end in the length)")
+        if not obj.inputs:
+            raise ConfigError(f"{where}.inputs is empty", None, "the inputs that carry the dimension")
+        if not obj.buckets or any(b < 1 for b in obj.buckets) or len(set(obj.buckets)) != len(obj.buckets):
+            raise ConfigError(f"invalid {where}.buckets", list(obj.buckets), "distinct positive lengths")
+        if obj.axis < 1:
+            raise ConfigError(f"invalid {where}.axis", obj.axis, "1 or more (axis 0 is the batch)")
+        if obj.mask and obj.mask not in obj.inputs:
+            raise ConfigError(f"{where}.mask is not one of its inputs", obj.mask, ", ".join(obj.inputs))
     elif isinstance(obj, ServeConfig):
         if not 0 <= obj.port <= 65535:
             raise ConfigError(f"invalid {where}.port", obj.port, "0 to 65535 (0: a free port)")
@@ -372,6 +407,43 @@ def _check_values(obj, where: str) -> None:
         for name in ("rtol", "atol", "max_rel_l2"):
             if getattr(obj, name) < 0:
                 raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a non-negative number")
+
+
+def check_dims(dims, inputs, where: str = "model.dims") -> None:
+    """Dimensions against the model's inputs (when they are known: a
+    registry model's come from the registry, checked at export)."""
+    seen = set()
+    for k, d in enumerate(dims):
+        if d.name in seen or d.name == "batch":
+            raise ConfigError(f"duplicate dimension name in {where}", d.name, "distinct names other than 'batch'")
+        seen.add(d.name)
+        if not inputs:
+            continue
+        shapes = {i.name: i.shape for i in inputs}
+        for name in d.inputs:
+            if name not in shapes:
+                raise ConfigError(f"{where}[{k}] names an input the model does not have", name, ", ".join(shapes))
+            if d.axis > len(shapes[name]):
+                raise ConfigError(f"{where}[{k}].axis is past the rank of input '{name}'", d.axis,
+                                  f"1 to {len(shapes[name])} (axis 0 is the batch)")
+    claimed = [(n, d.axis) for d in dims for n in d.inputs]
+    if len(set(claimed)) != len(claimed):
+        raise ConfigError(f"two dimensions in {where} claim the same input axis", claimed)
+
+
+def parse_dim_buckets(text: str, dims: tuple[DimSpec, ...], where: str = "--dim-buckets") -> tuple[DimSpec, ...]:
+    """'seq=64,128' (';' between dimensions) -> the dims with those buckets."""
+    out = {d.name: d for d in dims}
+    for part in (p.strip() for p in text.split(";") if p.strip()):
+        name, sep, values = part.partition("=")
+        name = name.strip()
+        if not sep or name not in out:
+            raise ConfigError(f"invalid {where}", repr(part),
+                              "NAME=L1,L2 for a dimension the config declares ([[model.dims]]: "
+                              + (", ".join(out) or "none") + ")")
+        out[name] = dataclasses.replace(out[name], buckets=parse_int_list(values, f"{where} {name}"))
+        _check_values(out[name], f"{where} {name}")
+    return tuple(out.values())
 
 
 _DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")

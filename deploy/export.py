@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from . import artifacts
-from .config import Config, InputSpec
+from .config import Config, DimSpec, InputSpec, Profile, check_dims
 from .errors import ConfigError, InputFileError, ShapeError
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,25 @@ class ExportArtifact:
     inputs: tuple[InputSpec, ...]  # per-sample shapes (batch excluded)
     outputs: tuple[str, ...]
     manifest: dict
+
+    @property
+    def dims(self) -> tuple[DimSpec, ...]:
+        """Dimensions besides the batch with buckets of their own."""
+        from .shapes import dims_from_manifest
+
+        return dims_from_manifest(self.manifest.get("dims"))
+
+    def buckets(self, profile: Profile) -> list:
+        """The profile's buckets of this model (shapes.Bucket, in order)."""
+        from .shapes import all_buckets
+
+        return all_buckets(profile, self.dims)
+
+    def bucket_inputs(self, bucket) -> tuple[InputSpec, ...]:
+        """The inputs' per-sample shapes in one bucket."""
+        from .shapes import input_specs
+
+        return input_specs(self.inputs, self.dims, bucket)
 
     @property
     def fixed_batch(self) -> int | None:
@@ -66,6 +85,7 @@ def run(cfg: Config, folder: Path) -> ExportArtifact:
                 "inputs": [dataclasses.asdict(i) for i in inputs],
                 "outputs": list(outputs),
                 "fixed_batch": fixed_batch,
+                "dims": [dataclasses.asdict(d) for d in cfg.model.dims],
                 "external_data": (tmp / DATA_FILE).is_file(),
             },
         )
@@ -147,19 +167,33 @@ def _export_registry(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], di
             [dataclasses.asdict(i) for i in cfg.model.inputs],
             [dataclasses.asdict(i) for i in inputs],
         )
+    dims = cfg.model.dims
+    check_dims(dims, inputs)
+    for d in dims:
+        unknown = [o for o in d.outputs if o not in spec.outputs]
+        if unknown:
+            raise ConfigError(f"dimension '{d.name}' names outputs the model does not have", unknown,
+                              ", ".join(spec.outputs))
     model = build_torch_model(cfg)
     example = tuple(example_inputs(inputs, batch=2))
     names = [i.name for i in inputs]
     outputs = list(spec.outputs)
+    axes = {n: {0: "batch"} for n in names + outputs}
+    for d in dims:
+        for n in (*d.inputs, *d.outputs):
+            axes[n][d.axis] = d.name
     if cfg.model.exporter == "dynamo":
         batch = torch.export.Dim("batch", min=1, max=4096)
+        named = {d.name: torch.export.Dim(d.name, min=1, max=max(d.buckets)) for d in dims}
         sig = _forward_params(model, len(names))
         with tempfile.TemporaryDirectory() as d:  # the dynamo exporter may write external data beside its file
             raw = Path(d) / ONNX_FILE
             torch.onnx.export(
                 model, example, str(raw), dynamo=True, opset_version=max(cfg.model.opset, 18),
                 input_names=names, output_names=outputs,
-                dynamic_shapes={p: {0: batch} for p in sig}, external_data=True,
+                dynamic_shapes={p: {a: batch if v == "batch" else named[v] for a, v in axes[n].items()}
+                                for p, n in zip(sig, names)},
+                external_data=True,
             )
             save_onnx(load_onnx(raw), dest)
     else:
@@ -171,7 +205,7 @@ def _export_registry(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], di
             dynamo=False,
             input_names=names,
             output_names=outputs,
-            dynamic_axes={n: {0: "batch"} for n in names + outputs},
+            dynamic_axes=axes,
             do_constant_folding=True,
         )
     origin = {"kind": "registry", "name": spec.name, "seed": cfg.model.seed, "checkpoint": cfg.model.checkpoint,
@@ -230,6 +264,11 @@ def _copy_onnx(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], dict, in
         )
     if set(declared) != set(names):
         raise ShapeError("config input names do not match the ONNX graph", sorted(declared), sorted(names))
+    outs = [o.name for o in model.graph.output]
+    for d in cfg.model.dims:
+        unknown = [o for o in d.outputs if o not in outs]
+        if unknown:
+            raise ConfigError(f"dimension '{d.name}' names outputs the ONNX graph does not have", unknown, ", ".join(outs))
     inputs, batch_dims = [], set()
     for gi in graph_inputs:
         want = declared[gi.name]
@@ -244,7 +283,13 @@ def _copy_onnx(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], dict, in
                 [None, *want.shape],
                 dims,
             )
+        free = {d.axis: d for d in cfg.model.dims if gi.name in d.inputs}
         for axis, (d, w) in enumerate(zip(dims[1:], want.shape), start=1):
+            if axis in free:
+                if d is not None and any(v != d for v in free[axis].buckets):
+                    raise ShapeError(f"dim {axis} of input '{gi.name}' is fixed at {d} in the ONNX graph; dimension "
+                                     f"'{free[axis].name}' needs it symbolic", list(free[axis].buckets), d)
+                continue
             if d is not None and d != w:
                 raise ShapeError(f"dim {axis} of input '{gi.name}' does not match the ONNX graph", w, d)
         batch_dims.add(dims[0])

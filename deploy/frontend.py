@@ -21,6 +21,7 @@ from . import artifacts
 from .config import Profile
 from .errors import BuildError, UnsupportedOperatorError, error_line, run_in_processes
 from .export import ExportArtifact, check_buckets, load_onnx
+from .shapes import Bucket, as_bucket, parse
 
 log = logging.getLogger(__name__)
 STAGE = "frontend"
@@ -29,13 +30,13 @@ STAGE = "frontend"
 @dataclasses.dataclass(frozen=True)
 class FrontendArtifact:
     folder: Path
-    modules: dict[int, Path]  # bucket -> Relax module (tvm JSON)
+    modules: dict[Bucket, Path]  # bucket -> Relax module (tvm JSON)
     manifest: dict
 
-    def load_module(self, bucket: int):
+    def load_module(self, bucket: Bucket | int):
         from .tvm_compat import load_json
 
-        return load_json(self.modules[bucket].read_text())
+        return load_json(self.modules[as_bucket(bucket)].read_text())
 
 
 def onnx_op_histogram(graph) -> collections.Counter:
@@ -60,9 +61,9 @@ def unsupported_ops(histogram: collections.Counter) -> dict[str, int]:
     return out
 
 
-def simplify(model, inputs, batch: int):
+def simplify(model, inputs, batch: int, label: str | None = None):
     """(simplified model, what changed): onnxslim with every input's shape
-    fixed for `batch`. A simplification that fails leaves the graph as it is
+    fixed for `batch` (`inputs`: the bucket's per-sample shapes). A simplification that fails leaves the graph as it is
     (the reason is recorded); the import then decides."""
     import onnxslim
 
@@ -72,7 +73,7 @@ def simplify(model, inputs, batch: int):
         slim = onnxslim.slim(model, input_shapes=shapes)
     except Exception as e:  # noqa: BLE001 - the import of the original graph is the fallback
         why = error_line(e, 200)
-        log.warning("frontend: bucket %d: onnxslim failed (%s); importing the graph as exported", batch, why)
+        log.warning("frontend: bucket %s: onnxslim failed (%s); importing the graph as exported", label or batch, why)
         return model, {"nodes_before": before, "nodes_after": before, "slim": f"failed: {why}"}
     if slim is None:
         return model, {"nodes_before": before, "nodes_after": before, "slim": "failed: no model returned"}
@@ -84,12 +85,12 @@ def _import_bucket(job) -> dict:
     (a process-pool entry as well; there `model` is None and is read again)."""
     from .tvm_compat import save_json
 
-    model, onnx_path, inputs, bucket, out = job
+    model, onnx_path, inputs, bucket, out = job  # inputs: the bucket's per-sample shapes
     if model is None:
         model = load_onnx(Path(onnx_path))
-    shapes = {i.name: [bucket, *i.shape] for i in inputs}
+    shapes = {i.name: [bucket.batch, *i.shape] for i in inputs}
     dtypes = {i.name: i.dtype for i in inputs}
-    graph, changes = simplify(model, inputs, bucket)
+    graph, changes = simplify(model, inputs, bucket.batch, bucket.label)
     Path(out).write_text(save_json(import_graph(graph, shapes, dtypes, bucket)))
     return changes
 
@@ -113,6 +114,7 @@ def parallel_workers(path: Path, jobs: int, threshold: int | None = None) -> int
 
 def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArtifact:
     check_buckets(exported, profile.buckets)
+    buckets = exported.buckets(profile)
     model = load_onnx(exported.onnx_path)
     hist = onnx_op_histogram(model.graph)
     missing = unsupported_ops(hist)
@@ -121,24 +123,24 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
         raise UnsupportedOperatorError(
             f"{len(missing)} ONNX operator type(s) are not supported by TVM's ONNX frontend: {listed}"
         )
-    workers = parallel_workers(exported.onnx_path, len(profile.buckets))
+    workers = parallel_workers(exported.onnx_path, len(buckets))
     with artifacts.staged_dir(folder) as tmp:
-        files = {b: f"b{b}.relax.json" for b in profile.buckets}
-        jobs = [(None if workers > 1 else model, str(exported.onnx_path), exported.inputs, b, str(tmp / files[b]))
-                for b in profile.buckets]
+        files = {b: f"b{b.label}.relax.json" for b in buckets}
+        jobs = [(None if workers > 1 else model, str(exported.onnx_path), exported.bucket_inputs(b), b,
+                 str(tmp / files[b])) for b in buckets]
         if workers > 1:
             log.info("frontend: %d buckets in %d processes", len(jobs), workers)
         simplified = {}
-        for b, changes in zip(profile.buckets, run_in_processes(_import_bucket, jobs, workers)):
-            simplified[str(b)] = changes
-            log.info("frontend: bucket %d imported (onnxslim: %d -> %d nodes)", b,
+        for b, changes in zip(buckets, run_in_processes(_import_bucket, jobs, workers)):
+            simplified[b.label] = changes
+            log.info("frontend: bucket %s imported (onnxslim: %d -> %d nodes)", b,
                      changes["nodes_before"], changes["nodes_after"])
         artifacts.write_manifest(
             tmp,
             STAGE,
             {
                 "onnx_sha256": artifacts.sha256_file(exported.onnx_path),
-                "buckets": {str(b): f for b, f in files.items()},
+                "buckets": {b.label: f for b, f in files.items()},
                 "onnx_ops": {f"{d}:{op}" if d != "ai.onnx" else op: n for (d, op), n in sorted(hist.items())},
                 "simplified": simplified,
                 "processes": workers,
@@ -147,7 +149,7 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
     return load(folder, exported)
 
 
-def import_graph(graph, shapes: dict, dtypes: dict, bucket: int):
+def import_graph(graph, shapes: dict, dtypes: dict, bucket):
     """TVM's ONNX importer; a failure inside it is one line naming the
     operator being converted (the importer's own trace goes to the log)."""
     import contextlib
@@ -175,5 +177,5 @@ def load(folder: Path, exported: ExportArtifact | None = None) -> FrontendArtifa
         from .errors import StaleArtifactError
 
         raise StaleArtifactError("frontend artifact was made from another ONNX file (re-run the frontend stage)", str(folder))
-    modules = {int(b): Path(folder) / f for b, f in m["buckets"].items()}
+    modules = {parse(b): Path(folder) / f for b, f in m["buckets"].items()}
     return FrontendArtifact(Path(folder), modules, m)

@@ -29,6 +29,7 @@ from .passes.exact_power import power_to_multiply
 from .passes.layout import convert_to_nhwc
 from .passes.mixed_precision import to_mixed_precision
 from .passes.split_k import split_k_conv2d
+from .shapes import Bucket, as_bucket, parse
 
 log = logging.getLogger(__name__)
 STAGE = "optimize"
@@ -37,18 +38,19 @@ STAGE = "optimize"
 @dataclasses.dataclass(frozen=True)
 class OptimizeArtifact:
     folder: Path
-    modules: dict[int, Path]
+    modules: dict[Bucket, Path]
     manifest: dict
 
-    def module_path(self, bucket: int) -> Path:
+    def module_path(self, bucket: Bucket | int) -> Path:
+        bucket = as_bucket(bucket)
         if bucket not in self.modules:
             raise StaleArtifactError(
                 f"optimize artifact has no bucket {bucket} (re-run the pipeline with these buckets)",
-                sorted(self.modules),
+                [b.label for b in sorted(self.modules)],
             )
         return self.modules[bucket]
 
-    def load_module(self, bucket: int):
+    def load_module(self, bucket: Bucket | int):
         from .tvm_compat import load_json
 
         return load_json(self.module_path(bucket).read_text())
@@ -147,23 +149,26 @@ PARALLEL_MODULE_BYTES = 16 << 20
 
 
 def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, dump_ir: bool = False) -> OptimizeArtifact:
-    for bucket in profile.buckets:
-        if bucket not in front.modules:
-            raise StaleArtifactError(
-                f"frontend artifact has no bucket {bucket} (re-run the frontend stage)", sorted(front.modules)
-            )
+    """Every bucket the frontend imported of the profile's batch sizes."""
+    buckets = sorted(b for b in front.modules if b.batch in profile.buckets)
+    missing = sorted(set(profile.buckets) - {b.batch for b in buckets})
+    if missing:
+        raise StaleArtifactError(
+            f"frontend artifact has no bucket of batch {missing[0]} (re-run the frontend stage)",
+            [b.label for b in sorted(front.modules)],
+        )
     with artifacts.staged_dir(folder) as tmp:
-        files = {b: f"b{b}.relax.json" for b in profile.buckets}
-        jobs = [(str(front.modules[b]), profile, target_info, str(tmp / "ir" / f"b{b}") if dump_ir else None,
-                 str(tmp / files[b])) for b in profile.buckets]
-        workers = parallel_workers(front.modules[profile.buckets[0]], len(jobs), PARALLEL_MODULE_BYTES)
+        files = {b: f"b{b.label}.relax.json" for b in buckets}
+        jobs = [(str(front.modules[b]), profile, target_info, str(tmp / "ir" / f"b{b.label}") if dump_ir else None,
+                 str(tmp / files[b])) for b in buckets]
+        workers = parallel_workers(front.modules[buckets[0]], len(jobs), PARALLEL_MODULE_BYTES)
         if workers > 1:
             log.info("optimize: %d buckets in %d processes", len(jobs), workers)
         results = run_in_processes(_optimize_bucket, jobs, workers)
         reports = {}
-        for bucket, report in zip(profile.buckets, results):
-            reports[str(bucket)] = report
-            log.info("optimize: bucket %d: %s", bucket, summarize(report))
+        for bucket, report in zip(buckets, results):
+            reports[bucket.label] = report
+            log.info("optimize: bucket %s: %s", bucket, summarize(report))
         artifacts.write_manifest(
             tmp,
             STAGE,
@@ -171,7 +176,7 @@ def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, du
                 "frontend_manifest_sha256": artifacts.sha256_file(front.folder / artifacts.MANIFEST),
                 "profile": dataclasses.asdict(profile),
                 "target": target_info.key(),
-                "buckets": {str(b): f for b, f in files.items()},
+                "buckets": {b.label: f for b, f in files.items()},
                 "report": reports,
                 "processes": workers,
             },
@@ -192,4 +197,4 @@ def summarize(report: list[dict]) -> str:
 
 def load(folder: Path) -> OptimizeArtifact:
     m = artifacts.read_manifest(folder, STAGE)
-    return OptimizeArtifact(Path(folder), {int(b): Path(folder) / f for b, f in m["buckets"].items()}, m)
+    return OptimizeArtifact(Path(folder), {parse(b): Path(folder) / f for b, f in m["buckets"].items()}, m)

@@ -19,6 +19,7 @@ from pathlib import Path
 from . import artifacts, build, export, frontend, optimize, validate
 from .config import Config, Profile, RPCPool, parse_duration, to_dict
 from .errors import BuildError, DeployError, error_line
+from .shapes import all_buckets, parse
 from .targets import TargetInfo
 from .tuning import database as dbs
 from .tuning import tune
@@ -86,12 +87,13 @@ def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budg
     return "\n".join(lines)
 
 
-def existing_databases(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path) -> tuple[dict, dict]:
+def existing_databases(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path,
+                       dims: tuple = ()) -> tuple[dict, dict]:
     """(bucket -> database key, bucket -> database folder) for the buckets
     whose database has records: what the build applies. With none for a CPU
     target while the model has CPU databases for another x86-64 level, one
     line says so."""
-    keys, dirs = db_keys(cfg, profile, target, inputs, db_root)
+    keys, dirs = db_keys(cfg, profile, target, inputs, db_root, dims)
     found = {b: d for b, d in dirs.items() if dbs.has_records(d)}
     if not found and target.kind == "llvm":
         others = sorted(p.name.removeprefix("llvm-") for p in (Path(db_root) / cfg.model.name).glob("llvm-*")
@@ -103,9 +105,12 @@ def existing_databases(cfg: Config, profile: Profile, target: TargetInfo, inputs
     return keys, found
 
 
-def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path) -> tuple[dict, dict]:
-    keys = {b: dbs.database_key(cfg.model.name, inputs, b, profile, target) for b in profile.buckets}
-    dirs = {b: dbs.database_dir(db_root, keys[b], target) for b in profile.buckets}
+def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path,
+            dims: tuple = ()) -> tuple[dict, dict]:
+    """(bucket -> database key, bucket -> database folder), per shapes.Bucket."""
+    buckets = all_buckets(profile, dims)
+    keys = {b: dbs.database_key(cfg.model.name, inputs, b, profile, target, dims) for b in buckets}
+    dirs = {b: dbs.database_dir(db_root, keys[b], target) for b in buckets}
     return keys, dirs
 
 
@@ -151,10 +156,10 @@ def run(
         else:
             tuned = timed(
                 "tune", tune.run, profile, target, opt, cfg.model.name, exported.inputs, db_root, ws.tune, budget_s,
-                cfg.model.seed, pool,
+                cfg.model.seed, pool, exported.dims,
             )
             tune_summary = json.loads((tuned.folder / "summary.json").read_text())
-    keys, existing = existing_databases(cfg, profile, target, exported.inputs, db_root)
+    keys, existing = existing_databases(cfg, profile, target, exported.inputs, db_root, exported.dims)
     package = timed("build", build.run, profile, target, exported, opt, existing, keys, ws.package, cfg.model.name,
                     db_root)
     tol = getattr(cfg.tolerance, profile.precision)
@@ -173,7 +178,7 @@ def run(
             from .bench import latency as bench_latency
 
             alt = timed("alternatives", bench_latency.alternatives, cfg, profile, target.kind, exported,
-                        profile.buckets, alternatives)
+                        exported.buckets(profile), alternatives)
             for b, row in alt.items():
                 latency[b]["alternatives"] = row
     summary = {
@@ -202,9 +207,9 @@ def measure_before_after(cfg, profile, target, exported, opt, package, ws: Works
     out = {}
     pred = runtime.load(package.folder)
     for b in pred.buckets:
-        out[str(b)] = {"tuned": pred.latency(b)}
+        out[b.label] = {"tuned": pred.latency(b)}
     # buckets with a record for some kernel: their own database's, or the kernel store's
-    tuned_buckets = [b for b in profile.buckets if package.manifest["buckets"][str(b)]["tuned_kernels"]]
+    tuned_buckets = [b for b in pred.buckets if package.manifest["buckets"][b.label]["tuned_kernels"]]
     if compare_untuned is False or not tuned_buckets:
         return out
     key = untuned_key(opt, target, profile, tuned_buckets)
@@ -215,18 +220,18 @@ def measure_before_after(cfg, profile, target, exported, opt, package, ws: Works
         how = "cached"
     elif compare_untuned:
         key_file.unlink(missing_ok=True)
-        plain = dataclasses.replace(profile, buckets=tuple(tuned_buckets))
-        keys, _ = db_keys(cfg, plain, target, exported.inputs, DEFAULT_DB_ROOT)
-        build.run(plain, target, exported, opt, {}, keys, ws.untuned, cfg.model.name)
+        plain = dataclasses.replace(profile, buckets=tuple(sorted({b.batch for b in tuned_buckets})))
+        keys, _ = db_keys(cfg, plain, target, exported.inputs, DEFAULT_DB_ROOT, exported.dims)
+        build.run(plain, target, exported, opt, {}, keys, ws.untuned, cfg.model.name, only=set(tuned_buckets))
         artifacts.write_json_atomic(key_file, key)
         how = "built"
     else:
         for b in tuned_buckets:
-            out[str(b)]["untuned"] = None  # not compared: no build of it here, none asked for
+            out[b.label]["untuned"] = None  # not compared: no build of it here, none asked for
         return out
     upred = runtime.load(ws.untuned, warn_unvalidated=False)
     for b in tuned_buckets:
-        out[str(b)]["untuned"] = {**upred.latency(b), "build": how}
+        out[b.label]["untuned"] = {**upred.latency(b), "build": how}
     return out
 
 
@@ -254,7 +259,7 @@ def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
 
 def format_summary(summary: dict) -> str:
     lines = [f"package    {summary['package']}"]
-    for b, info in sorted(summary["buckets"].items(), key=lambda kv: int(kv[0])):
+    for b, info in sorted(summary["buckets"].items(), key=lambda kv: parse(kv[0])):
         line = f"bucket {b:>4}  {info['tuned_kernels']}/{info['kernels']} kernels tuned"
         if (info.get("store") or {}).get("not_in_database"):
             line += f" ({info['store']['not_in_database']} by other models, from the kernel store)"

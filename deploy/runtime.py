@@ -1,6 +1,8 @@
 """Load a package and run it: `deploy.load(folder)` returns a Predictor that
-checks input names, shapes and dtypes, picks the smallest batch bucket that
-fits (padding the batch), and splits larger batches across buckets.
+checks input names, shapes and dtypes, picks the smallest bucket that fits
+(padding the batch, and the lengths of the dimensions the config names:
+deploy.shapes), splits larger batches across buckets, and cuts outputs back
+to each request's lengths.
 
 A run goes in three steps (`stage`, `launch`, `collect`; `run_parts` and
 `run_bucket` take all three): the requests' rows are copied side by side into
@@ -13,8 +15,9 @@ while the last one runs.
 The package's manifest and the sha256 of every module are checked before any
 native code is loaded.
 
-A little over ~500 lines: the Predictor's stage, launch and collect steps
-share its per-bucket slots, buffers and lock, and are read together."""
+Over ~500 lines (~640): the Predictor's stage, launch and collect steps
+share its per-bucket slots, buffers and lock, and are read together; the
+padding of a dimension (deploy.shapes) lives in those same steps."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import numpy as np
 
 from . import artifacts
 from .errors import DeployError, ShapeError, StaleArtifactError, TargetError
+from .shapes import Bucket, as_bucket, cut, dims_from_manifest, fit, lengths, pad_to, pad_value, parse
 
 log = logging.getLogger(__name__)
 PACKAGE_STAGE = "package"
@@ -109,11 +113,12 @@ class _Slot:
 class Batch:
     """A batch from `Predictor.stage` to `Predictor.collect`."""
 
-    bucket: int
+    bucket: Bucket
     rows: int
     slot: _Slot | None
     part_rows: list[int]  # rows of each part, in order
     errors: dict[int, BaseException]  # part index -> why it could not be read
+    part_lens: list[tuple] | None = None  # each part's lengths along the package's dimensions
     pieces: list | None = None  # the parts of a batch over the largest bucket (run piece by piece)
     outs: list | None = None  # the module's output tensors, until collected
     result: dict | None = None
@@ -132,11 +137,17 @@ STAGE_SLICE_BYTES = 2 << 20
 
 def _copy_one(copy: tuple):
     """One staging copy; (part index, error) if it failed (never raises, so
-    that every copy of the batch has ended before its buffer is given back)."""
+    that every copy of the batch has ended before its buffer is given back).
+    A destination that is a padded region's part (not contiguous) takes an
+    input read at staging through a buffer of its own."""
     k, dst, src = copy
     try:
         if isinstance(src, np.ndarray):
             np.copyto(dst, src)
+        elif not dst.flags.c_contiguous:
+            tmp = np.empty(dst.shape, dst.dtype)
+            src.read_into(tmp)
+            np.copyto(dst, tmp)
         else:
             src.read_into(dst)
     except Exception as e:  # noqa: BLE001
@@ -155,24 +166,27 @@ class Predictor:
         self.device = check_device(self.manifest)
         self.inputs = self.manifest["inputs"]
         self.outputs = self.manifest["outputs"]
-        self.buckets = sorted(int(b) for b in self.manifest["buckets"])
+        self.dims = dims_from_manifest(self.manifest.get("dims"))
+        self._names = [i["name"] for i in self.inputs]
+        self.buckets = sorted(parse(b) for b in self.manifest["buckets"])  # shapes.Bucket, in order
+        self._batches: dict[tuple, list[int]] = {}  # the dimensions' lengths -> batch sizes built at them
+        for b in self.buckets:
+            self._batches.setdefault(b.dims, []).append(b.batch)
         self._vms = {}
         for b in self.buckets:
-            lib = load_module(str(self.folder / self.manifest["buckets"][str(b)]["file"]))
+            lib = load_module(str(self.folder / self.manifest["buckets"][b.label]["file"]))
             self._vms[b] = VirtualMachine(lib, self.device)
-        self._staged_inputs: dict[int, list] = {}  # bucket -> its device input tensors
-        self._clean_from: dict[int, int] = {}  # bucket -> first row from which its device inputs are zeros
+        self._staged_inputs: dict[Bucket, list] = {}  # bucket -> its device input tensors
+        self._clean_from: dict[Bucket, int] = {}  # bucket -> first row from which its device inputs are zeros
         self._host_dev = host_device(self.device)
-        self._slots: dict[int, list[_Slot]] = {}  # bucket -> its host staging buffers
+        self._slots: dict[Bucket, list[_Slot]] = {}  # bucket -> its host staging buffers
         self._slots_lock = threading.Lock()
-        self._zeros: list | None = None  # per input, host zeros for padding rows
+        self._zeros: dict[tuple, list] = {}  # per lengths, per input: host zeros for padding rows
         self._lock = threading.Lock()  # the device inputs are shared: one launched batch at a time
         self._stage_threads = min(4, os.cpu_count() or 1)
         self._stage_pool = None  # made on the first large batch
         self._views: dict[tuple, object] = {}  # row views of staged and host tensors
-        # Per input: the shape of one row and its size in bytes (row views of the staged tensors).
-        self._row = [(list(s["shape"]), int(np.prod(s["shape"], dtype=np.int64)) * np.dtype(s["dtype"]).itemsize)
-                     for s in self.inputs]
+        self._row_specs: dict[tuple, list] = {}  # per lengths: row_specs()
         if warn_unvalidated and self.manifest.get("validation") is None:
             log.warning("package %s was not validated", self.folder)
 
@@ -184,23 +198,50 @@ class Predictor:
 
     @property
     def max_batch(self) -> int:
-        return self.buckets[-1]
+        return max(b.batch for b in self.buckets)
 
-    def bucket_for(self, batch: int) -> int:
-        for b in self.buckets:
-            if b >= batch:
-                return b
-        return self.buckets[-1]
+    def row_specs(self, dims: tuple = ()) -> list[tuple[list[int], int]]:
+        """Per input: the shape of one row at the dimensions' lengths `dims`
+        and its size in bytes (row views of the staged tensors)."""
+        rows = self._row_specs.get(dims)
+        if rows is None:
+            values = dict(dims)
+            rows = []
+            for spec in self.inputs:
+                shape = list(spec["shape"])
+                for d in self.dims:
+                    if spec["name"] in d.inputs:
+                        shape[d.axis - 1] = values[d.name]
+                rows.append((shape, int(np.prod(shape, dtype=np.int64)) * np.dtype(spec["dtype"]).itemsize))
+            self._row_specs[dims] = rows
+        return rows
 
-    def plan(self, batch: int) -> list[tuple[int, int]]:
-        """(bucket, rows) per module run for a batch: the smallest bucket that
-        holds it (padded), or pieces of the largest bucket and a last one."""
+    def bucket_for(self, batch: int, dims: tuple = ()) -> Bucket:
+        """The smallest bucket of batch `batch` at the lengths `dims` (a
+        bucket's own lengths, see shapes.fit)."""
+        sizes = self._batches[dims]
+        return Bucket(dims, next((b for b in sizes if b >= batch), sizes[-1]))
+
+    def plan(self, batch: int, dims: tuple = ()) -> list[tuple[Bucket, int]]:
+        """(bucket, rows) per module run for a batch at the lengths `dims`:
+        the smallest bucket that holds it (padded), or pieces of the largest
+        bucket and a last one."""
         pieces, start = [], 0
+        top = self._batches[dims][-1]
         while start < batch:
-            n = min(batch - start, self.max_batch)
-            pieces.append((self.bucket_for(n), n))
+            n = min(batch - start, top)
+            pieces.append((self.bucket_for(n, dims), n))
             start += n
         return pieces
+
+    def lengths_of(self, arrays) -> tuple:
+        """A request's lengths along the package's dimensions."""
+        return lengths(arrays, self._names, self.dims) if self.dims else ()
+
+    def exact_bucket(self, arrays) -> Bucket | None:
+        """The bucket whose shapes `arrays` have exactly (None: none has)."""
+        b = Bucket(self.lengths_of(arrays), int(arrays[0].shape[0]))
+        return b if b in self._vms else None
 
     def check_inputs(self, *args, **kwargs) -> list[np.ndarray]:
         """Inputs (positional in manifest order, or by name) -> arrays, checked."""
@@ -228,8 +269,9 @@ class Predictor:
                 a = np.asarray(a)
             if str(a.dtype) != spec["dtype"]:
                 raise ShapeError(f"input '{spec['name']}' has the wrong dtype", str(a.dtype), spec["dtype"])
-            want = tuple(spec["shape"])
-            if a.ndim != len(want) + 1 or tuple(a.shape[1:]) != want:
+            want = self._accepted_shape(spec)
+            if a.ndim != len(want) + 1 or any(w != h and not (isinstance(w, str) and h >= 1)
+                                              for w, h in zip(want, a.shape[1:])):
                 raise ShapeError(f"input '{spec['name']}' has the wrong shape", list(a.shape), ["batch", *want])
             if a.shape[0] < 1:
                 raise ShapeError(f"input '{spec['name']}' has an empty batch", list(a.shape))
@@ -237,25 +279,39 @@ class Predictor:
                 raise ShapeError("inputs disagree on the batch size", a.shape[0], batch)
             batch = a.shape[0]
             arrays.append(np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a)
+        if self.dims:
+            fit(self.lengths_of(arrays), self.dims)  # one line when a request is longer than the largest bucket
         return arrays
 
-    def _staged(self, bucket: int) -> list:
+    def _accepted_shape(self, spec: dict) -> list:
+        """An input's row shape, with the name of the dimension at each axis
+        that varies ("seq")."""
+        shape = list(spec["shape"])
+        for d in self.dims:
+            if spec["name"] in d.inputs:
+                shape[d.axis - 1] = d.name
+        return shape
+
+    def _staged(self, bucket: Bucket) -> list:
         """The bucket's device input tensors (allocated on first use, zeroed)."""
         from .tvm_compat import tensor
 
         staged = self._staged_inputs.get(bucket)
         if staged is None:
             staged = self._staged_inputs[bucket] = [
-                tensor(np.zeros((bucket, *s["shape"]), s["dtype"]), self.device) for s in self.inputs]
+                tensor(np.zeros((bucket.batch, *shape), s["dtype"]), self.device)
+                for s, (shape, _) in zip(self.inputs, self.row_specs(bucket.dims))]
             self._clean_from[bucket] = 0
         return staged
 
-    def run_bucket(self, bucket: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        """Run one bucket on arrays whose batch is exactly `bucket`."""
+    def run_bucket(self, bucket: Bucket | int, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Run one bucket on arrays of exactly its shapes."""
+        bucket = as_bucket(bucket)
         # Checked here too: TVM's copies into the staged tensors would silently cast another dtype.
         arrays = self.check_inputs(*arrays)
-        if arrays[0].shape[0] != bucket:
-            raise ShapeError(f"run_bucket({bucket}) needs {bucket} rows", arrays[0].shape[0], bucket)
+        have = Bucket(self.lengths_of(arrays), int(arrays[0].shape[0]))
+        if have != bucket:
+            raise ShapeError(f"run_bucket({bucket}) needs inputs of its shapes", have.label, bucket.label)
         out = self.collect(self.launch(self.stage([arrays])))
         return [out[o["name"]] for o in self.outputs]
 
@@ -289,16 +345,19 @@ class Predictor:
         index; its rows are zeroed) instead of failing the others."""
         part_rows = [_rows(p[0]) for p in parts]
         rows = sum(part_rows)
-        plan = self.plan(rows)
+        part_lens = [self.lengths_of(p) for p in parts]
+        dims = fit(tuple((d.name, max(ls[k][1] for ls in part_lens)) for k, d in enumerate(self.dims)),
+                   self.dims) if self.dims else ()
+        plan = self.plan(rows, dims)
         if len(plan) > 1:  # rows past the largest bucket: run piece by piece at launch
-            return Batch(plan[-1][0], rows, None, part_rows, {}, pieces=parts)
+            return Batch(plan[-1][0], rows, None, part_rows, {}, pieces=parts, part_lens=part_lens)
         bucket = plan[0][0]
         starts = np.cumsum([0, *part_rows[:-1]]).tolist()  # each part's first row in the batch
         slot = self._take_slot(bucket)
         try:
-            copies = [(k, view[at : at + n], src)  # (part index, destination rows, source)
+            copies = [(k, self._region(view[at : at + n], i, part_lens[k], dims), src)  # (part, destination, source)
                       for k, (part, at, n) in enumerate(zip(parts, starts, part_rows))
-                      for view, src in zip(slot.views, part)]
+                      for i, (view, src) in enumerate(zip(slot.views, part))]
             failed = self._copy_all(copies)  # every copy has ended: none still writes the buffer
             bug = next((e for _, e in failed if not isinstance(e, DeployError)), None)
             if bug is not None:
@@ -312,7 +371,31 @@ class Predictor:
         except BaseException:
             slot.busy = False
             raise
-        return Batch(bucket, rows, slot, part_rows, errors)
+        return Batch(bucket, rows, slot, part_rows, errors, part_lens=part_lens)
+
+    def _region(self, rows: np.ndarray, i: int, have: tuple, want: tuple) -> np.ndarray:
+        """Where a part's input i goes in its rows of the buffer: the rows
+        themselves, or (a request shorter than the bucket) the part of them
+        at its lengths, the rest filled with the padding value first."""
+        if have == want:
+            return rows
+        name = self._names[i]
+        index = [slice(None)] * rows.ndim
+        for (_, h), (_, w), d in zip(have, want, self.dims):
+            if name in d.inputs and h < w:
+                rows[(slice(None),) * d.axis + (slice(h, None),)] = pad_value(d, name)
+                index[d.axis] = slice(0, h)
+        return rows[tuple(index)]
+
+    def split(self, batch: Batch, out: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """A collected batch's outputs per part: its rows, cut back to its
+        lengths along the package's dimensions."""
+        parts, begin = [], 0
+        lens = batch.part_lens or [()] * len(batch.part_rows)
+        for n, have in zip(batch.part_rows, lens):
+            parts.append({k: cut(v[begin : begin + n], k, have, self.dims) for k, v in out.items()})
+            begin += n
+        return parts
 
     def _copy_all(self, copies: list[tuple]) -> list[tuple[int, Exception]]:
         """Do the staging copies; those of a large batch are spread over a few
@@ -370,20 +453,21 @@ class Predictor:
             batch.result = self._run_pieces(batch.pieces)
             return
         bucket, n, slot = batch.bucket, batch.rows, batch.slot
+        dims = bucket.dims
         staged = self._staged(bucket)
         # Host tensor to device tensor: queued on the device's stream, not
         # waited for (a copy from numpy would wait for the whole device).
         for i, (dst, src) in enumerate(zip(staged, slot.host)):
-            if n == bucket:
+            if n == bucket.batch:
                 dst.copyfrom(src)
             else:
-                self._rows_of(("dev", bucket), dst, i, 0, n).copyfrom(self._rows_of(slot.key, src, i, 0, n))
+                self._rows_of(("dev", bucket), dst, i, 0, n, dims).copyfrom(self._rows_of(slot.key, src, i, 0, n, dims))
         clean = self._clean_from[bucket]
         if clean > n:  # rows a larger earlier batch left: zeros, not its data
-            zeros = self._host_zeros()
+            zeros = self._host_zeros(dims)
             for i, dst in enumerate(staged):
-                self._rows_of(("dev", bucket), dst, i, n, clean - n).copyfrom(
-                    self._rows_of(("zeros",), zeros[i], i, 0, clean - n))
+                self._rows_of(("dev", bucket), dst, i, n, clean - n, dims).copyfrom(
+                    self._rows_of(("zeros", dims), zeros[i], i, 0, clean - n, dims))
         self._clean_from[bucket] = n
         out = self._vms[bucket]["main"](*staged)
         outs = _output_list(out)
@@ -403,7 +487,7 @@ class Predictor:
         n = batch.rows
         return {spec["name"]: v[:n].copy() for spec, v in zip(self.outputs, batch.slot.out_views)}
 
-    def _take_slot(self, bucket: int) -> _Slot:
+    def _take_slot(self, bucket: Bucket) -> _Slot:
         """A host buffer of the bucket that no staged or launched batch holds
         (a second one is made when a batch is staged while one runs)."""
         with self._slots_lock:
@@ -412,7 +496,8 @@ class Predictor:
                 if not slot.busy:
                     slot.busy = True
                     return slot
-            host = [self._host_tensor((bucket, *spec["shape"]), spec["dtype"]) for spec in self.inputs]
+            host = [self._host_tensor((bucket.batch, *shape), spec["dtype"])
+                    for spec, (shape, _) in zip(self.inputs, self.row_specs(bucket.dims))]
             slot = _Slot(("host", bucket, len(slots)), host, [np.from_dlpack(h) for h in host], busy=True)
             slots.append(slot)
             return slot
@@ -422,20 +507,22 @@ class Predictor:
 
         return empty(shape, dtype, self._host_dev)
 
-    def _host_zeros(self) -> list:
-        """Per input, host zeros of the largest bucket's rows (padding rows
-        are at most one fewer)."""
-        if self._zeros is None:
-            self._zeros = []
-            for spec in self.inputs:
-                z = self._host_tensor((self.max_batch, *spec["shape"]), spec["dtype"])
+    def _host_zeros(self, dims: tuple = ()) -> list:
+        """Per input, host zeros of the largest bucket's rows at the lengths
+        `dims` (padding rows are at most one fewer)."""
+        zeros = self._zeros.get(dims)
+        if zeros is None:
+            zeros = self._zeros[dims] = []
+            for spec, (shape, _) in zip(self.inputs, self.row_specs(dims)):
+                z = self._host_tensor((self.max_batch, *shape), spec["dtype"])
                 np.from_dlpack(z)[...] = 0
-                self._zeros.append(z)
-        return self._zeros
+                zeros.append(z)
+        return zeros
 
-    def _rows_of(self, key: tuple, t, i: int, start: int, n: int):
-        """Rows [start, start + n) of `t`, a tensor of input i's rows (a view,
-        kept: each one made is a TVM call, which drops the GIL)."""
+    def _rows_of(self, key: tuple, t, i: int, start: int, n: int, dims: tuple = ()):
+        """Rows [start, start + n) of `t`, a tensor of input i's rows at the
+        lengths `dims` (a view, kept: each one made is a TVM call, which
+        drops the GIL)."""
         from .tvm_compat import tensor_view
 
         k = (*key, i, start, n)
@@ -443,16 +530,22 @@ class Predictor:
         if view is None:
             if len(self._views) >= 4096:
                 self._views.clear()
-            shape, nbytes = self._row[i]
+            shape, nbytes = self.row_specs(dims)[i]
             view = self._views[k] = tensor_view(t, [n, *shape], start * nbytes)
         return view
 
     def _run_pieces(self, parts: list[list]) -> dict[str, np.ndarray]:
         """A batch over the largest bucket, piece by piece (holding the lock)."""
         arrays = [[a if isinstance(a, np.ndarray) else np.asarray(a) for a in p] for p in parts]
+        dims = ()
+        if self.dims:  # every part padded to the batch's lengths, so that they join
+            lens = [self.lengths_of(p) for p in arrays]
+            dims = fit(tuple((d.name, max(ls[k][1] for ls in lens)) for k, d in enumerate(self.dims)), self.dims)
+            arrays = [[pad_to(a, self._names[i], have, dims, self.dims) for i, a in enumerate(p)]
+                      for p, have in zip(arrays, lens)]
         joined = [np.concatenate([p[i] for p in arrays]) for i in range(len(self.inputs))]
         pieces, start = [], 0
-        for _bucket, n in self.plan(joined[0].shape[0]):
+        for _bucket, n in self.plan(joined[0].shape[0], dims):
             batch = self.stage([[a[start : start + n] for a in joined]])
             try:
                 self._launch_locked(batch)
@@ -466,16 +559,31 @@ class Predictor:
         return self._run_checked([self.check_inputs(*args, **kwargs)])
 
     def _run_checked(self, parts: list[list]) -> dict[str, np.ndarray]:
+        """The parts' outputs, rows in part order; cut back to the longest
+        part's lengths along the package's dimensions (`split` cuts each
+        part to its own)."""
         batch = self.stage(parts)
         if batch.errors:
             self.release(batch)
             raise next(iter(batch.errors.values()))
-        return self.collect(self.launch(batch))
+        out = self.collect(self.launch(batch))
+        if not self.dims:
+            return out
+        longest = tuple((d.name, max(ls[k][1] for ls in batch.part_lens)) for k, d in enumerate(self.dims))
+        return {k: cut(v, k, longest, self.dims) for k, v in out.items()}
 
-    def random_inputs(self, batch: int, seed: int = 0) -> list[np.ndarray]:
-        return random_inputs([(s["shape"], s["dtype"]) for s in self.inputs], batch, seed)
+    def random_inputs(self, bucket: Bucket | int, seed: int = 0) -> list[np.ndarray]:
+        """Seeded inputs of a bucket's shapes; a batch size alone gives that
+        batch at the largest bucket's lengths."""
+        if isinstance(bucket, Bucket):
+            dims, batch = bucket.dims, bucket.batch
+        else:
+            dims, batch = self.buckets[-1].dims, int(bucket)
+        return random_inputs([(shape, s["dtype"]) for s, (shape, _) in zip(self.inputs, self.row_specs(dims))],
+                             batch, seed)
 
-    def latency(self, bucket: int, number: int | None = None, repeat: int | None = None, seed: int = 0) -> dict:
+    def latency(self, bucket: Bucket | int, number: int | None = None, repeat: int | None = None,
+                seed: int = 0) -> dict:
         """Device-synchronized latency of one bucket (TVM's time evaluator,
         which synchronizes the device around each repeat). By default each
         repeat lasts ~0.1 s, so a slow CPU module does not take minutes."""
@@ -483,6 +591,7 @@ class Predictor:
 
         from .tvm_compat import tensor
 
+        bucket = as_bucket(bucket)
         vm = self._vms[bucket]
         args = [tensor(a, self.device) for a in self.random_inputs(bucket, seed)]
         vm["main"](*args)  # warm-up: module load, CUDA graph capture

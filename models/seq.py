@@ -96,7 +96,9 @@ class BertEncoder(nn.Module):
         _init_transformer(self)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = self.position_embeddings(self.position_ids[:, : self.seq_len])  # [1, S, C]
+        # positions of this call's length (at most max_positions), so an
+        # export with a dynamic sequence axis serves every length
+        pos = self.position_embeddings(self.position_ids[:, : input_ids.shape[1]])  # [1, S, C]
         x = self.embed_norm(self.word_embeddings(input_ids) + pos)
         keep = attention_mask > 0
         mask = (~keep).to(x.dtype).mul(NEG)[:, None, None, :]  # [B, 1, 1, S]

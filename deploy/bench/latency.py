@@ -147,21 +147,25 @@ def cases(cfg, profile, ws, ex, names, factory, tmpdir: Path, *, baselines, warm
 
     reference_for = References(cfg, ex, include_torch=False)
     out = []
-    for batch in profile.buckets:
-        inputs = random_inputs([(i.shape, i.dtype) for i in ex.inputs], batch, seed=cfg.model.seed + 1000 + batch)
+    for bucket in ex.buckets(profile):
+        batch = bucket.batch
+        inputs = random_inputs([(i.shape, i.dtype) for i in ex.bucket_inputs(bucket)], batch,
+                               seed=cfg.model.seed + 1000 + batch)
         reference = reference_for(inputs)["onnxruntime"]
         make16 = None
         if factory is not None:
-            make16 = lambda xs, b=batch: bench_runners.fp16_onnx(factory, xs, cfg.model.opset, tmpdir / f"fp16_b{b}.onnx")  # noqa: E731
+            make16 = lambda xs, b=bucket: bench_runners.fp16_onnx(factory, xs, cfg.model.opset, tmpdir / f"fp16_b{b}.onnx")  # noqa: E731
         runners = bench_runners.make_runners(
             names, package=ws.package, untuned=ws.untuned, onnx_path=ex.onnx_path,
             input_names=[i.name for i in ex.inputs], factory=factory, precision=profile.precision,
             compile_mode=compile_mode, fp16_onnx_path=make16,
         )
         rows = [trtexec.load_baseline(Path(b), cfg.model.name, batch, list(ex.inputs[0].shape), profile.precision)
-                for b in baselines if trtexec.baseline_batch(Path(b)) == batch]
+                for b in baselines if trtexec.baseline_batch(Path(b)) == batch and not bucket.dims]
         out.append(case(batch, profile.precision, runners, inputs, reference, cfg.tolerance, warmup, iters, rows,
                         rounds))
+        if bucket.dims:
+            out[-1]["bucket"] = bucket.label
     return out
 
 
@@ -205,14 +209,14 @@ def alternatives(cfg, profile, target_kind: str, exported, buckets, names, secon
             r = bench_runners.TorchRunner("torch-compile", factory, half=half, channels_last=half,
                                           compile_mode="default")
         made[n] = r
-    specs = [(i.shape, i.dtype) for i in exported.inputs]
     out: dict[str, dict] = {}
     for r in made.values():
         for b in buckets:
             row = out.setdefault(str(b), {})
             label = r.name
             try:
-                r.activate(random_inputs(specs, b, seed=0))
+                specs = [(i.shape, i.dtype) for i in exported.bucket_inputs(b)]
+                r.activate(random_inputs(specs, b.batch, seed=0))
                 label = r.name  # ONNX Runtime names itself by its provider in activate
                 n_iter = bench_runners.iterations_for(r, seconds, 100)
                 times = r.time(max(1, n_iter // 10), n_iter)

@@ -65,7 +65,7 @@ def run(
     target: TargetInfo,
     opt: OptimizeArtifact,
     database: tuple[Path, dict] | None,
-    bucket: int,
+    bucket,
     folder: Path,
     iters: int = 20,
 ) -> dict:
@@ -76,7 +76,10 @@ def run(
     if iters < 1:
         raise ConfigError("--iters must be at least 1", iters)
     dev = target.device()  # fails fast (TargetError) before minutes of compiling
-    plain = dataclasses.replace(profile, buckets=(bucket,), cuda_graph=False)
+    from ..shapes import as_bucket
+
+    bucket = as_bucket(bucket)
+    plain = dataclasses.replace(profile, buckets=(bucket.batch,), cuda_graph=False)
     mod = opt.load_module(bucket)
     costs = kernel_costs(mod)
     with artifacts.staged_dir(folder) as tmp:
@@ -128,7 +131,7 @@ def run(
             })
         kernels.sort(key=lambda k: -k["ms_per_run"])
         report = {
-            "bucket": bucket,
+            "bucket": bucket.label if bucket.dims else bucket.batch,
             "target": target.key(),
             "tuned_kernels": info["tuned_kernels"],
             "kernels_total": info["kernels"],
@@ -139,7 +142,7 @@ def run(
         }
         artifacts.write_json_atomic(tmp / "profile.json", report)
         (tmp / "profile.md").write_text(format_report(report))
-        artifacts.write_manifest(tmp, STAGE, {"bucket": bucket}, files=["profile.json", "profile.md", "module.so"])
+        artifacts.write_manifest(tmp, STAGE, {"bucket": bucket.label}, files=["profile.json", "profile.md", "module.so"])
     return report
 
 

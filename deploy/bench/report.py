@@ -61,7 +61,8 @@ def markdown(report: dict) -> str:
         ok = [r for r in rows if r["status"] == "ok"]
         trt = next((r for r in ok if r["kind"] == "tensorrt"), None)
         tvm = next((r for r in ok if r["name"] == "tvm"), None)
-        lines.append(f"### batch {case['batch']}, {case['precision']}")
+        lines.append(f"### {'bucket ' + case['bucket'] if case.get('bucket') else 'batch ' + str(case['batch'])}, "
+                     f"{case['precision']}")
         lines.append("")
         by_round = any("round_p50_ms" in r["timing"] for r in ok)
         any_rounds = any_rounds or by_round
@@ -120,7 +121,7 @@ def plot(report: dict, path: Path) -> None:
         ax.errorbar(p99, names, fmt="|", color="black", label="p99")
         ax.set_xscale("log")
         ax.set_xlabel("latency (ms, log scale)")
-        ax.set_title(f"{report['model']}: batch {case['batch']}, {case['precision']}")
+        ax.set_title(f"{report['model']}: {case.get('bucket') or 'batch ' + str(case['batch'])}, {case['precision']}")
         ax.invert_yaxis()
     axes[0][0].legend(loc="lower right")
     fig.tight_layout()

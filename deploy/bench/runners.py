@@ -107,10 +107,11 @@ class TVMRunner(Runner):
             raise RunnerUnavailable(f"no package at {self.package} (run make tune first)")
         self.pred = runtime.load(self.package, warn_unvalidated=False)
         self.precision = self.pred.manifest["precision"]
-        batch = inputs[0].shape[0]
-        if batch not in self.pred.buckets:
-            raise RunnerUnavailable(f"package has no bucket {batch} (buckets {self.pred.buckets})")
-        self.vm = self.pred._vms[batch]
+        bucket = self.pred.exact_bucket(inputs)
+        if bucket is None:
+            raise RunnerUnavailable(f"package has no bucket of shape {[list(a.shape) for a in inputs]} "
+                                    f"(buckets {', '.join(b.label for b in self.pred.buckets)})")
+        self.vm = self.pred._vms[bucket]
         self.args = [tensor(a, self.pred.device) for a in inputs]
         self.vm["main"](*self.args)  # CUDA graph capture, lazy loading
 

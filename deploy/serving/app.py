@@ -42,6 +42,20 @@ SERVER_NAME = "tvm-deploy"
 OFFLOAD_BYTES = 256 * 1024
 
 
+def free_axes(manifest: dict, which: str) -> list[dict]:
+    """The manifest's inputs or outputs, -1 at the axes of its dimensions."""
+    from ..shapes import dims_from_manifest
+
+    out = []
+    for spec in manifest[which]:
+        shape = list(spec["shape"])
+        for d in dims_from_manifest(manifest.get("dims")):
+            if spec["name"] in (d.inputs if which == "inputs" else d.outputs) and d.axis - 1 < len(shape):
+                shape[d.axis - 1] = -1
+        out.append({**spec, "shape": shape})
+    return out
+
+
 class InferenceServer:
     """The Starlette application and the state behind it."""
 
@@ -50,6 +64,9 @@ class InferenceServer:
 
         self.cfg = cfg
         self.folder = Path(folder)
+        # The inputs and outputs with -1 at each axis of a dimension besides
+        # the batch (a sequence length): requests may have any length there.
+        manifest = {**manifest, "inputs": free_axes(manifest, "inputs"), "outputs": free_axes(manifest, "outputs")}
         self.manifest = manifest
         self.model = cfg.model_name or manifest["model"]
         # The manifest was checked (every module hashed) before the server was built.
@@ -111,7 +128,8 @@ class InferenceServer:
             return None
         self.ready = True
         self.metrics.ready.labels(self.model).set(1)
-        log.info("model %s ready: buckets %s from %s", self.model, predictor.buckets, self.folder)
+        log.info("model %s ready: buckets %s from %s", self.model, ", ".join(b.label for b in predictor.buckets),
+                 self.folder)
         self.loaded.set()
         return predictor
 

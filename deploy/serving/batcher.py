@@ -209,14 +209,13 @@ class Batcher:
         m.child(m.compute).observe(done - start)
         m.child(m.batch_rows).observe(rows)
         m.child(m.batch_requests).observe(len(jobs))
-        for bucket, n in self.predictor.plan(rows):  # one piece, or the pieces of a split request
+        for bucket, n in self.predictor.plan(rows, batch.bucket.dims):  # one piece, or the pieces of a split request
             m.child(m.bucket_runs, str(bucket)).inc()
-            m.child(m.padded_rows).inc(bucket - n)
-        begin = 0
-        for j in jobs:
+            m.child(m.padded_rows).inc(bucket.batch - n)
+        # each request's rows, cut back to its lengths along the package's dimensions
+        for j, result in zip(jobs, self.predictor.split(batch, out)):
             if not j.future.done():
-                j.future.set_result({k: v[begin : begin + j.rows] for k, v in out.items()})
-            begin += j.rows
+                j.future.set_result(result)
 
 
 def _smoothed(last: float | None, x: float) -> float:

@@ -38,6 +38,7 @@ import numpy as np
 
 from .. import artifacts
 from ..config import LoadtestConfig
+from ..shapes import parse
 from . import clients as load_clients
 from . import server_process
 
@@ -76,17 +77,17 @@ def measure_raw(predictor, seconds: float) -> dict:
         stage = float(np.median(staging))
         nbytes = sum(a.nbytes for a in arrays)
         module = predictor.latency(b)["median_ms"] / 1e3
-        out[str(b)] = {
+        out[b.label] = {
             "run_bucket_median_ms": median * 1e3,
-            "run_bucket_samples_per_s": b / median,
+            "run_bucket_samples_per_s": b.batch / median,
             "iterations": len(times),
             "staging_median_ms": stage * 1e3,
             "staging_gb_per_s": nbytes / stage / 1e9 if stage > 0 else None,
             "module_median_ms": module * 1e3,
-            "module_samples_per_s": b / module,
+            "module_samples_per_s": b.batch / module,
         }
     best = max(out, key=lambda k: out[k]["run_bucket_samples_per_s"])
-    return {"buckets": out, "best_bucket": int(best), "best_samples_per_s": out[best]["run_bucket_samples_per_s"]}
+    return {"buckets": out, "best_bucket": best if predictor.dims else int(best), "best_samples_per_s": out[best]["run_bucket_samples_per_s"]}
 
 
 # --------------------------------------------------------------------- run ---
@@ -210,7 +211,7 @@ def run(cfg: LoadtestConfig, folder: str | Path, out: str | Path, command: str =
         "target": manifest["target"],
         "gpu": manifest.get("gpu"),
         "precision": precision,
-        "buckets": sorted(int(b) for b in manifest["buckets"]),
+        "buckets": [b.label if b.dims else b.batch for b in sorted(parse(b) for b in manifest["buckets"])],
         "date": _dt.date.today().isoformat(),
         "command": command,
         "environment": environment(),

@@ -207,7 +207,8 @@ def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: 
         want = datatype(spec["dtype"])
         if t.datatype != want:
             raise RequestError(f"input '{t.name}' has the wrong datatype", t.datatype, want)
-        if len(t.shape) != len(spec["shape"]) + 1 or list(t.shape[1:]) != list(spec["shape"]) or t.shape[0] < 1:
+        if len(t.shape) != len(spec["shape"]) + 1 or t.shape[0] < 1 or any(
+                w != h and not (w == -1 and h >= 1) for w, h in zip(spec["shape"], t.shape[1:])):  # -1: any length
             raise RequestError(f"input '{t.name}' has the wrong shape", t.shape, ["N >= 1", *spec["shape"]])
         params = t.parameters or {}
         dtype = _wire_dtype(want)

@@ -37,6 +37,7 @@ from pathlib import Path
 from .. import artifacts
 from ..config import InputSpec, Profile
 from ..errors import DatabaseMismatchError, StaleArtifactError
+from ..shapes import as_bucket, input_specs
 from ..targets import TargetInfo
 from . import journal
 
@@ -49,22 +50,32 @@ FAILED_SECS = 1e9  # MetaSchedule stores 1e10 s for a candidate that failed
 SEEDED = "database_seeded.json"  # the working copy's records that came from the kernel store
 
 
-def database_key(model: str, inputs: tuple[InputSpec, ...], bucket: int, profile: Profile, target: TargetInfo) -> dict:
-    return {
+def database_key(model: str, inputs: tuple[InputSpec, ...], bucket, profile: Profile, target: TargetInfo,
+                 dims: tuple = ()) -> dict:
+    """The key of one bucket's database (`bucket`: a shapes.Bucket or a
+    batch size; `dims`: the model's dimensions besides the batch, whose
+    lengths in the bucket replace the inputs' own)."""
+    bucket = as_bucket(bucket)
+    key = {
         "model": model,
-        "inputs": [{"name": i.name, "shape": [bucket, *i.shape], "dtype": i.dtype} for i in inputs],
+        "inputs": [{"name": i.name, "shape": [bucket.batch, *i.shape], "dtype": i.dtype}
+                   for i in input_specs(inputs, dims, bucket)],
         "precision": profile.precision,
         "accumulate": profile.accumulate if profile.precision == "fp16" else "fp32",
         "layout": profile.layout,
         "target": target.key(),
     }
+    if bucket.dims:  # (absent for batch-only buckets: their keys are what they always were)
+        key["dims"] = dict(bucket.dims)
+    return key
 
 
 def database_dir(root: Path, key: dict, target: TargetInfo) -> Path:
     """A readable label; `key.json` inside is what is checked."""
     acc = "-acc16" if key["accumulate"] == "fp16" and key["precision"] == "fp16" else ""
     batch = key["inputs"][0]["shape"][0]
-    return Path(root) / key["model"] / target.slug / f"{key['precision']}{acc}-{key['layout'].lower()}-b{batch}"
+    dims = "".join(f"-{n}{v}" for n, v in key.get("dims", {}).items())
+    return Path(root) / key["model"] / target.slug / f"{key['precision']}{acc}-{key['layout'].lower()}-b{batch}{dims}"
 
 
 def check_key(folder: Path, key: dict) -> None:

@@ -39,6 +39,7 @@ from .. import artifacts
 from ..config import InputSpec, Profile, RPCPool
 from ..errors import TargetError
 from ..optimize import OptimizeArtifact
+from ..shapes import parse, tuned_buckets
 from ..targets import TargetInfo
 from . import builder as candidates
 from . import database as dbs
@@ -54,7 +55,7 @@ STAGE = "tune"
 @dataclasses.dataclass(frozen=True)
 class TuneArtifact:
     folder: Path
-    databases: dict[int, Path]  # bucket -> database folder
+    databases: dict  # shapes.Bucket -> database folder
     manifest: dict
 
 
@@ -179,8 +180,10 @@ def run(
     budget_s: float | None,
     seed: int = 0,
     pool: RPCPool | None = None,
+    dims: tuple = (),
 ) -> TuneArtifact:
-    """Tune every tuned bucket. Candidates are measured on this machine's
+    """Tune every tuned bucket (`dims`: the model's dimensions besides the
+    batch; every length of each is tuned for the tuned batch sizes). Candidates are measured on this machine's
     device, or with `pool` on the RPC servers under its key, whose devices
     must all match `target` (checked first)."""
     n_servers = 0
@@ -196,13 +199,13 @@ def run(
     deadline = None if budget_s is None else time.time() + budget_s
     with artifacts.staged_dir(folder) as tmp:
         summaries, folders = {}, {}
-        for bucket in profile.tune_buckets:
-            key = dbs.database_key(model, inputs, bucket, profile, target)
+        for bucket in tuned_buckets(profile, dims):
+            key = dbs.database_key(model, inputs, bucket, profile, target, dims)
             db_dir = dbs.database_dir(db_root, key, target)
-            summaries[str(bucket)] = tune_bucket(
+            summaries[bucket.label] = tune_bucket(
                 opt.load_module(bucket), db_dir, key, target, profile, deadline, tmp, seed, pool, n_servers, db_root
             )
-            folders[str(bucket)] = str(db_dir)
+            folders[bucket.label] = str(db_dir)
         if any(s.get("new_trials") for s in summaries.values()):
             try:
                 for dest, n in kernel_store.refresh(db_root, only=target.key()).items():
@@ -225,7 +228,7 @@ def run(
 
 def load(folder: Path) -> TuneArtifact:
     m = artifacts.read_manifest(folder, STAGE)
-    return TuneArtifact(Path(folder), {int(b): Path(p) for b, p in m["databases"].items()}, m)
+    return TuneArtifact(Path(folder), {parse(b): Path(p) for b, p in m["databases"].items()}, m)
 
 
 def failure_reasons(folder: Path, top: int = 5) -> list[tuple[str, int]]:

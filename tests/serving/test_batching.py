@@ -149,6 +149,9 @@ def test_the_batchers_device_time_estimate_follows_the_device_not_its_own_waits(
     from deploy.runtime import Batch
     from deploy.serving import batcher as batching
     from deploy.serving import metrics as server_metrics
+    from deploy.shapes import as_bucket
+
+    four = as_bucket(4)
 
     clock = [0.0]
     monkeypatch.setattr(batching.time, "perf_counter", lambda: clock[0])
@@ -161,8 +164,11 @@ def test_the_batchers_device_time_estimate_follows_the_device_not_its_own_waits(
             clock[0] += self.wait
             return {"y": np.zeros((batch.rows, 1))}
 
-        def plan(self, rows):
-            return [(4, rows)]
+        def plan(self, rows, dims=()):
+            return [(four, rows)]
+
+        def split(self, batch, out):
+            return [out]
 
     batcher = batching.Batcher(lambda: None, 0.010, server_metrics.Metrics("t"))
     batcher.predictor = fake = Fake()
@@ -170,7 +176,7 @@ def test_the_batchers_device_time_estimate_follows_the_device_not_its_own_waits(
     def run(collect_at, wait):  # a batch launched at 0, collected at `collect_at`, waiting `wait` there
         job = batching._Job([np.zeros((1, 1))], 1, concurrent.futures.Future(), 0.0)
         job.future.set_running_or_notify_cancel()
-        batch = Batch(4, 1, None, [1], {})
+        batch = Batch(four, 1, None, [1], {})
         clock[0], fake.wait = collect_at, wait
         batcher._finish([job], batch, 0.0)
         return batcher._device_s[4], batch
