@@ -199,11 +199,15 @@ def run(
     deadline = None if budget_s is None else time.time() + budget_s
     with artifacts.staged_dir(folder) as tmp:
         summaries, folders = {}, {}
-        for bucket in tuned_buckets(profile, dims):
+        order = tuned_buckets(profile, dims)
+        for k, bucket in enumerate(order):
             key = dbs.database_key(model, inputs, bucket, profile, target, dims)
             db_dir = dbs.database_dir(db_root, key, target)
+            # The budget is shared: each bucket gets an equal part of what is
+            # left (one that is done sooner leaves its time to the next).
+            share = None if deadline is None else time.time() + max(0.0, deadline - time.time()) / (len(order) - k)
             summaries[bucket.label] = tune_bucket(
-                opt.load_module(bucket), db_dir, key, target, profile, deadline, tmp, seed, pool, n_servers, db_root
+                opt.load_module(bucket), db_dir, key, target, profile, share, tmp, seed, pool, n_servers, db_root
             )
             folders[bucket.label] = str(db_dir)
         if any(s.get("new_trials") for s in summaries.values()):

@@ -3,6 +3,7 @@
 
 import json
 import os
+import time
 
 import pytest
 
@@ -318,3 +319,19 @@ def test_a_run_killed_mid_batch_loses_no_measured_candidate(tmp_path, tiny_packa
     every.mkdir()
     dbs._expand(db_dir, every)
     assert len(dbs._json_database(every).get_all_tuning_records()) == len(records)
+
+
+def test_tuned_buckets_share_the_budget(tmp_path, llvm_target, tiny_opt, monkeypatch):
+    """Two tuned buckets: the first gets half the budget, not all of it; the
+    second gets what is left (here the first ends at once: all of it)."""
+    exported, opt = tiny_opt
+    cfg = make_config(buckets=[1, 4], tune_buckets=[1, 4], trials=8)
+    deadlines = []
+
+    def fake(mod, db_dir, key, target, profile, deadline, *rest):
+        deadlines.append(deadline - time.time())
+        return {"new_trials": 0}
+
+    monkeypatch.setattr(tune, "tune_bucket", fake)
+    tune.run(cfg.llvm, llvm_target, opt, cfg.model.name, exported.inputs, tmp_path / "db", tmp_path / "t", 100.0)
+    assert deadlines[0] == pytest.approx(50.0, abs=2) and deadlines[1] == pytest.approx(100.0, abs=3)
