@@ -285,6 +285,9 @@ def format_summary(summary: dict) -> str:
                 f"tuning b{b}  {s['trials_after']} trials in database ({s['new_trials']} new, "
                 f"{'n/a' if vf is None else f'{vf:.0%}'} valid, {s['tasks_selected']}/{s['tasks_total']} tasks)"
                 + ("  stopped at the deadline" if s["stopped_by_deadline"] else "")
+                + (f"  {s['kernel_check']['checked']} kernel(s) checked, {s['kernel_check']['rejected']} "
+                   "rejected (computed something else than their default schedule)"
+                   if (s.get("kernel_check") or {}).get("checked") else "")
                 + (f"  done: it holds TRIALS={s['trials_wanted']} (a larger TRIALS tunes on)"
                    if not s["new_trials"] and s.get("trials_wanted") and s["trials_after"] >= s["trials_wanted"] else "")
             )

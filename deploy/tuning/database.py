@@ -39,6 +39,7 @@ from ..config import InputSpec, Profile
 from ..errors import DatabaseMismatchError, StaleArtifactError
 from ..shapes import as_bucket, input_specs
 from ..targets import TargetInfo
+from . import check as kernel_check
 from . import journal
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ def _all_lines(folder: Path) -> tuple[list[str], list[str]]:
         except (json.JSONDecodeError, IndexError):  # a torn line being written: count what is packed
             pass
     workloads, records, _ = journal.fold(workloads, records, folder / journal.MEASURED)
-    return workloads, records
+    return workloads, kernel_check.drop_rejected(folder, workloads, records)
 
 
 def _mean_secs(rec: list) -> float:
@@ -298,7 +299,7 @@ def _best_lines(folder: Path, top_k: int | None) -> tuple[list[str], list[str]]:
     """`folder`'s packed workload lines and the best `top_k` records of each
     workload (all of them with None)."""
     workloads = _packed_lines(folder / (WORKLOADS + PACKED))
-    records = _packed_lines(folder / (RECORDS + PACKED))
+    records = kernel_check.drop_rejected(folder, workloads, _packed_lines(folder / (RECORDS + PACKED)))
     if top_k is not None:
         records = _best_per_workload(records, top_k)
     return workloads, records

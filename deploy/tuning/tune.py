@@ -42,6 +42,7 @@ from ..optimize import OptimizeArtifact
 from ..shapes import parse, tuned_buckets
 from ..targets import TargetInfo
 from . import builder as candidates
+from . import check as kernel_check
 from . import database as dbs
 from . import journal as tuning_journal
 from . import lanes as tuning_lanes
@@ -209,6 +210,10 @@ def run(
             summaries[bucket.label] = tune_bucket(
                 opt.load_module(bucket), db_dir, key, target, profile, share, tmp, seed, pool, n_servers, db_root
             )
+            if target.has_device and dbs.has_records(db_dir):  # each kernel checked where it runs (check.py)
+                summaries[bucket.label]["kernel_check"] = counts = kernel_check.check_database(db_dir, target)
+                log.info("tune: %s: %d tuned kernel(s) checked against default schedules, %d rejected",
+                         db_dir.name, counts["checked"], counts["rejected"])
             folders[bucket.label] = str(db_dir)
         if any(s.get("new_trials") for s in summaries.values()):
             try:

@@ -39,6 +39,8 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert s1["new_trials"] == 2 and s1["trials_after"] == 2
     assert s1["tasks"][name]["best_us"] is not None
     assert s1["valid_fraction"] == 1.0
+    # the tuned kernel was built alone and compared with its default schedule, on this device
+    assert s1["kernel_check"] == {"checked": 1, "passed": 1, "rejected": 0}
     # where the time went, from MetaSchedule's profiler
     assert s1["time_split_s"] and all(v >= 0 for v in s1["time_split_s"].values())
     from deploy import pipeline
@@ -335,3 +337,36 @@ def test_tuned_buckets_share_the_budget(tmp_path, llvm_target, tiny_opt, monkeyp
     monkeypatch.setattr(tune, "tune_bucket", fake)
     tune.run(cfg.llvm, llvm_target, opt, cfg.model.name, exported.inputs, tmp_path / "db", tmp_path / "t", 100.0)
     assert deadlines[0] == pytest.approx(50.0, abs=2) and deadlines[1] == pytest.approx(100.0, abs=3)
+
+
+def test_a_tuned_kernel_that_computes_something_else_is_rejected(tmp_path, llvm_target, tiny_opt, monkeypatch):
+    """check.py: a record whose kernel differs from its default schedule is
+    listed as rejected, builds and the kernel store no longer see it, and
+    the workload's next-best record is checked in its place."""
+    from deploy.tuning import check as kernel_check
+
+    exported, opt = tiny_opt
+    cfg = make_config(trials=4, trials_per_task=4, trials_per_iter=2, max_tasks=1)
+    _, a = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
+    db_dir = a.databases[1]
+    (db_dir / kernel_check.CHECKS).unlink()
+    workloads, best = dbs._best_lines(db_dir, 1)
+    (wrong,) = best
+    calls = []
+
+    def compare(wl_line, rec, target, dev):
+        calls.append(rec)
+        bad = kernel_check.record_id(json.loads(wl_line)[0], rec) == kernel_check.record_id(
+            json.loads(workloads[json.loads(wrong)[0]])[0], json.loads(wrong)[1])
+        return {"ok": not bad, "rel_l2": 0.5 if bad else 0.0, "output": "argument 2"}
+
+    monkeypatch.setattr(kernel_check, "compare", compare)
+    counts = kernel_check.check_database(db_dir, llvm_target)
+    assert counts == {"checked": 2, "passed": 1, "rejected": 1} and len(calls) == 2
+    state = json.loads((db_dir / kernel_check.CHECKS).read_text())
+    assert state["rejected"][0]["rel_l2"] == 0.5 and len(state["passed"]) == 1
+    _, now = dbs._best_lines(db_dir, 1)
+    assert now and wrong not in now  # the next-best record is what a build applies
+    _, every = dbs._best_lines(db_dir, None)
+    assert wrong not in every and len(every) == 3  # 4 trials, one rejected
+    assert kernel_check.check_database(db_dir, llvm_target) == {"checked": 0, "passed": 0, "rejected": 0}
