@@ -186,3 +186,14 @@ def test_the_server_takes_any_length_and_answers_each_request_with_its_own(bert_
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     finally:
         server.stop()
+
+
+def test_sequence_buckets_build_for_cuda_sm90(tmp_path):
+    """Every TIR pass of the CUDA build runs here (no GPU needed)."""
+    from deploy import targets
+
+    cfg = config.from_dict({"model": {"source": "bert", "size": "small", "dims": [SEQ]},
+                            "cuda": {"buckets": [1, 4], "tune_buckets": [1]}})
+    pipeline.run(cfg, targets.resolve("cuda:sm_90"), tmp_path / "ws", db_root=tmp_path / "db")
+    m = json.loads((tmp_path / "ws" / "package" / "manifest.json").read_text())
+    assert set(m["buckets"]) == {"1-seq8", "4-seq8", "1-seq16", "4-seq16"} and m["precision"] == "fp16"
