@@ -155,7 +155,7 @@ def run(
     just these buckets."""
     jobs = []
     with artifacts.staged_dir(folder) as tmp:
-        order = sorted(b for b in opt.modules if b.batch in profile.buckets and (only is None or b in only))
+        order = [b for b in exported.buckets(profile) if only is None or b in only]
         for bucket in order:
             db = (str(databases[bucket]), db_keys[bucket]) if bucket in databases else None
             jobs.append((str(opt.module_path(bucket)), target, profile, db, str(tmp / f"b{bucket.label}.so"),

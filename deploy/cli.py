@@ -223,9 +223,23 @@ def cmd_stage(args) -> int:
         return _run_stage(args, cfg, target, workdir, db_root, profile, ws)
 
 
+def _same_dims(cfg, ws) -> None:
+    """A stage after export works on the lengths the export stage recorded:
+    other ones asked for now (--dim-buckets, an edited config) are refused."""
+    from . import artifacts, export
+
+    if (ws.export / artifacts.MANIFEST).is_file() and export.load(ws.export).dims != cfg.model.dims:
+        raise ConfigError("the dimensions' lengths differ from those the export stage recorded",
+                          ", ".join(f"{d.name}={','.join(map(str, d.buckets))}" for d in export.load(ws.export).dims),
+                          "the same lengths, or the export stage (and those after it) run again with the new ones")
+
+
 def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
     from . import build, export, frontend, optimize, shapes, validate
     from .pipeline import existing_databases
+
+    if args.command != "export":
+        _same_dims(cfg, ws)
     from .tuning import tune
 
     stage = args.command
@@ -292,6 +306,7 @@ def cmd_bench(args) -> int:
     profile = cfg.profile(target.kind)
     ws = Workspace(workdir)
     ex = export.load(ws.export)
+    _same_dims(cfg, ws)
     names = tuple(n.strip() for n in args.runners.split(",") if n.strip())
     factory = None
     if not is_onnx_source(cfg.model.source):

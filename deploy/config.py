@@ -367,9 +367,9 @@ def _check_values(obj, where: str) -> None:
             raise ConfigError(f"duplicate input names in {where}.inputs", names)
         check_dims(obj.dims, obj.inputs, f"{where}.dims")
     elif isinstance(obj, DimSpec):
-        if not re.fullmatch(r"[A-Za-z](?:[A-Za-z0-9_]*[A-Za-z_])?", obj.name):
+        if not re.fullmatch(r"[A-Za-z][A-Za-z_]*", obj.name):
             raise ConfigError(f"invalid {where}.name", repr(obj.name),
-                              "letters, digits and '_', not ending in a digit (bucket labels end in the length)")
+                              "letters and '_', no digits (a bucket label such as 8-seq128 ends in the length)")
         if not obj.inputs:
             raise ConfigError(f"{where}.inputs is empty", None, "the inputs that carry the dimension")
         if not obj.buckets or any(b < 1 for b in obj.buckets) or len(set(obj.buckets)) != len(obj.buckets):

@@ -32,6 +32,7 @@ import numpy as np
 from . import artifacts
 from .errors import DeployError, ShapeError, StaleArtifactError, TargetError
 from .shapes import Bucket, as_bucket, cut, dims_from_manifest, fit, lengths, pad_to, pad_value, parse
+from .shapes import every_bucket as all_buckets_of
 
 log = logging.getLogger(__name__)
 PACKAGE_STAGE = "package"
@@ -172,6 +173,11 @@ class Predictor:
         self._batches: dict[tuple, list[int]] = {}  # the dimensions' lengths -> batch sizes built at them
         for b in self.buckets:
             self._batches.setdefault(b.dims, []).append(b.batch)
+        want = {b for b in all_buckets_of(self.buckets, self.dims)}
+        if want != set(self.buckets):
+            missing = sorted(want - set(self.buckets))
+            raise StaleArtifactError("package does not hold every batch at every length of its dimensions",
+                                     ", ".join(b.label for b in missing[:4]) + " missing", "a package built whole")
         self._vms = {}
         for b in self.buckets:
             lib = load_module(str(self.folder / self.manifest["buckets"][b.label]["file"]))
@@ -216,17 +222,19 @@ class Predictor:
             self._row_specs[dims] = rows
         return rows
 
-    def bucket_for(self, batch: int, dims: tuple = ()) -> Bucket:
+    def bucket_for(self, batch: int, dims: tuple | None = None) -> Bucket:
         """The smallest bucket of batch `batch` at the lengths `dims` (a
-        bucket's own lengths, see shapes.fit)."""
+        bucket's own lengths, see shapes.fit; None: the largest)."""
+        dims = self.buckets[-1].dims if dims is None else dims
         sizes = self._batches[dims]
         return Bucket(dims, next((b for b in sizes if b >= batch), sizes[-1]))
 
-    def plan(self, batch: int, dims: tuple = ()) -> list[tuple[Bucket, int]]:
+    def plan(self, batch: int, dims: tuple | None = None) -> list[tuple[Bucket, int]]:
         """(bucket, rows) per module run for a batch at the lengths `dims`:
         the smallest bucket that holds it (padded), or pieces of the largest
         bucket and a last one."""
         pieces, start = [], 0
+        dims = self.buckets[-1].dims if dims is None else dims
         top = self._batches[dims][-1]
         while start < batch:
             n = min(batch - start, top)
@@ -292,10 +300,11 @@ class Predictor:
                 shape[d.axis - 1] = d.name
         return shape
 
-    def _staged(self, bucket: Bucket) -> list:
+    def _staged(self, bucket: Bucket | int) -> list:
         """The bucket's device input tensors (allocated on first use, zeroed)."""
         from .tvm_compat import tensor
 
+        bucket = as_bucket(bucket)
         staged = self._staged_inputs.get(bucket)
         if staged is None:
             staged = self._staged_inputs[bucket] = [

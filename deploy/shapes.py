@@ -78,7 +78,7 @@ def as_bucket(b: Bucket | int | str) -> Bucket:
     return parse(b)
 
 
-_LABEL = re.compile(r"^(\d+)((?:-[A-Za-z][A-Za-z0-9_]*?\d+)*)$")
+_LABEL = re.compile(r"^(\d+)((?:-[A-Za-z][A-Za-z_]*\d+)*)$")
 
 
 def parse(label: str | int) -> Bucket:
@@ -86,7 +86,7 @@ def parse(label: str | int) -> Bucket:
     m = _LABEL.match(str(label))
     if not m:
         raise ShapeError("not a bucket label", repr(label), "BATCH or BATCH-NAMELENGTH, e.g. 8 or 8-seq128")
-    dims = tuple((name, int(v)) for name, v in re.findall(r"-([A-Za-z][A-Za-z0-9_]*?)(\d+)", m.group(2)))
+    dims = tuple((name, int(v)) for name, v in re.findall(r"-([A-Za-z][A-Za-z_]*)(\d+)", m.group(2)))
     return Bucket(dims, int(m.group(1)))
 
 
@@ -95,6 +95,14 @@ def all_buckets(profile: Profile, dims: tuple[DimSpec, ...]) -> list[Bucket]:
     dimensions' buckets, in order."""
     combos = itertools.product(*[[(d.name, v) for v in sorted(d.buckets)] for d in dims])
     return sorted(Bucket(tuple(c), b) for c in combos for b in profile.buckets)
+
+
+def every_bucket(buckets, dims: tuple[DimSpec, ...]) -> list[Bucket]:
+    """Every combination of the batch sizes among `buckets` and the
+    dimensions' lengths: what a whole package holds."""
+    combos = itertools.product(*[[(d.name, v) for v in sorted(d.buckets)] for d in dims])
+    batches = sorted({b.batch for b in buckets})
+    return sorted(Bucket(tuple(c), b) for c in combos for b in batches)
 
 
 def tuned_buckets(profile: Profile, dims: tuple[DimSpec, ...]) -> list[Bucket]:
@@ -160,15 +168,12 @@ def fit(want: tuple[tuple[str, int], ...], dims: tuple[DimSpec, ...]) -> tuple[t
 def pad_to(a: np.ndarray, name: str, have, want, dims: tuple[DimSpec, ...]) -> np.ndarray:
     """Input `name` padded at the end of each dimension from lengths `have`
     to `want` (the array itself when nothing is padded)."""
-    widths = [(0, 0)] * a.ndim
-    fill = 0
     for (_, h), (_, w), d in zip(have, want, dims):
         if name in d.inputs and w > h:
+            widths = [(0, 0)] * a.ndim
             widths[d.axis] = (0, w - h)
-            fill = pad_value(d, name)
-    if all(w == (0, 0) for w in widths):
-        return a
-    return np.pad(a, widths, constant_values=np.asarray(fill).astype(a.dtype))
+            a = np.pad(a, widths, constant_values=np.asarray(pad_value(d, name)).astype(a.dtype))
+    return a
 
 
 def cut(out: np.ndarray, name: str, have, dims: tuple[DimSpec, ...]) -> np.ndarray:

@@ -52,13 +52,19 @@ def test_pad_fit_and_cut():
     ids = np.arange(1, 6).reshape(1, 5)
     padded = shapes.pad_to(ids, "input_ids", (("seq", 5),), (("seq", 8),), (d,))
     assert padded.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]]
+    # two dimensions on one input, each padded with its own value
+    rows = config.DimSpec("rows", ("x",), (4,), axis=1, pad=-1.0)
+    cols = config.DimSpec("cols", ("x",), (3,), axis=2, pad=7.0)
+    x = shapes.pad_to(np.ones((1, 2, 2)), "x", (("rows", 2), ("cols", 2)), (("rows", 4), ("cols", 3)), (rows, cols))
+    assert x[0].tolist() == [[1, 1, 7], [1, 1, 7], [-1, -1, 7], [-1, -1, 7]]  # (the later dimension last)
     out = np.ones((1, 8, 3))
     assert shapes.cut(out, "last_hidden_state", (("seq", 5),), (d,)).shape == (1, 5, 3)
     assert shapes.cut(np.ones((1, 3)), "pooled", (("seq", 5),), (d,)).shape == (1, 3)
 
 
 @pytest.mark.parametrize("dim, match", [
-    ({"name": "seq2"}, "not ending in a digit"),
+    ({"name": "seq2"}, "no digits"),
+    ({"name": "s2s"}, "no digits"),
     ({"mask": "token_type_ids"}, "mask is not one of its inputs"),
     ({"buckets": []}, "buckets"),
     ({"axis": 0}, "axis 0 is the batch"),
@@ -142,6 +148,23 @@ def test_requests_of_any_length_match_the_unpadded_model(bert_package):
         pred(np.zeros((1, 17), "int64"), np.zeros((1, 17), "int64"))
     with pytest.raises(ShapeError, match="disagree on the length of dimension 'seq'"):
         pred(np.zeros((1, 5), "int64"), np.zeros((1, 6), "int64"))
+    assert pred.bucket_for(3) == shapes.parse("4-seq16")  # no lengths given: the longest
+
+
+def test_a_package_missing_a_length_is_refused(bert_package, tmp_path):
+    import shutil
+
+    from deploy.errors import StaleArtifactError
+
+    folder = tmp_path / "pkg"
+    shutil.copytree(bert_package[0], folder)
+    m = json.loads((folder / "manifest.json").read_text())
+    m["dims"][0]["buckets"] = [8, 16, 32]  # a length the package holds no module for
+    (folder / "manifest.json").write_text(json.dumps(m))
+    from deploy import runtime
+
+    with pytest.raises(StaleArtifactError, match="every batch at every length"):
+        runtime.Predictor(folder, manifest=m)
 
 
 def test_requests_of_different_lengths_share_a_batch_and_get_their_own_back(bert_package):
@@ -184,6 +207,15 @@ def test_the_server_takes_any_length_and_answers_each_request_with_its_own(bert_
             for got, want in pool.map(ask, (3, 7, 9, 16)):
                 assert got.shape == want.shape
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        # one request too long is refused alone, before it can share (and fail) a batch
+        ids = np.zeros((1, 17), "int64")
+        tensors = []
+        for name in ("input_ids", "attention_mask"):
+            t = triton.InferInput(name, [1, 17], "INT64")
+            t.set_data_from_numpy(ids)
+            tensors.append(t)
+        with pytest.raises(Exception, match="longer than its largest bucket"):
+            client.infer(server.app.model, tensors)
     finally:
         server.stop()
 

@@ -142,7 +142,7 @@ def run(
         }
         artifacts.write_json_atomic(tmp / "profile.json", report)
         (tmp / "profile.md").write_text(format_report(report))
-        artifacts.write_manifest(tmp, STAGE, {"bucket": bucket.label}, files=["profile.json", "profile.md", "module.so"])
+        artifacts.write_manifest(tmp, STAGE, {"bucket": bucket.label if bucket.dims else bucket.batch}, files=["profile.json", "profile.md", "module.so"])
     return report
 
 

@@ -13,6 +13,7 @@ import time
 import zlib
 from pathlib import Path
 
+from .. import shapes
 from ..config import ServeConfig
 from ..errors import (
     DeployError,
@@ -68,6 +69,8 @@ class InferenceServer:
         # the batch (a sequence length): requests may have any length there.
         manifest = {**manifest, "inputs": free_axes(manifest, "inputs"), "outputs": free_axes(manifest, "outputs")}
         self.manifest = manifest
+        self.dims = shapes.dims_from_manifest(manifest.get("dims"))
+        self.input_names = [s["name"] for s in manifest["inputs"]]
         self.model = cfg.model_name or manifest["model"]
         # The manifest was checked (every module hashed) before the server was built.
         self.loader = loader or (lambda f: runtime.load(f, manifest=manifest))
@@ -360,6 +363,11 @@ class InferenceServer:
         args = (body, request.headers.get(protocol.HEADER_LENGTH), self.manifest["inputs"], self.manifest["outputs"],
                 self.model, request.path_params.get("version", MODEL_VERSION), self.regions)
         req = await asyncio.to_thread(protocol.decode, *args) if len(body) > OFFLOAD_BYTES else protocol.decode(*args)
+        if self.dims:  # checked here: in the batcher one request's bad length would fail its whole batch
+            try:
+                shapes.fit(shapes.lengths(req.arrays, self.input_names, self.dims), self.dims)
+            except DeployError as e:
+                raise RequestError(e.args[0] if e.args else str(e), *e.args[1:]) from None
         if req.timeout_s is not None:
             timeout = min(timeout, req.timeout_s)
         # Wait for the first of: the answer, the client's disconnect, the
