@@ -15,7 +15,7 @@ while the last one runs.
 The package's manifest and the sha256 of every module are checked before any
 native code is loaded.
 
-Over ~500 lines (~640): the Predictor's stage, launch and collect steps
+Over ~500 lines (~650): the Predictor's stage, launch and collect steps
 share its per-bucket slots, buffers and lock, and are read together; the
 padding of a dimension (deploy.shapes) lives in those same steps."""
 
