@@ -30,8 +30,21 @@ from pathlib import Path
 import numpy as np
 
 from . import artifacts
+from .config import InputSpec
 from .errors import DeployError, ShapeError, StaleArtifactError, TargetError
-from .shapes import Bucket, as_bucket, cut, dims_from_manifest, fit, lengths, pad_to, pad_value, parse
+from .shapes import (
+    Bucket,
+    as_bucket,
+    cut,
+    dims_from_manifest,
+    fit,
+    input_specs,
+    lengths,
+    longest,
+    pad_to,
+    pad_value,
+    parse,
+)
 from .shapes import every_bucket as all_buckets_of
 
 log = logging.getLogger(__name__)
@@ -211,14 +224,9 @@ class Predictor:
         and its size in bytes (row views of the staged tensors)."""
         rows = self._row_specs.get(dims)
         if rows is None:
-            values = dict(dims)
-            rows = []
-            for spec in self.inputs:
-                shape = list(spec["shape"])
-                for d in self.dims:
-                    if spec["name"] in d.inputs:
-                        shape[d.axis - 1] = values[d.name]
-                rows.append((shape, int(np.prod(shape, dtype=np.int64)) * np.dtype(spec["dtype"]).itemsize))
+            specs = tuple(InputSpec(s["name"], tuple(s["shape"]), s["dtype"]) for s in self.inputs)
+            rows = [(list(i.shape), int(np.prod(i.shape, dtype=np.int64)) * np.dtype(i.dtype).itemsize)
+                    for i in input_specs(specs, self.dims, Bucket(dims, 1))]
             self._row_specs[dims] = rows
         return rows
 
@@ -355,8 +363,7 @@ class Predictor:
         part_rows = [_rows(p[0]) for p in parts]
         rows = sum(part_rows)
         part_lens = [self.lengths_of(p) for p in parts]
-        dims = fit(tuple((d.name, max(ls[k][1] for ls in part_lens)) for k, d in enumerate(self.dims)),
-                   self.dims) if self.dims else ()
+        dims = fit(longest(part_lens, self.dims), self.dims) if self.dims else ()
         plan = self.plan(rows, dims)
         if len(plan) > 1:  # rows past the largest bucket: run piece by piece at launch
             return Batch(plan[-1][0], rows, None, part_rows, {}, pieces=parts, part_lens=part_lens)
@@ -549,7 +556,7 @@ class Predictor:
         dims = ()
         if self.dims:  # every part padded to the batch's lengths, so that they join
             lens = [self.lengths_of(p) for p in arrays]
-            dims = fit(tuple((d.name, max(ls[k][1] for ls in lens)) for k, d in enumerate(self.dims)), self.dims)
+            dims = fit(longest(lens, self.dims), self.dims)
             arrays = [[pad_to(a, self._names[i], have, dims, self.dims) for i, a in enumerate(p)]
                       for p, have in zip(arrays, lens)]
         joined = [np.concatenate([p[i] for p in arrays]) for i in range(len(self.inputs))]
@@ -578,8 +585,8 @@ class Predictor:
         out = self.collect(self.launch(batch))
         if not self.dims:
             return out
-        longest = tuple((d.name, max(ls[k][1] for ls in batch.part_lens)) for k, d in enumerate(self.dims))
-        return {k: cut(v, k, longest, self.dims) for k, v in out.items()}
+        most = longest(batch.part_lens, self.dims)
+        return {k: cut(v, k, most, self.dims) for k, v in out.items()}
 
     def random_inputs(self, bucket: Bucket | int, seed: int = 0) -> list[np.ndarray]:
         """Seeded inputs of a bucket's shapes; a batch size alone gives that

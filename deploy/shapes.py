@@ -61,14 +61,6 @@ class Bucket:
     def __str__(self) -> str:
         return self.label
 
-    def dim(self, name: str) -> int:
-        return dict(self.dims)[name]
-
-
-def bucket(batch: int, **dims: int) -> Bucket:
-    return Bucket(tuple(dims.items()), batch)
-
-
 def as_bucket(b: Bucket | int | str) -> Bucket:
     """A bucket from a Bucket, a batch size (a batch-only bucket) or a label."""
     if isinstance(b, Bucket):
@@ -93,15 +85,17 @@ def parse(label: str | int) -> Bucket:
 def all_buckets(profile: Profile, dims: tuple[DimSpec, ...]) -> list[Bucket]:
     """Every batch bucket of the profile with every combination of the
     dimensions' buckets, in order."""
-    combos = itertools.product(*[[(d.name, v) for v in sorted(d.buckets)] for d in dims])
-    return sorted(Bucket(tuple(c), b) for c in combos for b in profile.buckets)
+    return _combine(profile.buckets, dims)
 
 
 def every_bucket(buckets, dims: tuple[DimSpec, ...]) -> list[Bucket]:
     """Every combination of the batch sizes among `buckets` and the
     dimensions' lengths: what a whole package holds."""
+    return _combine({b.batch for b in buckets}, dims)
+
+
+def _combine(batches, dims: tuple[DimSpec, ...]) -> list[Bucket]:
     combos = itertools.product(*[[(d.name, v) for v in sorted(d.buckets)] for d in dims])
-    batches = sorted({b.batch for b in buckets})
     return sorted(Bucket(tuple(c), b) for c in combos for b in batches)
 
 
@@ -149,6 +143,11 @@ def lengths(arrays, names: list[str], dims: tuple[DimSpec, ...]) -> tuple[tuple[
             raise ShapeError(f"inputs disagree on the length of dimension '{d.name}'", seen)
         out.append((d.name, next(iter(seen.values()))))
     return tuple(out)
+
+
+def longest(part_lengths, dims: tuple[DimSpec, ...]) -> tuple[tuple[str, int], ...]:
+    """The longest of several requests' lengths along each dimension."""
+    return tuple((d.name, max(ls[k][1] for ls in part_lengths)) for k, d in enumerate(dims))
 
 
 def fit(want: tuple[tuple[str, int], ...], dims: tuple[DimSpec, ...]) -> tuple[tuple[str, int], ...]:

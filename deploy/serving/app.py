@@ -45,12 +45,11 @@ OFFLOAD_BYTES = 256 * 1024
 
 def free_axes(manifest: dict, which: str) -> list[dict]:
     """The manifest's inputs or outputs, -1 at the axes of its dimensions."""
-    from ..shapes import dims_from_manifest
-
+    dims = shapes.dims_from_manifest(manifest.get("dims"))
     out = []
     for spec in manifest[which]:
         shape = list(spec["shape"])
-        for d in dims_from_manifest(manifest.get("dims")):
+        for d in dims:
             if spec["name"] in (d.inputs if which == "inputs" else d.outputs) and d.axis - 1 < len(shape):
                 shape[d.axis - 1] = -1
         out.append({**spec, "shape": shape})
