@@ -37,6 +37,7 @@ from .shapes import (
     as_bucket,
     cut,
     dims_from_manifest,
+    every_bucket,
     fit,
     input_specs,
     lengths,
@@ -45,7 +46,6 @@ from .shapes import (
     pad_value,
     parse,
 )
-from .shapes import every_bucket as all_buckets_of
 
 log = logging.getLogger(__name__)
 PACKAGE_STAGE = "package"
@@ -186,7 +186,7 @@ class Predictor:
         self._batches: dict[tuple, list[int]] = {}  # the dimensions' lengths -> batch sizes built at them
         for b in self.buckets:
             self._batches.setdefault(b.dims, []).append(b.batch)
-        want = {b for b in all_buckets_of(self.buckets, self.dims)}
+        want = {b for b in every_bucket(self.buckets, self.dims)}
         if want != set(self.buckets):
             missing = sorted(want - set(self.buckets))
             raise StaleArtifactError("package does not hold every batch at every length of its dimensions",
