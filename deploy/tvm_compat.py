@@ -3,9 +3,18 @@
 TVM 0.27 moved MetaSchedule and DLight under `tvm.s_tir`, TIR to `tvm.tirx`,
 and `tvm.nd.array` to `tvm.runtime.tensor`. When the next release moves them
 again, this file is the one edit.
+
+TVM is imported after `cpu_threads.configure()` (see deploy/passes/cpu_threads.py),
+hence the imports below the top of the file.
 """
+# ruff: noqa: E402
 
 from __future__ import annotations
+
+from .passes import cpu_threads
+
+# Before TVM starts its CPU thread pool: all the physical cores, not half.
+cpu_threads.configure()
 
 import tvm  # noqa: F401  (re-exported)
 from tvm import (
