@@ -1,8 +1,9 @@
 """Every kernel scheduled by the best source that builds.
 
 The sources, best first: the kernel's tuning record (MetaSchedule), then each
-of DLight's rules in order, then the plain fallback (DLight's `Fallback` on
-CUDA; TVM's own default lowering on the CPU). A rule that raises while it
+of DLight's rules in order (on the CPU, our tiled schedule of contractions,
+`cpu_default`, after DLight's GEMV), then the plain fallback (DLight's
+`Fallback` on CUDA; TVM's own default lowering on the CPU). A rule that raises while it
 schedules a kernel (DLight's Matmul rule on a grouped convolution:
 `auto_inline_consumer_chain: AssertionError: There are some consumers of the
 cache-write stage that are not properly inlined`) counts as a failure of that
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 TUNED = "tuned"
 DEFAULT = "default"  # no schedule: TVM's own lowering (CPU targets only)
+CONTRACTION = "contraction"  # our CPU schedule of convolutions and matmuls (passes/cpu_default.py)
 
 
 @dataclasses.dataclass
@@ -52,8 +54,10 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
         g = dlight.gpu
         return [("dlight.Matmul", g.Matmul()), ("dlight.GEMV", g.GEMV()), ("dlight.Reduction", g.Reduction()),
                 ("dlight.GeneralReduction", g.GeneralReduction()), ("dlight.Fallback", g.Fallback())]
+    from .cpu_default import ContractionTiling
+
     c = dlight.cpu
-    return [("dlight.GEMV", c.GEMV()), ("dlight.Reduction", c.Reduction())]
+    return [("dlight.GEMV", c.GEMV()), (CONTRACTION, ContractionTiling()), ("dlight.Reduction", c.Reduction())]
 
 
 def _sources(gv, plain, tuned, target, target_kind):

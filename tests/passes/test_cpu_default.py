@@ -1,0 +1,73 @@
+"""deploy/passes/cpu_default.py: the default CPU schedule of contractions
+computes what TVM's own lowering computes, on shapes that divide and shapes
+that do not, and stays out of what it does not fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tvm import te, topi
+
+from deploy.build import build_kernel
+from deploy.passes import schedule
+from deploy.passes.cpu_default import ContractionTiling
+from deploy.tvm_compat import ms, tensor, tvm
+
+
+def _run(func, llvm_target, args):
+    lib = build_kernel("k", func, llvm_target)
+    arrays = [tensor(a, tvm.cpu()) for a in args]
+    lib["k"](*arrays)
+    return arrays[-1].numpy()
+
+
+def _check(func, llvm_target):
+    """The rule applies, and its kernel's output equals the unscheduled one."""
+    sch = ContractionTiling().apply(func, llvm_target.tvm_target(), False)
+    assert sch is not None
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal([int(d) for d in a.shape]).astype(str(a.dtype))
+            for a in ms.arg_info.ArgInfo.from_prim_func(func)]
+    want = _run(func, llvm_target, [a.copy() for a in args])
+    got = _run(sch.mod["main"].with_attr("tirx.is_scheduled", True), llvm_target, [a.copy() for a in args])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    return sch
+
+
+@pytest.mark.parametrize("size,channels", [(10, 16), (7, 12), (5, 3)])
+def test_conv_bias_relu_nchw(llvm_target, size, channels):
+    x = te.placeholder((1, 8, size, size), name="x")
+    w = te.placeholder((channels, 8, 3, 3), name="w")
+    b = te.placeholder((1, channels, 1, 1), name="b")
+    y = topi.nn.relu(topi.add(topi.nn.conv2d_nchw(x, w, 1, 1, 1), b))
+    sch = _check(te.create_prim_func([x, w, b, y]), llvm_target)
+    assert "T.parallel" in sch.mod.script() and "T.vectorized" in sch.mod.script()
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 48, 32), (7, 33, 20), (1, 5, 3)])
+def test_matmul(llvm_target, m, n, k):
+    a = te.placeholder((m, k), name="a")
+    b = te.placeholder((k, n), name="b")
+    _check(te.create_prim_func([a, b, topi.matmul(a, b)]), llvm_target)
+
+
+def test_nhwc_depthwise(llvm_target):
+    x = te.placeholder((1, 9, 9, 24), name="x")
+    w = te.placeholder((3, 3, 24, 1), name="w")
+    y = topi.nn.depthwise_conv2d_nhwc(x, w, 1, 1, 1)
+    _check(te.create_prim_func([x, w, y]), llvm_target)
+
+
+def test_leaves_what_it_does_not_fit(llvm_target):
+    t = llvm_target.tvm_target()
+    x = te.placeholder((4, 32), name="x")
+    softmax = te.create_prim_func([x, topi.nn.softmax(x)])  # two reductions
+    pool = te.create_prim_func([x, topi.sum(x, axis=1)])  # one operand
+    relu = te.create_prim_func([x, topi.nn.relu(x)])  # no reduction
+    assert all(ContractionTiling().apply(f, t, False) is None for f in (softmax, pool, relu))
+
+
+def test_the_cpu_chain_tries_it_after_gemv():
+    names = [n for n, _ in schedule.rules("llvm")]
+    assert names == ["dlight.GEMV", schedule.CONTRACTION, "dlight.Reduction"]
+    assert schedule.CONTRACTION not in [n for n, _ in schedule.rules("cuda")]
