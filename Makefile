@@ -6,6 +6,8 @@
 #          TRIALS=N  BUDGET=10m  MAX_TASKS=N  WORKDIR=dir  UNTUNED=1 (time an untuned copy too)
 #          ALTERNATIVES=torch-eager,torch-compile,onnxruntime|none (timed beside the package; default torch-eager)  EXTRA="--any --cli flags"
 # PYTHON=python3 uses that interpreter as it is (no venv), e.g. on the GPU machine.
+# Environment check (GPU, driver, CUDA toolkit, pins, databases; docs/diagnostics.md):
+#   make doctor [PACKAGE=folder]      exit 1 when a row FAILs; PACKAGE: whether that package loads here
 # Serving (after make tune, same MODEL/TARGET/PRECISION/WORKDIR, or PACKAGE=folder):
 #   make serve MODEL=resnet50 [HOST=0.0.0.0 PORT=8000 EXTRA="--max-queue-delay-ms 1 --max-concurrency 64"]
 #   make loadtest MODEL=resnet50 [CONCURRENCY=1,4,16,32,64 OUT=results/... EXTRA="--request-batch 8"]
@@ -72,7 +74,7 @@ SERVE_ARGS := $(if $(PACKAGE),--package $(PACKAGE),--model $(MODEL)) \
 
 RPC_ARGS := $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY)) $(if $(RPC_LANES),--rpc-lanes $(RPC_LANES)) $(if $(RPC_LANE_CPUS),--rpc-lane-cpus $(RPC_LANE_CPUS))
 
-.PHONY: tune profile bench serve loadtest rpc-tracker rpc-server rpc-status test lint install clean
+.PHONY: tune profile bench serve loadtest rpc-tracker rpc-server rpc-status doctor test lint install clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -107,6 +109,9 @@ rpc-server: $(DEPS)
 
 rpc-status: $(DEPS)
 	$(PY) -m deploy rpc-status $(if $(TRACKER),--tracker $(TRACKER)) $(if $(RPC_KEY),--rpc-key $(RPC_KEY))
+
+doctor: $(DEPS)
+	$(PY) -m deploy doctor $(if $(PACKAGE),--package $(PACKAGE)) $(EXTRA)
 
 # Tests that are not timing-sensitive run on every core; the `serial` ones
 # (tuning, serving: time-outs, load, hung servers) run after them, alone.

@@ -4,6 +4,8 @@
   export     frontend  optimize  tune  build  validate   one stage each
   profile    per-kernel times of one bucket (after build)
   info       print a package's manifest summary
+  doctor     check this machine (GPU, driver, CUDA toolkit, pins, databases,
+             a package with --package): OK / WARN / FAIL rows, exit 1 on a FAIL
   serve      serve a package over HTTP (Open Inference Protocol / KServe v2)
   loadtest   throughput and latency of the server against the raw module
   rpc-tracker, rpc-server, rpc-status
@@ -338,6 +340,19 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    import json
+
+    from . import doctor
+
+    rows = doctor.run(args.package)
+    if args.json:  # stdout holds the JSON alone (no status line after it), for scripts
+        print(json.dumps(doctor.as_json(rows), indent=2), flush=True)
+        sys.exit(doctor.exit_code(rows))
+    print(doctor.table(rows), flush=True)
+    return doctor.exit_code(rows)
+
+
 def cmd_pack_databases(args) -> int:
     """Fold what killed tuning runs left (working copies, journals, lanes)
     into the compressed database files, for every database under a root;
@@ -611,6 +626,10 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="check a package and print its manifest summary")
     p.add_argument("package")
     p.set_defaults(func=cmd_info)
+    p = sub.add_parser("doctor", help="check this machine for building and running packages (docs/diagnostics.md)")
+    p.add_argument("--package", help="also check whether this package folder loads here, and why not")
+    p.add_argument("--json", action="store_true", help="write the rows as JSON to stdout")
+    p.set_defaults(func=cmd_doctor)
     return ap
 
 
