@@ -210,11 +210,7 @@ def run(
             summaries[bucket.label] = tune_bucket(
                 opt.load_module(bucket), db_dir, key, target, profile, share, tmp, seed, pool, n_servers, db_root
             )
-            # Each kernel checked where it runs (check.py), on GPUs only for now: on the CPU the check of
-            # efficientnet_b0 was still running ten minutes after its tuning (cause not found), and the
-            # wrong kernel it guards against was a GPU tensor-core one. check.check_database checks a CPU
-            # database when called.
-            if target.kind == "cuda" and target.has_device and dbs.has_records(db_dir):
+            if target.has_device and dbs.has_records(db_dir):  # each kernel checked where it runs (check.py)
                 summaries[bucket.label]["kernel_check"] = counts = kernel_check.check_database(db_dir, target)
                 log.info("tune: %s: %d tuned kernel(s) checked against default schedules, %d rejected",
                          db_dir.name, counts["checked"], counts["rejected"])

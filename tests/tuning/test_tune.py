@@ -39,11 +39,8 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert s1["new_trials"] == 2 and s1["trials_after"] == 2
     assert s1["tasks"][name]["best_us"] is not None
     assert s1["valid_fraction"] == 1.0
-    # the check of tuned kernels runs after GPU tuning only (tune.py says why); on llvm when called
-    from deploy.tuning import check as kernel_check
-
-    assert "kernel_check" not in s1
-    assert kernel_check.check_database(a1.databases[1], llvm_target) == {"checked": 1, "passed": 1, "rejected": 0}
+    # the tuned kernel was built alone and compared with its default schedule, on this device
+    assert s1["kernel_check"] == {"checked": 1, "passed": 1, "rejected": 0}
     # where the time went, from MetaSchedule's profiler
     assert s1["time_split_s"] and all(v >= 0 for v in s1["time_split_s"].values())
     from deploy import pipeline
