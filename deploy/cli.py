@@ -281,8 +281,11 @@ def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
             raise ConfigError("--bucket is not one of the built buckets", bucket.label, [b.label for b in built])
         keys, existing = existing_databases(cfg, profile, target, ex.inputs, db_root, ex.dims)
         db = (existing[bucket], keys[bucket]) if bucket in existing else None
-        rep = profile_mod.run(profile, target, optimize.load(ws.optimize), db, bucket, ws.profile, iters=args.iters)
+        rep = profile_mod.run(profile, target, optimize.load(ws.optimize), db, bucket, ws.profile, iters=args.iters,
+                              trace=Path(args.trace) if args.trace else None)
         print(profile_mod.format_report(rep, top=15), end="")
+        if args.trace:
+            print(f"profile: timeline {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
         print(f"profile: full report in {ws.profile / 'profile.md'}")
     elif stage == "validate":
         rep = validate.run(cfg, getattr(cfg.tolerance, profile.precision), ws.package, export.load(ws.export), cfg.model.seed)
@@ -572,6 +575,7 @@ def parser() -> argparse.ArgumentParser:
         if stage == "profile":
             p.add_argument("--bucket", help="bucket to profile, e.g. 1 or 1-seq128 (default: the first tuned bucket)")
             p.add_argument("--iters", type=int, default=20)
+            p.add_argument("--trace", help="also write 3 runs as a Chrome trace / Perfetto timeline (JSON) here")
         p.set_defaults(func=cmd_stage)
     p = sub.add_parser("bench", help="latency diff of the package against the other runtimes")
     _add_common(p)

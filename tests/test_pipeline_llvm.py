@@ -193,6 +193,38 @@ def test_per_kernel_profile(tmp_path, tiny_package, llvm_target):
     assert profile.load(tmp_path / "profile")["bucket"] == 4
 
 
+def test_profile_timeline_is_a_chrome_trace(tmp_path, tiny_package, llvm_target):
+    import types
+
+    from deploy import optimize
+    from deploy.bench import profile
+    from deploy.tvm_compat import VirtualMachine, load_module, tensor, tvm
+
+    folder, _, cfg, _ = tiny_package
+    opt = optimize.load(folder.parent / "optimize")
+    rep = profile.run(cfg.llvm, llvm_target, opt, None, 4, tmp_path / "profile", iters=2,
+                      trace=tmp_path / "t" / "trace.json")
+    trace = json.loads((tmp_path / "t" / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    kernels = {k["kernel"]: k["calls_per_run"] for k in rep["kernels"]}
+    # 3 runs, every kernel call of each, in order and not overlapping, on one lane (no copies on the CPU)
+    assert len(spans) == 3 * sum(kernels.values()) and {e["name"] for e in spans} == set(kernels)
+    assert {e["tid"] for e in spans} == {profile.KERNEL_LANE} and all(e["dur"] > 0 for e in spans)
+    assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(spans, spans[1:]))
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert "kernels (stream 0)" in names and rep["trace"] == str(tmp_path / "t" / "trace.json")
+    # on a GPU the copies get their own lane: the same code with a CPU device standing in
+    vm = VirtualMachine(load_module(str(tmp_path / "profile" / "module.so")), tvm.cpu())
+    args = [tensor(np.zeros([4, *i["shape"]], i["dtype"]), tvm.cpu()) for i in
+            json.loads((folder / "manifest.json").read_text())["inputs"]]
+    events = profile.timeline(vm, tvm.cpu(), args, profile.kernel_costs(opt.load_module(4)), 2,
+                              types.SimpleNamespace(kind="cuda"))
+    copies = [e for e in events if e["tid"] == profile.COPY_LANE]
+    assert [e["name"] for e in copies] == ["inputs host->device", "outputs device->host"] * 2
+    assert all(e["args"]["bytes"] > 0 for e in copies)
+    assert "host<->device copies" in json.dumps(profile.chrome_trace(events, rep))
+
+
 def test_buckets_imported_and_optimized_in_parallel_processes_match_one_by_one(tmp_path, llvm_target, monkeypatch):
     """Large models' buckets go to parallel processes (frontend and optimize);
     the modules are the same files as made one after another."""

@@ -68,6 +68,8 @@ def run(
     bucket,
     folder: Path,
     iters: int = 20,
+    trace: Path | None = None,
+    trace_iters: int = 3,
 ) -> dict:
     from .. import build
     from ..runtime import random_inputs
@@ -140,10 +142,103 @@ def run(
             "kernel_ms_per_run": total * 1e3,
             "kernels": kernels,
         }
+        if trace is not None:
+            vm.set_instrument(None)
+            events = timeline(vm, dev, args, costs, trace_iters, target)
+            report["trace"] = str(trace)
         artifacts.write_json_atomic(tmp / "profile.json", report)
         (tmp / "profile.md").write_text(format_report(report))
         artifacts.write_manifest(tmp, STAGE, {"bucket": bucket.label if bucket.dims else bucket.batch}, files=["profile.json", "profile.md", "module.so"])
+    if trace is not None:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        artifacts.write_json_atomic(Path(trace), chrome_trace(events, report))
     return report
+
+
+KERNEL_LANE, COPY_LANE = 1, 2
+
+
+def timeline(vm, dev, args, costs: dict, iters: int, target: TargetInfo) -> list[dict]:
+    """`iters` runs of the bucket as trace events: each kernel call on the
+    kernel lane (the one stream TVM launches on), and on a GPU the inputs'
+    host-to-device and the outputs' device-to-host copies on their own lane.
+    Each event is bracketed by device synchronizations, as the report's
+    timings are."""
+    from ..runtime import outputs_to_numpy
+    from ..tvm_compat import VMInstrumentReturnKind
+
+    host = [a.numpy() for a in args]
+    gpu = target.kind == "cuda"
+    events: list[dict] = []
+    started: dict[str, float] = {}
+    state = {"iteration": 0}
+    t0 = time.perf_counter()
+
+    def event(name: str, cat: str, lane: int, start: float, end: float, **extra) -> dict:
+        e = {"name": name, "cat": cat, "ph": "X", "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "pid": 1,
+             "tid": lane, "args": {"iteration": state["iteration"], **extra}}
+        events.append(e)
+        return e
+
+    def instrument(func, func_symbol, before_run, ret_value, *a):
+        if func_symbol not in costs:
+            return VMInstrumentReturnKind.NO_OP
+        dev.sync()
+        now = time.perf_counter()
+        if before_run:
+            started[func_symbol] = now
+        else:
+            start, c = started.pop(func_symbol), costs[func_symbol]
+            dur = max(now - start, 1e-9)
+            event(func_symbol, "kernel", KERNEL_LANE, start, now, gflops_per_s=round(c["flops"] / dur / 1e9, 2),
+                  gbytes_per_s=round(c["bytes"] / dur / 1e9, 2))
+        return VMInstrumentReturnKind.NO_OP
+
+    def copy(name: str, fn):
+        dev.sync()
+        start = time.perf_counter()
+        result = fn()
+        dev.sync()
+        end = time.perf_counter()
+        nbytes = sum(h.nbytes for h in (host if result is None else result))
+        event(name, "copy", COPY_LANE, start, end, bytes=nbytes,
+              gbytes_per_s=round(nbytes / max(end - start, 1e-9) / 1e9, 2))
+        return result
+
+    def upload():
+        for a, h in zip(args, host):
+            a.copyfrom(h)
+
+    vm.set_instrument(instrument)
+    try:
+        for i in range(iters):
+            state["iteration"] = i
+            if gpu:
+                copy("inputs host->device", upload)
+            out = vm["main"](*args)
+            if gpu:
+                copy("outputs device->host", lambda out=out: outputs_to_numpy(out))
+    finally:
+        vm.set_instrument(None)
+    return events
+
+
+def chrome_trace(events: list[dict], report: dict) -> dict:
+    """The Chrome trace event format (JSON object form), which
+    ui.perfetto.dev and chrome://tracing open."""
+    where = f"{report['target']} bucket {report['bucket']}"
+    meta = [
+        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"tvm-deploy {where}"}},
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": KERNEL_LANE, "args": {"name": "kernels (stream 0)"}},
+        {"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": KERNEL_LANE, "args": {"sort_index": 0}},
+    ]
+    if any(e["tid"] == COPY_LANE for e in events):
+        meta += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": COPY_LANE,
+                  "args": {"name": "host<->device copies"}},
+                 {"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": COPY_LANE, "args": {"sort_index": 1}}]
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+            "otherData": {"source": "tvm-deploy profile", "bucket": str(report["bucket"]),
+                          "target": report["target"], "note": "each event between device synchronizations"}}
 
 
 def format_report(report: dict, top: int = 0) -> str:
