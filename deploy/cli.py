@@ -282,7 +282,7 @@ def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
         keys, existing = existing_databases(cfg, profile, target, ex.inputs, db_root, ex.dims)
         db = (existing[bucket], keys[bucket]) if bucket in existing else None
         rep = profile_mod.run(profile, target, optimize.load(ws.optimize), db, bucket, ws.profile, iters=args.iters,
-                              trace=Path(args.trace) if args.trace else None)
+                              trace=Path(args.trace) if args.trace else None, debug_kernels=args.debug_kernels)
         print(profile_mod.format_report(rep, top=15), end="")
         if args.trace:
             print(f"profile: timeline {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
@@ -576,6 +576,8 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--bucket", help="bucket to profile, e.g. 1 or 1-seq128 (default: the first tuned bucket)")
             p.add_argument("--iters", type=int, default=20)
             p.add_argument("--trace", help="also write 3 runs as a Chrome trace / Perfetto timeline (JSON) here")
+            p.add_argument("--debug-kernels", action="store_true",
+                           help="first run once with a device synchronization after every kernel: a fault names its kernel")
         p.set_defaults(func=cmd_stage)
     p = sub.add_parser("bench", help="latency diff of the package against the other runtimes")
     _add_common(p)

@@ -57,6 +57,12 @@ class ToleranceError(DeployError):
     """Compiled outputs differ from the reference beyond the configured tolerance."""
 
 
+class KernelFaultError(DeployError):
+    """A kernel faulted on the device (an illegal memory access, a launch
+    failure): the message names the kernel and its arguments' shapes; its
+    TIR is in the file the message names."""
+
+
 class TargetError(DeployError):
     """The requested target or device is not available here."""
 

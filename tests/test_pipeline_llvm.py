@@ -310,3 +310,42 @@ def test_the_users_alternatives_are_timed_beside_the_package(capsys, tmp_path):
                          "--alternatives", "tensorrt")
     assert rc == 2 and "unknown alternative(s) tensorrt" in error_line(err)
     assert not (tmp_path / "ws3").exists()
+
+
+def test_debug_kernels_names_the_kernel_that_faults(tmp_path, tiny_package, llvm_target):
+    from deploy import optimize
+    from deploy.bench import profile
+    from deploy.errors import KernelFaultError
+    from deploy.tvm_compat import VirtualMachine, load_module, tensor, tvm
+
+    folder, _, cfg, _ = tiny_package
+    opt = optimize.load(folder.parent / "optimize")
+    rep = profile.run(cfg.llvm, llvm_target, opt, None, 4, tmp_path / "ws" / "profile", iters=1, debug_kernels=True)
+    calls = sum(k["calls_per_run"] for k in rep["kernels"])
+    mod = opt.load_module(4)
+    costs = profile.kernel_costs(mod)
+    vm = VirtualMachine(load_module(str(tmp_path / "ws" / "profile" / "module.so")), tvm.cpu())
+    args = [tensor(np.zeros([4, *i["shape"]], i["dtype"]), tvm.cpu()) for i in
+            json.loads((folder / "manifest.json").read_text())["inputs"]]
+    assert profile.run_synchronized(vm, tvm.cpu(), args, costs, mod, tmp_path / "faults") == calls
+
+    class Faulting:  # a device whose second kernel's synchronization reports a fault, as CUDA's would
+        n = 0
+
+        def sync(self):
+            Faulting.n += 1
+            if Faulting.n == 2:
+                raise RuntimeError("CUDA: an illegal memory access was encountered")
+
+    seen = []
+    vm.set_instrument(lambda f, sym, before, ret, *a: (before and seen.append(sym)) or 0)
+    vm["main"](*args)
+    vm.set_instrument(None)
+    second = [s for s in seen if s in costs][1]
+    with pytest.raises(KernelFaultError) as e:
+        profile.run_synchronized(vm, Faulting(), args, costs, mod, tmp_path / "faults")
+    msg = str(e.value)
+    assert f"kernel '{second}' faulted (call 2" in msg and "illegal memory access" in msg
+    assert "float32[4" in msg and "\n" not in msg
+    tir = (tmp_path / "faults" / f"{second}.tir").read_text()
+    assert "illegal memory access" in tir and "T.prim_func" in tir

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import artifacts
 from ..config import Profile
-from ..errors import ConfigError
+from ..errors import ConfigError, KernelFaultError
 from ..optimize import OptimizeArtifact
 from ..targets import TargetInfo
 
@@ -70,6 +70,7 @@ def run(
     iters: int = 20,
     trace: Path | None = None,
     trace_iters: int = 3,
+    debug_kernels: bool = False,
 ) -> dict:
     from .. import build
     from ..runtime import random_inputs
@@ -90,6 +91,9 @@ def run(
         vm = VirtualMachine(load_module(str(tmp / "module.so")), dev)
         params, _ = build.signature(mod["main"])
         args = [tensor(a, dev) for a in random_inputs([(p["shape"], p["dtype"]) for p in params], None)]
+        if debug_kernels:  # before anything else runs: the first fault is the one to name
+            calls = run_synchronized(vm, dev, args, costs, mod, Path(folder).parent / "kernel-fault")
+            log.info("profile: --debug-kernels: %d kernel calls, each synchronized: no fault", calls)
         vm["main"](*args)  # warm-up
 
         times: dict[str, list[float]] = collections.defaultdict(list)
@@ -156,6 +160,57 @@ def run(
 
 
 KERNEL_LANE, COPY_LANE = 1, 2
+
+
+def _describe(arg) -> str:
+    shape = getattr(arg, "shape", None)
+    if shape is not None and hasattr(arg, "dtype"):
+        return f"{arg.dtype}{list(int(d) for d in shape)}"
+    return type(arg).__name__
+
+
+def run_synchronized(vm, dev, args, costs: dict, mod, fault_dir: Path) -> int:
+    """One run with a device synchronization after every kernel, so that an
+    asynchronous fault (an illegal memory access reported by a later call)
+    is caught at the kernel that caused it. Raises KernelFaultError naming
+    the kernel and its arguments' shapes, with its TIR written to
+    `fault_dir/<kernel>.tir`; returns the number of kernel calls."""
+    from ..tvm_compat import VMInstrumentReturnKind
+
+    state = {"calls": 0, "fault": None}
+
+    def instrument(func, func_symbol, before_run, ret_value, *a):
+        if func_symbol not in costs:
+            return VMInstrumentReturnKind.NO_OP
+        if before_run:
+            state["current"] = (func_symbol, [_describe(x) for x in a])
+            return VMInstrumentReturnKind.NO_OP
+        try:
+            dev.sync()
+        except Exception as e:  # noqa: BLE001 - the fault, recorded and raised again
+            state["fault"] = (*state["current"], e)
+            raise
+        state["calls"] += 1
+        return VMInstrumentReturnKind.NO_OP
+
+    vm.set_instrument(instrument)
+    try:
+        vm["main"](*args)
+        dev.sync()
+    except Exception as e:  # noqa: BLE001 - a fault is said in one line; anything else is not ours to name
+        if state["fault"] is None:
+            raise
+        kernel, shapes, err = state["fault"]
+        fault_dir.mkdir(parents=True, exist_ok=True)
+        tir = fault_dir / f"{kernel}.tir"
+        func = next((f for gv, f in mod.functions.items() if gv.name_hint == kernel), None)
+        tir.write_text(f"# {err}\n# arguments: {', '.join(shapes)}\n" + (func.script() if func is not None else ""))
+        first = next((ln.strip() for ln in reversed(str(err).strip().splitlines()) if ln.strip()), type(err).__name__)
+        raise KernelFaultError(f"kernel '{kernel}' faulted (call {state['calls'] + 1} of the run, after every earlier "
+                               f"kernel completed): {first}", f"arguments {', '.join(shapes)}; TIR in {tir}") from e
+    finally:
+        vm.set_instrument(None)
+    return state["calls"]
 
 
 def timeline(vm, dev, args, costs: dict, iters: int, target: TargetInfo) -> list[dict]:
