@@ -11,6 +11,8 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from . import artifacts
 from .config import Profile
 from .errors import BuildError, run_in_processes
@@ -53,6 +55,41 @@ def compile_module(mod, target: TargetInfo, profile: Profile):
         config["relax.backend.use_cuda_graph"] = True
     with tvm_target, PassContext(opt_level=3, config=config):
         return tvm.compile(mod, target=tvm_target, tir_pipeline=tensor_core_smem.register())
+
+
+def memory_plan(mod) -> dict:
+    """What a bucket's module holds on its device: the weights (the module's
+    constants, one copy per bucket's module) and the workspace TVM's static
+    memory planning allocates for a run of `main` (the sum of its storage
+    blocks: intermediate tensors share them, outputs and inputs excluded).
+    Computed with the relax passes that lower `main` to explicit storage
+    (`StaticPlanBlockMemory` among them), on a copy of the module."""
+    from .tvm_compat import RelaxConstant, relax, tvm
+
+    weights = 0
+
+    def visit(expr):
+        nonlocal weights
+        data = getattr(expr, "value", None) if isinstance(expr, RelaxConstant) else None  # (IntImm is one too)
+        if data is not None and hasattr(data, "shape"):
+            weights += int(np.prod([int(d) for d in data.shape])) * np.dtype(str(data.dtype)).itemsize
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    lowered = tvm.transform.Sequential([
+        relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
+        relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
+        relax.transform.StaticPlanBlockMemory(),
+    ])(mod)
+    storage = tvm.ir.Op.get("relax.memory.alloc_storage")
+    workspace = 0
+
+    def storages(expr):
+        nonlocal workspace
+        if isinstance(expr, relax.Call) and expr.op.same_as(storage) and isinstance(expr.args[0], relax.ShapeExpr):
+            workspace += int(expr.args[0].values[0])
+
+    relax.analysis.post_order_visit(lowered["main"], storages)
+    return {"weights_bytes": weights, "workspace_bytes": workspace}
 
 
 def build_kernel(name: str, func, target: TargetInfo):
@@ -130,6 +167,8 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
         "fallbacks": report["fallbacks"],
         "compile_seconds": round(time.time() - t0, 1),
         "input_shapes": [p["shape"] for p in params_sig],
+        # Device memory of a run: weights and the planned workspace (the server checks the sum fits).
+        "memory": memory_plan(mod),
     }
     return info, outs
 

@@ -340,6 +340,13 @@ def cmd_info(args) -> int:
 
     m = runtime.check_package(args.package)
     print(json.dumps({k: m[k] for k in ("model", "inputs", "outputs", "precision", "target", "gpu", "buckets", "validation", "versions")}, indent=2))
+    need = runtime.device_memory(m)
+    for label, b in m["buckets"].items():
+        if b.get("memory"):
+            print(f"bucket {label}: weights {b['memory']['weights_bytes'] / 2**20:,.1f} MiB, "
+                  f"workspace {b['memory']['workspace_bytes'] / 2**20:,.1f} MiB")
+    if need is not None:
+        print(f"device memory once loaded: {need / 2**20:,.1f} MiB (every bucket's module holds its own weights)")
     return 0
 
 

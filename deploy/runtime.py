@@ -94,6 +94,29 @@ def check_device(manifest: dict):
     return dev
 
 
+def device_memory(manifest: dict) -> int | None:
+    """Bytes of device memory the package's buckets hold once loaded (each
+    bucket's module its own weights, plus its planned workspace); None for
+    a package built before the manifest recorded it."""
+    plans = [b.get("memory") for b in manifest["buckets"].values()]
+    if not plans or any(p is None for p in plans):
+        return None
+    return sum(p["weights_bytes"] + p["workspace_bytes"] for p in plans)
+
+
+def check_fits(manifest: dict, dev) -> None:
+    """A CUDA package whose buckets cannot fit the GPU's free memory is
+    refused in one line, before any of it is loaded."""
+    need = device_memory(manifest)
+    free = dev.available_global_memory if manifest["target"]["kind"] == "cuda" else None
+    if need is None or free is None or need <= free:
+        return
+    n = len(manifest["buckets"])
+    raise TargetError("the package's buckets do not fit the GPU's free memory", f"{free / 2**20:,.0f} MiB free",
+                      f"{need / 2**20:,.0f} MiB for the weights and workspace of {n} bucket(s) (fewer buckets: "
+                      "BUCKETS=..., or free the GPU)")
+
+
 def check_cpu_level(want: str) -> None:
     """A CPU package runs on a machine of its x86-64 level or a higher one;
     on a lower one its code would stop at the first instruction the CPU

@@ -349,3 +349,31 @@ def test_debug_kernels_names_the_kernel_that_faults(tmp_path, tiny_package, llvm
     assert "float32[4" in msg and "\n" not in msg
     tir = (tmp_path / "faults" / f"{second}.tir").read_text()
     assert "illegal memory access" in tir and "T.prim_func" in tir
+
+
+def test_manifest_records_device_memory_and_a_package_that_cannot_fit_is_refused(tiny_package, capsys):
+    import types
+
+    from deploy import cli, runtime
+    from deploy.errors import TargetError
+
+    folder, _, _, _ = tiny_package
+    m = runtime.check_package(folder)
+    params = sum(p.numel() * 4 for p in models.build("tiny_cnn").parameters())  # fp32, batchnorm folded or not
+    for b in m["buckets"].values():
+        assert 0.5 * params <= b["memory"]["weights_bytes"] <= 1.5 * params
+        assert b["memory"]["workspace_bytes"] > 0
+    need = runtime.device_memory(m)
+    assert need == sum(b["memory"]["weights_bytes"] + b["memory"]["workspace_bytes"] for b in m["buckets"].values())
+    assert cli.main(["info", str(folder)]) == 0
+    assert "device memory once loaded" in capsys.readouterr().out
+
+    cuda = {**m, "target": {**m["target"], "kind": "cuda"}}
+    runtime.check_fits(cuda, types.SimpleNamespace(available_global_memory=need))
+    with pytest.raises(TargetError, match="do not fit the GPU's free memory") as e:
+        runtime.check_fits(cuda, types.SimpleNamespace(available_global_memory=need - 1))
+    assert "\n" not in str(e.value)
+    runtime.check_fits(m, types.SimpleNamespace(available_global_memory=0))  # the CPU: not checked
+    old = {**cuda, "buckets": {k: {kk: vv for kk, vv in v.items() if kk != "memory"} for k, v in m["buckets"].items()}}
+    assert runtime.device_memory(old) is None
+    runtime.check_fits(old, types.SimpleNamespace(available_global_memory=0))  # built before memory was recorded

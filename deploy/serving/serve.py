@@ -63,11 +63,12 @@ log = logging.getLogger(__name__)
 
 def check(folder: str | Path) -> dict:
     """Everything checked before any native code is loaded: the manifest, the
-    sha256 of every file, the TVM version, and the GPU architecture."""
+    sha256 of every file, the TVM version, the GPU architecture, and that
+    the buckets fit the GPU's free memory."""
     from .. import runtime
 
     manifest = runtime.check_package(folder)
-    runtime.check_device(manifest)
+    runtime.check_fits(manifest, runtime.check_device(manifest))
     return manifest
 
 
