@@ -66,15 +66,16 @@ def memory_plan(mod) -> dict:
     (`StaticPlanBlockMemory` among them), on a copy of the module."""
     from .tvm_compat import RelaxConstant, relax, tvm
 
-    weights = 0
+    constants = {}
 
     def visit(expr):
-        nonlocal weights
         data = getattr(expr, "value", None) if isinstance(expr, RelaxConstant) else None  # (IntImm is one too)
-        if data is not None and hasattr(data, "shape"):
-            weights += int(np.prod([int(d) for d in data.shape])) * np.dtype(str(data.dtype)).itemsize
+        if data is not None and hasattr(data, "shape"):  # a constant used twice is stored once
+            dtype = tvm.DataType(str(data.dtype))
+            constants[expr] = int(np.prod([int(d) for d in data.shape])) * ((dtype.bits * dtype.lanes + 7) // 8)
 
     relax.analysis.post_order_visit(mod["main"], visit)
+    weights = sum(constants.values())
     lowered = tvm.transform.Sequential([
         relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
         relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
@@ -90,6 +91,16 @@ def memory_plan(mod) -> dict:
 
     relax.analysis.post_order_visit(lowered["main"], storages)
     return {"weights_bytes": weights, "workspace_bytes": workspace}
+
+
+def _memory_or_none(mod) -> dict | None:
+    """memory_plan, or None (said in the log) where it cannot tell: a
+    record of the package, never a reason to fail its build."""
+    try:
+        return memory_plan(mod)
+    except Exception as e:  # noqa: BLE001
+        log.warning("build: device memory of the bucket not recorded (%s)", str(e).strip().splitlines()[-1][:200])
+        return None
 
 
 def build_kernel(name: str, func, target: TargetInfo):
@@ -168,7 +179,7 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
         "compile_seconds": round(time.time() - t0, 1),
         "input_shapes": [p["shape"] for p in params_sig],
         # Device memory of a run: weights and the planned workspace (the server checks the sum fits).
-        "memory": memory_plan(mod),
+        "memory": _memory_or_none(mod),
     }
     return info, outs
 

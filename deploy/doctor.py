@@ -305,7 +305,10 @@ def check_tvm(env: Env) -> list[Row]:
     except Exception as e:  # noqa: BLE001  (a TVM that does not import: the tvm-ffi row may say why)
         return [Row(row.check, FAIL, f"{row.detail}, does not import: {_one_line(e)}", both), ffi]
     detail = row.detail + f", USE_CUDA={info.get('USE_CUDA')} USE_LLVM={info.get('USE_LLVM')}"
-    if info.get("USE_LLVM") != "ON" or (env.gpu_visible and info.get("USE_CUDA") != "ON"):
+    def on(flag: str) -> bool:  # CMake's value: ON, or a path / llvm-config command in source builds
+        return str(info.get(flag, "")).strip().upper() not in ("", "OFF", "0", "FALSE", "NOTFOUND")
+
+    if not on("USE_LLVM") or (env.gpu_visible and not on("USE_CUDA")):
         return [Row(row.check, FAIL, detail, "a TVM built with LLVM and CUDA: " + both), ffi]
     return [dataclasses.replace(row, detail=detail), ffi]
 
@@ -352,7 +355,10 @@ def check_ld_library_path(env: Env) -> list[Row]:
     found, stub = [], False
     for entry in (e for e in text.split(":") if e):
         path = Path(entry)
-        libs = sorted(p.name for p in path.iterdir() if CUDA_LIBS.match(p.name)) if path.is_dir() else []
+        try:
+            libs = sorted(p.name for p in path.iterdir() if CUDA_LIBS.match(p.name)) if path.is_dir() else []
+        except OSError:  # an entry this user cannot read: it shadows nothing for this process either
+            libs = []
         stubbed = "stubs" in path.parts and any(n.startswith("libcuda.") for n in libs)  # the toolkit's own, too
         other = [n for n in libs if re.match(r"libcuda\.so\.\d+\.", n) and driver and n != f"libcuda.so.{driver}"]
         libs = [n for n in libs if not n.startswith("libcuda.")] + other

@@ -163,7 +163,8 @@ def test_cuda_path_needs_the_toolkit_headers(tmp_path, monkeypatch):
     assert doctor.check_cuda_path(doctor.Env())[0].status == "OK"
 
 
-def test_gpu_driver_and_nvrtc_rows_from_faked_probes():
+def test_gpu_driver_and_nvrtc_rows_from_faked_probes(monkeypatch):
+    monkeypatch.delenv("TVM_CUDA_COMPILE_MODE", raising=False)
     env = doctor.Env()  # what a GPU host would report, without one
     env.smi = [{"name": "NVIDIA H200", "driver": "535.54", "compute_cap": "9.0"}]
     env.gpu_target, env.driver_cuda, env.nvrtc = None, (12, 2), (13, 0)

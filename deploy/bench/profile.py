@@ -184,7 +184,9 @@ def run_synchronized(vm, dev, args, costs: dict, mod, fault_dir: Path) -> int:
             return VMInstrumentReturnKind.NO_OP
         if before_run:
             state["current"] = (func_symbol, [_describe(x) for x in a])
+            state["running"] = True
             return VMInstrumentReturnKind.NO_OP
+        state["running"] = False
         try:
             dev.sync()
         except Exception as e:  # noqa: BLE001 - the fault, recorded and raised again
@@ -198,13 +200,16 @@ def run_synchronized(vm, dev, args, costs: dict, mod, fault_dir: Path) -> int:
         vm["main"](*args)
         dev.sync()
     except Exception as e:  # noqa: BLE001 - a fault is said in one line; anything else is not ours to name
+        if state["fault"] is None and state.get("running"):  # the call itself failed (a launch failure)
+            state["fault"] = (*state["current"], e)
         if state["fault"] is None:
             raise
         kernel, shapes, err = state["fault"]
         fault_dir.mkdir(parents=True, exist_ok=True)
         tir = fault_dir / f"{kernel}.tir"
         func = next((f for gv, f in mod.functions.items() if gv.name_hint == kernel), None)
-        tir.write_text(f"# {err}\n# arguments: {', '.join(shapes)}\n" + (func.script() if func is not None else ""))
+        tir.write_text(f"# {err}\n# arguments: {', '.join(shapes)}\n# the kernel before scheduling (the build's "
+                       "manifest names the schedule it got)\n" + (func.script() if func is not None else ""))
         first = next((ln.strip() for ln in reversed(str(err).strip().splitlines()) if ln.strip()), type(err).__name__)
         raise KernelFaultError(f"kernel '{kernel}' faulted (call {state['calls'] + 1} of the run, after every earlier "
                                f"kernel completed): {first}", f"arguments {', '.join(shapes)}; TIR in {tir}") from e

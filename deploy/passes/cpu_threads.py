@@ -6,7 +6,8 @@ halved on x86-64, on the assumption that every core runs two hardware threads.
 On a machine with one thread per core (most cloud VMs: this project's CPU
 machine has 2 cores, 1 thread each) every CPU kernel runs on half the cores.
 There, `tvm.runtime.num_threads()` is 1, and ResNet-50's tuned batch 1 took
-132.8 ms on 1 thread against 68.7 ms on 2 (`results/cpu/2026-12-02/threads-resnet50-llvm/`).
+126.3 ms on 1 thread against 79.8 ms on 2, the same package
+(`results/cpu/2026-12-02/threads-resnet50-llvm/`).
 
 Scope: the CPU thread pool of this process and of the processes it starts
 (MetaSchedule's runners measure candidates in children, which inherit the
@@ -14,7 +15,9 @@ environment, so kernels are timed on the threads they will run on). Nothing
 is set when the user set `TVM_NUM_THREADS` or `OMP_NUM_THREADS` (TVM reads
 both); CUDA kernels do not use the pool.
 
-Fix: before TVM is first imported (`tvm_compat` calls `configure()`),
+Fix: when `tvm_compat` is first imported (it calls `configure()`), which
+must come before TVM's first parallel call (TVM reads the variable when it
+creates its pool; importing `tvm` first does not create it),
 `TVM_NUM_THREADS` is set to the physical cores this process may run on: the
 CPUs of its affinity mask divided by the threads per core. On an SMT machine
 using all its cores this is what TVM picks itself.

@@ -10,7 +10,8 @@ scripts/kernel_bisect.py; results/h200/2026-12-02/tune-bert-fp16-b1-seq/).
 
 So after tuning, on the device, each workload's best record is built alone
 and run on seeded inputs beside the same workload under default schedules
-(DLight on a GPU, TVM's default on the CPU). A record whose outputs differ
+(DLight on a GPU; on the CPU TVM's own unscheduled lowering, not our
+default schedule, which is code of ours to be checked too). A record whose outputs differ
 is **rejected**: listed in the database folder's `database_checks.json`
 (committed with it), and every reader of the database (builds, the kernel
 store, the search's seeds) skips it, so the next-best record is checked and
@@ -130,8 +131,10 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev) -> dict:
     sch = s_tir.Schedule(workload.mod)
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     tuned = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-    reference = None
-    for _name, f in schedule._sources(None, func, None, target.tvm_target(), target.kind):
+    # The reference: on the CPU, TVM's own lowering of the kernel (plain loops: slow, but nothing of ours
+    # to trust); on a GPU, which needs a schedule, the first DLight rule that applies.
+    reference = func if target.kind != "cuda" else None
+    for _name, f in [] if reference is not None else schedule._sources(None, func, None, target.tvm_target(), target.kind):
         if not isinstance(f, Exception):
             reference = f
             break
