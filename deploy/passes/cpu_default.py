@@ -38,6 +38,10 @@ It applies to a kernel with exactly one reduction block of two operands or
 more, whose loops are its spatial axes followed by its reduction axes, and
 only injective blocks besides; anything else is left to DLight's CPU rules and TVM's default.
 Measured over the corpus: `results/cpu/2026-12-02/corpus-llvm-default/`.
+
+`InjectiveParallel`, last in the CPU chain, takes the kernels without any
+reduction (elementwise ops, transposes, concatenation, padding): each
+block's outer loops in parallel, the innermost vectorized.
 """
 
 from __future__ import annotations
@@ -171,3 +175,48 @@ def _parallel_at_root(sch, block) -> None:
         sch.parallel(sch.fuse(*loops[:-1]))
     elif loops:
         sch.parallel(loops[0])
+
+
+PARALLEL_MIN_ELEMENTS = 4096  # below this a parallel launch costs more than the loop
+
+
+class InjectiveParallel:
+    """The default CPU schedule of a kernel without a reduction (elementwise
+    ops, layout changes, concatenation, padding, resizing): each block's
+    outer loops fused and run on every core, its innermost loop vectorized
+    where its extent allows. TVM's own lowering runs these on one core as
+    plain loops."""
+
+    def apply(self, func, target, _tunable=False):
+        from ..tvm_compat import dlight, s_tir, target_codegen, tirx
+
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            return None
+        sch = s_tir.Schedule(func)
+        try:
+            blocks = sch.get_child_blocks(dlight.analysis.get_root_block(sch))
+        except Exception:  # noqa: BLE001 - not a plain root block: not ours
+            return None
+        if not blocks or any(iv.iter_type != tirx.IterVar.DataPar for b in blocks for iv in sch.get(b).iter_vars):
+            return None
+        bits = target_codegen.llvm_get_vector_width(target)
+        for block in blocks:
+            loops = sch.get_loops(block)
+            extents = [_int(sch.get(lp).extent) for lp in loops]
+            if not loops or any(e is None for e in extents):
+                return None
+            dtype_bits = max(8, sch.get(block).writes[0].source.dtype.bits) if sch.get(block).writes else 32
+            lanes = max(2, (bits if bits > 0 else LANES_BITS_FALLBACK) // dtype_bits)
+            total = 1
+            for e in extents:
+                total *= e
+            inner, outer = loops[-1], list(loops[:-1])
+            vec = _largest_divisor(extents[-1], lanes)
+            if 2 <= vec < extents[-1]:
+                o, inner = sch.split(inner, factors=[None, vec])
+                outer.append(o)
+            if outer and total >= PARALLEL_MIN_ELEMENTS:
+                sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+            if vec >= 2:
+                sch.vectorize(inner)
+        return sch

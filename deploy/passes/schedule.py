@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 TUNED = "tuned"
 DEFAULT = "default"  # no schedule: TVM's own lowering (CPU targets only)
 CONTRACTION = "contraction"  # our CPU schedule of convolutions and matmuls (passes/cpu_default.py)
+INJECTIVE = "injective"  # our CPU schedule of kernels without a reduction (passes/cpu_default.py)
 
 
 @dataclasses.dataclass
@@ -54,7 +55,7 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
         g = dlight.gpu
         return [("dlight.Matmul", g.Matmul()), ("dlight.GEMV", g.GEMV()), ("dlight.Reduction", g.Reduction()),
                 ("dlight.GeneralReduction", g.GeneralReduction()), ("dlight.Fallback", g.Fallback())]
-    from .cpu_default import ContractionTiling
+    from .cpu_default import ContractionTiling, InjectiveParallel
 
     c = dlight.cpu
     # DLight's CPU GEMV rule is left out: its schedule of a squeeze-excitation
@@ -62,7 +63,7 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
     # does not finish compiling (EfficientNet-B0's build took 19 minutes; see
     # passes/cpu_default.py), and a compile that never ends is not a failure
     # the chain can fall back from. Ours takes the GEMV-shaped kernels.
-    return [(CONTRACTION, ContractionTiling()), ("dlight.Reduction", c.Reduction())]
+    return [(CONTRACTION, ContractionTiling()), ("dlight.Reduction", c.Reduction()), (INJECTIVE, InjectiveParallel())]
 
 
 def _sources(gv, plain, tuned, target, target_kind):

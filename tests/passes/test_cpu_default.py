@@ -10,7 +10,7 @@ from tvm import te, topi
 
 from deploy.build import build_kernel
 from deploy.passes import schedule
-from deploy.passes.cpu_default import ContractionTiling
+from deploy.passes.cpu_default import ContractionTiling, InjectiveParallel
 from deploy.tvm_compat import ms, tensor, tvm
 
 
@@ -21,9 +21,9 @@ def _run(func, llvm_target, args):
     return arrays[-1].numpy()
 
 
-def _check(func, llvm_target):
+def _check(func, llvm_target, rule=ContractionTiling):
     """The rule applies, and its kernel's output equals the unscheduled one."""
-    sch = ContractionTiling().apply(func, llvm_target.tvm_target(), False)
+    sch = rule().apply(func, llvm_target.tvm_target(), False)
     assert sch is not None
     rng = np.random.default_rng(0)
     args = [rng.standard_normal([int(d) for d in a.shape]).astype(str(a.dtype))
@@ -119,7 +119,31 @@ def test_a_reduction_of_extent_one_is_left_alone(llvm_target):
     assert ContractionTiling().apply(te.create_prim_func([a, b, topi.matmul(a, b)]), llvm_target.tvm_target()) is None
 
 
+@pytest.mark.parametrize("shape", [(2, 64, 56, 56), (1, 7, 5), (3,)])
+def test_injective_kernels_run_in_parallel_and_compute_the_same(llvm_target, shape):
+    x = te.placeholder(shape, name="x")
+    y = te.placeholder(shape[-1:], name="y")
+    gelu = topi.multiply(topi.add(x, y), topi.sigmoid(x))  # broadcast, elementwise
+    sch = _check(te.create_prim_func([x, y, gelu]), llvm_target, InjectiveParallel)
+    if len(shape) == 4:
+        assert "T.parallel" in sch.mod.script() and "T.vectorized" in sch.mod.script()
+
+
+def test_injective_layout_changes_pad_and_concat(llvm_target):
+    x = te.placeholder((1, 24, 10, 10), name="x")
+    y = te.placeholder((1, 8, 10, 10), name="y")
+    for out in (topi.transpose(x, (0, 2, 3, 1)), topi.nn.pad(x, (0, 0, 1, 1), (0, 0, 1, 1)),
+                topi.concatenate([x, y], axis=1)):
+        args = [x, y] if out.op.name.startswith("concat") or len(out.op.input_tensors) == 2 else [x]
+        _check(te.create_prim_func([*args, out]), llvm_target, InjectiveParallel)
+
+
+def test_injective_rule_leaves_reductions_alone(llvm_target):
+    x = te.placeholder((4, 32), name="x")
+    assert InjectiveParallel().apply(te.create_prim_func([x, topi.sum(x, axis=1)]), llvm_target.tvm_target()) is None
+
+
 def test_the_cpu_chain_has_no_gemv():
     names = [n for n, _ in schedule.rules("llvm")]
-    assert names == [schedule.CONTRACTION, "dlight.Reduction"]
+    assert names == [schedule.CONTRACTION, "dlight.Reduction", schedule.INJECTIVE]
     assert schedule.CONTRACTION not in [n for n, _ in schedule.rules("cuda")]
