@@ -116,9 +116,11 @@ doctor: $(DEPS)
 # Tests that are not timing-sensitive run on every core; the `serial` ones
 # (tuning, serving: time-outs, load, hung servers) run after them, alone.
 # Exit 5 (nothing selected, e.g. PYTEST_ARGS="-k name") is not a failure.
+# The parallel workers fill the cores already: one TVM thread each (TVM's pool
+# on every core, per worker, spins against the other worker's).
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test: $(DEPS) lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
+	TVM_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
 	$(PY) -m pytest -q -m serial $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
 
 lint: $(DEPS)

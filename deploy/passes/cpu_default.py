@@ -47,6 +47,8 @@ block's outer loops in parallel, the innermost vectorized.
 from __future__ import annotations
 
 LANES_BITS_FALLBACK = 128
+PARALLEL_MIN_ELEMENTS = 4096  # below this a parallel launch costs more than the loop (elements written)
+PARALLEL_MIN_WORK = 1 << 16  # multiply-adds: below this a parallel launch costs more than the kernel
 MAX_BLOCK = 8
 MAX_ACCUMULATORS = 16  # vector registers held by one tile's accumulators
 
@@ -146,7 +148,11 @@ class ContractionTiling:
         inner.append(v_inner)
         sch.reorder(*outer, *loops[n_s:], *inner)
         tile = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-        sch.parallel(tile)
+        work = 1
+        for e in extents:
+            work *= e
+        if work >= PARALLEL_MIN_WORK:  # a tiny kernel stays on the calling thread (TVM's pool never wakes)
+            sch.parallel(tile)
 
         writeback = sch.cache_write(main.block_rv, 0, "local")
         sch.reverse_compute_at(writeback, tile, preserve_unit_loops=True)
@@ -171,13 +177,16 @@ def _parallel_at_root(sch, block) -> None:
     """An injective block left at the root: its outer loops fused and run in
     parallel, the innermost loop left to LLVM."""
     loops = sch.get_loops(block)
+    total = 1
+    for lp in loops:
+        total *= _int(sch.get(lp).extent) or PARALLEL_MIN_ELEMENTS
+    if total < PARALLEL_MIN_ELEMENTS:
+        return
     if len(loops) > 1:
         sch.parallel(sch.fuse(*loops[:-1]))
     elif loops:
         sch.parallel(loops[0])
 
-
-PARALLEL_MIN_ELEMENTS = 4096  # below this a parallel launch costs more than the loop
 
 
 class InjectiveParallel:
