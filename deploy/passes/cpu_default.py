@@ -46,6 +46,8 @@ block's outer loops in parallel, the innermost vectorized.
 
 from __future__ import annotations
 
+import math
+
 LANES_BITS_FALLBACK = 128
 PARALLEL_MIN_ELEMENTS = 4096  # below this a parallel launch costs more than the loop (elements written)
 PARALLEL_MIN_WORK = 1 << 16  # multiply-adds: below this a parallel launch costs more than the kernel
@@ -148,10 +150,7 @@ class ContractionTiling:
         inner.append(v_inner)
         sch.reorder(*outer, *loops[n_s:], *inner)
         tile = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-        work = 1
-        for e in extents:
-            work *= e
-        if work >= PARALLEL_MIN_WORK:  # a tiny kernel stays on the calling thread (TVM's pool never wakes)
+        if math.prod(extents) >= PARALLEL_MIN_WORK:  # a tiny kernel stays on the calling thread (TVM's pool never wakes)
             sch.parallel(tile)
 
         writeback = sch.cache_write(main.block_rv, 0, "local")
@@ -177,10 +176,7 @@ def _parallel_at_root(sch, block) -> None:
     """An injective block left at the root: its outer loops fused and run in
     parallel, the innermost loop left to LLVM."""
     loops = sch.get_loops(block)
-    total = 1
-    for lp in loops:
-        total *= _int(sch.get(lp).extent) or PARALLEL_MIN_ELEMENTS
-    if total < PARALLEL_MIN_ELEMENTS:
+    if math.prod(_int(sch.get(lp).extent) or PARALLEL_MIN_ELEMENTS for lp in loops) < PARALLEL_MIN_ELEMENTS:
         return
     if len(loops) > 1:
         sch.parallel(sch.fuse(*loops[:-1]))
@@ -216,9 +212,7 @@ class InjectiveParallel:
                 return None
             dtype_bits = max(8, sch.get(block).writes[0].source.dtype.bits) if sch.get(block).writes else 32
             lanes = max(2, (bits if bits > 0 else LANES_BITS_FALLBACK) // dtype_bits)
-            total = 1
-            for e in extents:
-                total *= e
+            total = math.prod(extents)
             inner, outer = loops[-1], list(loops[:-1])
             vec = _largest_divisor(extents[-1], lanes)
             if 2 <= vec < extents[-1]:
