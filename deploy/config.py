@@ -21,7 +21,7 @@ from .errors import ConfigError
 PRECISIONS = ("fp32", "fp16")
 SIZES = ("full", "small")
 EXPORTERS = ("torchscript", "dynamo")
-LAYOUTS = ("NCHW", "NHWC")
+LAYOUTS = ("NCHW", "NHWC", "NCHWc")
 DTYPES = ("float32", "float16", "int64", "int32", "bool")
 
 
@@ -86,7 +86,7 @@ class Profile:
 
     precision: str  # fp32 | fp16 (fp16 compute, see `accumulate`)
     accumulate: str  # fp32 | fp16: accumulator dtype of fp16 convolutions/matmuls
-    layout: str  # NCHW | NHWC: data layout for 2-D convolutions
+    layout: str  # NCHW | NHWC | NCHWc (CPU: channels blocked by the vector width): data layout for 2-D convolutions
     buckets: tuple[int, ...]  # batch sizes, one shape-specialized module each
     cuda_graph: bool
     tune_buckets: tuple[int, ...]  # which buckets to tune (others reuse nothing)
@@ -128,7 +128,7 @@ class Tolerances:
 LLVM_DEFAULTS = Profile(
     precision="fp32",
     accumulate="fp32",
-    layout="NCHW",
+    layout="NCHWc",
     buckets=(1, 8),
     cuda_graph=False,
     tune_buckets=(1,),
@@ -345,6 +345,8 @@ def _check_values(obj, where: str) -> None:
         for name in ("trials_per_iter", "search_population", "search_generations"):
             if getattr(obj, name) < 1:
                 raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a positive integer")
+        if obj.layout == "NCHWc" and where.split(".")[-1] == "cuda":
+            raise ConfigError(f"invalid {where}.layout", "'NCHWc'", "NHWC or NCHW on CUDA (NCHWc is the CPU's layout)")
         if obj.split_k > 1 and obj.layout != "NHWC":
             raise ConfigError(f"{where}.split_k needs the NHWC layout", f"layout {obj.layout}", "layout = \"NHWC\", or split_k = 0 (--split-k 0)")
         if obj.search_population < obj.trials_per_iter:

@@ -6,7 +6,8 @@ relax/backend/cuda/pipeline.py):
   inference         remaining inference-only decompositions (batch_norm, ...)
   constant_folding  constants folded, dead code and common subexpressions removed,
                     small integer powers as multiplications (passes.exact_power)
-  layout            2-D convolutions to NHWC (when the profile asks for it)
+  layout            2-D convolutions to NHWC, or to NCHW[x]c on the CPU (passes.nchwc),
+                    when the profile asks for it
   mixed_precision   fp16 compute (when the profile asks for it)
   fusion            legalize to TIR and fuse into kernels: the module that
                     tuning extracts tasks from and the build compiles
@@ -25,6 +26,7 @@ from . import artifacts
 from .config import Profile
 from .errors import StaleArtifactError, run_in_processes
 from .frontend import FrontendArtifact, parallel_workers
+from .passes import nchwc
 from .passes.exact_power import power_to_multiply
 from .passes.layout import convert_to_nhwc
 from .passes.mixed_precision import to_mixed_precision
@@ -68,6 +70,8 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
     ]
     if profile.layout == "NHWC":
         out.append(("layout", [convert_to_nhwc(), T.FoldConstant()]))
+    elif profile.layout == "NCHWc":
+        out.append(("layout", [nchwc.convert(), T.FoldConstant()]))
     if profile.precision == "fp16":
         acc = "float16" if profile.accumulate == "fp16" else "float32"
         out.append(("mixed_precision", [to_mixed_precision(acc), T.FoldConstant()]))
@@ -77,7 +81,7 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
         (
             "fusion",
             [
-                T.LegalizeOps(),
+                T.LegalizeOps(customize_legalize_map={"relax.nn.conv2d": nchwc.legalize_conv2d}),
                 T.AnnotateTIROpPattern(),
                 T.FoldConstant(),
                 T.FuseOps(),

@@ -20,7 +20,9 @@ import tvm  # noqa: F401  (re-exported)
 from tvm import (
     relax,  # noqa: F401
     s_tir,  # noqa: F401  (s_tir.Schedule)
+    te,  # noqa: F401
     tirx,  # noqa: F401
+    topi,  # noqa: F401
 )
 from tvm.relax.frontend.onnx import (
     from_onnx,  # noqa: F401

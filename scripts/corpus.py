@@ -100,7 +100,7 @@ def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path
 def build_one(job) -> dict:
     """Export, import, optimize, build and validate one (model, precision),
     untuned, in `work`/<model>-<precision> (a process-pool entry)."""
-    name, precision, size, exporter, target_name, work, plain = job
+    name, precision, size, exporter, target_name, work, plain, layout = job
     import models
     from deploy import artifacts, config, pipeline, targets
     from deploy.errors import DeployError
@@ -111,7 +111,7 @@ def build_one(job) -> dict:
     spec = models.get(name)
     entry = {"model": name, "kind": spec.kind, "expect": spec.expect, "precision": precision,
              "size": size, "exporter": exporter}
-    profile = {"buckets": [1], "tune_buckets": [], "trials": 0, "precision": precision}
+    profile = {"buckets": [1], "tune_buckets": [], "trials": 0, "precision": precision, **({"layout": layout} if layout else {})}
     cfg = config.from_dict({"model": {"source": name, "size": size, "exporter": exporter}, target.kind: profile})
     ws = work / f"{name}-{precision}"
     shutil.rmtree(ws, ignore_errors=True)
@@ -211,6 +211,7 @@ def main(argv=None) -> int:
     ap.add_argument("--exporter", default="torchscript", choices=("torchscript", "dynamo"))
     ap.add_argument("--precision", default="", help="comma list (default: fp32 on llvm, fp16 on cuda)")
     ap.add_argument("--models", default="", help="comma list (default: the whole registry)")
+    ap.add_argument("--layout", default="", help="the convolutions' layout (default: the target's, see deploy/config.py)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--baselines", action="store_true", help="time the alternatives in the same run")
@@ -240,6 +241,7 @@ def main(argv=None) -> int:
     # A resumed run is several commands: each is kept, in order.
     commands = report.get("commands") or ([report["command"]] if "command" in report else [])
     report.update({"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
+                   "layout": args.layout or "default",
                    "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
                    "commands": [*commands, command]})
     results = {(r["model"], r["precision"]): r for r in report["results"]}
@@ -250,7 +252,7 @@ def main(argv=None) -> int:
         report["results"] = list(results.values())
         artifacts.write_json_atomic(path, report)  # after every model: a killed run keeps what it did
 
-    jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm)
+    jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, args.layout)
             for n in names for p in precisions if args.force or (n, p) not in results]
     try:
         if jobs:

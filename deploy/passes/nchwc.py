@@ -1,0 +1,162 @@
+"""The CPU's convolution layout, NCHW[x]c: channels blocked by the vector
+width, so that a convolution's innermost loop is one SIMD vector of output
+channels, fed by one broadcast input value and one contiguous vector of
+prepacked weights (ONNX Runtime's MLAS and oneDNN do the same on x86).
+
+`convert()` moves each 2-D convolution to NCHW{c}c data, OIHW{ci}i{co}o
+weights and NCHW{co}c outputs, choosing the blocks per convolution from its
+own channel counts (`blocks`): 16 where the channels allow it, 8 or 4
+otherwise, a first layer's 3 input channels taken whole; a depthwise
+convolution gets OIHW1i{c}o weights; grouped convolutions and channel counts
+no block divides stay in NCHW. ConvertLayout carries the blocked layout
+through the elementwise ops and pooling between convolutions and transforms
+back where an operator needs NCHW (a flatten, a softmax). Where TVM's
+ConvertLayout fails on a model (0.27: a LayerNorm over the channels after a
+spatial mean, ConvNeXt's head, gets its input's blocked axis; `mean` keeps
+the block in its output's layout), the model keeps NCHW and
+the log says so in one line. The weights'
+layout transforms are constants, folded at compile time: the weights are
+packed once, in the module.
+
+Workaround (`legalize_conv2d`): TVM 0.27's legalization of `relax.nn.conv2d`
+refuses a layout with a channel block ("Conv2D where data layout or kernel
+layout have channel chunk cannot be legalized by TOPI at this moment"), and
+the operator then reaches VM codegen and fails the build. Scoped to
+convolutions with a blocked layout: those become TOPI's `conv2d_NCHWc`, or
+for a depthwise one our own compute below (TOPI's generic
+`depthwise_conv2d_NCHWc` is only a declaration in 0.27); every other
+convolution goes to TVM's own legalization. `tests/passes/test_nchwc.py`
+fails once TVM legalizes a blocked conv2d itself.
+
+Measured, ResNet-50 batch 1 on 2 cores (x86-64-v4), untuned, the default CPU
+schedules: `results/cpu/2026-12-03/nchwc-resnet50-llvm/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+log = logging.getLogger(__name__)
+
+BLOCKS = (16, 8, 4)  # channel blocks tried, largest first (16 fp32 lanes fill an AVX-512 vector)
+
+
+def _block(channels: int, whole_below: int = 0) -> int | None:
+    """The largest of BLOCKS dividing `channels`; `channels` itself when it is
+    below `whole_below` (a first layer's 3 channels); else None."""
+    for b in BLOCKS:
+        if channels % b == 0:
+            return b
+    return channels if channels < whole_below else None
+
+
+def blocks(in_channels: int, out_channels: int, groups: int) -> tuple[str, str, str] | None:
+    """(data, weight, output) layouts of one NCHW/OIHW convolution, or None
+    where it stays as it is."""
+    if groups == 1:
+        ci, co = _block(in_channels, whole_below=BLOCKS[0]), _block(out_channels)
+        if ci is None or co is None:
+            return None
+        return f"NCHW{ci}c", f"OIHW{ci}i{co}o", f"NCHW{co}c"
+    if groups == in_channels == out_channels:  # depthwise
+        c = _block(in_channels)
+        return None if c is None else (f"NCHW{c}c", f"OIHW1i{c}o", f"NCHW{c}c")
+    return None
+
+
+# conv2d_transpose stays in NCHW/IOHW, the one layout TOPI lowers (see passes.layout).
+KEEP = {"relax.nn.conv2d": ["NCHW", "OIHW"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
+
+
+def _layouts(call) -> dict:
+    from ..tvm_compat import relax
+
+    if call.op.name != "relax.nn.conv2d":
+        return KEEP
+    a = call.attrs
+    if a.data_layout != "NCHW" or a.kernel_layout != "OIHW" or a.out_layout != "NCHW":
+        return KEEP
+    data, weight = (arg.ty for arg in call.args)
+    if not isinstance(data, relax.TensorType) or not isinstance(weight, relax.TensorType):
+        return KEEP
+    try:
+        in_c, out_c = int(data.shape[1]), int(weight.shape[0])
+    except (TypeError, AttributeError):  # a symbolic channel count
+        return KEEP
+    chosen = blocks(in_c, out_c, int(a.groups))
+    return KEEP if chosen is None else {**KEEP, "relax.nn.conv2d": list(chosen)}
+
+
+def convert():
+    """ConvertLayout with a per-convolution choice of blocks (`blocks`); a
+    module TVM's ConvertLayout cannot convert keeps NCHW (one log line)."""
+    from ..tvm_compat import relax, tvm
+
+    @tvm.transform.module_pass(opt_level=0, name="ConvertLayoutNCHWc")
+    def run(mod, _ctx):
+        try:
+            return relax.transform.ConvertLayout({}, _layouts)(mod)
+        except Exception as e:  # noqa: BLE001 - TVM raises ValueError, InternalError, ...
+            log.warning("layout: convolutions stay in NCHW: TVM's ConvertLayout cannot move this model to NCHWc (%s)",
+                        _one_line(e))
+            return mod
+
+    return run
+
+
+def _one_line(e: Exception) -> str:
+    """TVM's message, its operator's long repr cut to the operator's name."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+    m = re.match(r'ir\.Op\(.*?name="([^"]+)".*support_level=\d+\)\s*(.*)', text)
+    return (f"{m.group(1)} {m.group(2)}" if m else text)[:200]
+
+
+def _is_blocked(layout: str) -> bool:
+    return len(layout) != 4
+
+
+def _out_dtype(attrs, data) -> str:
+    text = str(attrs.out_dtype)
+    return data.dtype if text in ("", "void", "None") else text
+
+
+def _depthwise_nchwc(data, weight, strides, padding, dilation, out_dtype):
+    """[n, C/c, h, w, c] x [C/c, 1, kh, kw, 1, c] -> [n, C/c, oh, ow, c]."""
+    from ..tvm_compat import te, topi
+
+    n, chunks, h, w, c = data.shape
+    _, _, kh, kw, _, _ = weight.shape
+    (sh, sw), (dh, dw) = strides, dilation
+    top, left, bottom, right = padding
+    padded = topi.nn.pad(data, [0, 0, top, left, 0], [0, 0, bottom, right, 0], name="pad") \
+        if any(int(p) for p in padding) else data
+    oh = (h + top + bottom - (kh - 1) * dh - 1) // sh + 1
+    ow = (w + left + right - (kw - 1) * dw - 1) // sw + 1
+    rh, rw = te.reduce_axis((0, kh), name="rh"), te.reduce_axis((0, kw), name="rw")
+    return te.compute(
+        (n, chunks, oh, ow, c),
+        lambda b, k, y, x, v: te.sum(
+            padded[b, k, y * sh + rh * dh, x * sw + rw * dw, v].astype(out_dtype)
+            * weight[k, 0, rh, rw, 0, v].astype(out_dtype),
+            axis=[rh, rw],
+        ),
+        name="depthwise_conv2d_NCHWc",
+    )
+
+
+def legalize_conv2d(bb, call):
+    """LegalizeOps' entry for `relax.nn.conv2d` (see the module docstring)."""
+    from ..tvm_compat import topi, tvm
+
+    a = call.attrs
+    if not (_is_blocked(a.data_layout) or _is_blocked(a.kernel_layout)):
+        return tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")(bb, call)
+    data, weight = call.args
+    out_dtype = _out_dtype(a, data.ty)
+    strides, padding, dilation = ([int(v) for v in x] for x in (a.strides, a.padding, a.dilation))
+    if int(a.groups) == 1:
+        return bb.call_te(topi.nn.conv2d_NCHWc, data, weight, strides, padding, dilation,
+                          a.data_layout, a.out_layout, out_dtype, primfunc_name_hint="conv2d_NCHWc")
+    return bb.call_te(_depthwise_nchwc, data, weight, strides, padding, dilation, out_dtype,
+                      primfunc_name_hint="depthwise_conv2d_NCHWc")

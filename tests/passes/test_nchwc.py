@@ -1,0 +1,132 @@
+"""deploy/passes/nchwc.py: the CPU's blocked convolution layout computes
+what NCHW computes, blocks each convolution by its own channel counts, keeps
+what it cannot block in NCHW, and the TVM defects it works around are still
+there (each test named `..._still_...` fails once TVM no longer needs us)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from deploy import config, optimize
+from deploy.passes import nchwc
+from deploy.tvm_compat import relax, tvm
+
+
+@pytest.mark.parametrize("cin,cout,groups,want", [
+    (64, 256, 1, ("NCHW16c", "OIHW16i16o", "NCHW16c")),
+    (3, 64, 1, ("NCHW3c", "OIHW3i16o", "NCHW16c")),  # a first layer: its 3 channels taken whole
+    (24, 40, 1, ("NCHW8c", "OIHW8i8o", "NCHW8c")),
+    (96, 96, 96, ("NCHW16c", "OIHW1i16o", "NCHW16c")),  # depthwise
+    (20, 20, 20, ("NCHW4c", "OIHW1i4o", "NCHW4c")),
+    (64, 64, 32, None),  # grouped: NCHW
+    (17, 64, 1, None),  # no block divides 17 and it is too wide to take whole
+    (64, 30, 1, None),
+])
+def test_blocks(cin, cout, groups, want):
+    assert nchwc.blocks(cin, cout, groups) == want
+
+
+def _net(bb=None):
+    """conv 3->16 + relu, depthwise 3x3, conv 16->24 + residual-free add of a
+    bias, grouped conv, max pool, conv_transpose, global mean: every branch of
+    the layout choice in one graph."""
+    bb = relax.BlockBuilder()
+    rng = np.random.default_rng(0)
+
+    def const(*shape):
+        return relax.const(rng.standard_normal(shape).astype("float32") * 0.2)
+
+    x = relax.Var("x", relax.TensorType((1, 3, 12, 12), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, const(16, 3, 3, 3), padding=1)))
+            y = bb.emit(relax.op.nn.conv2d(y, const(16, 1, 3, 3), padding=1, groups=16))
+            y = bb.emit(relax.op.add(relax.op.nn.conv2d(y, const(24, 16, 1, 1)), const(1, 24, 1, 1)))
+            y = bb.emit(relax.op.nn.conv2d(y, const(24, 12, 3, 3), padding=1, groups=2))
+            y = bb.emit(relax.op.nn.max_pool2d(y, pool_size=2, strides=2))
+            y = bb.emit(relax.op.nn.conv2d_transpose(y, const(24, 8, 2, 2), strides=2))
+            out = bb.emit_output(relax.op.mean(y, axis=[2, 3]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _profile(layout):
+    return config.from_dict({"model": {"source": "tiny_cnn"}, "llvm": {"layout": layout}}).llvm
+
+
+def _vm(mod, llvm_target, folder):
+    """Built as the build stage builds a bucket (our schedules, our TIR pipeline)."""
+    from deploy.build import build_bucket
+    from deploy.tvm_compat import load_module, save_json
+
+    folder.mkdir()
+    (folder / "m.json").write_text(save_json(mod))
+    build_bucket(str(folder / "m.json"), llvm_target, _profile("NCHW"), None, str(folder / "m.so"))
+    return relax.VirtualMachine(load_module(str(folder / "m.so")), tvm.cpu())
+
+
+def test_nchwc_module_computes_what_nchw_computes(llvm_target, tmp_path):
+    x = np.random.default_rng(1).standard_normal((1, 3, 12, 12)).astype("float32")
+    outs, scripts = {}, {}
+    for layout in ("NCHW", "NCHWc"):
+        mod, _ = optimize.optimize_module(_net(), _profile(layout), llvm_target.tvm_target())
+        scripts[layout] = mod.script()
+        vm = _vm(mod, llvm_target, tmp_path / layout)
+        outs[layout] = vm["main"](tvm.runtime.tensor(x)).numpy()
+    np.testing.assert_allclose(outs["NCHWc"], outs["NCHW"], rtol=1e-4, atol=1e-5)
+    s = scripts["NCHWc"]
+    # the first layer's 3 channels whole, the depthwise blocked by 16, the 16->24 by 8; the grouped conv stays NCHW
+    assert "conv2d_NCHWc" in s and "depthwise_conv2d_NCHWc" in s
+    assert "conv2d_NCHWc" not in scripts["NCHW"]
+
+
+def test_a_blocked_conv2d_still_is_not_legalized_by_tvm(llvm_target):
+    """Fails once TVM 0.27's LegalizeOps lowers a conv2d with a channel block
+    (then nchwc.legalize_conv2d can go)."""
+    mod = nchwc.convert()(_net())
+    with llvm_target.tvm_target():
+        main = relax.transform.LegalizeOps()(mod).script().split("def main")[1]
+    assert "R.nn.conv2d(" in main
+
+
+def _mean_then_layer_norm():
+    """ConvNeXt's head: a spatial mean of a convolution's output, then
+    LayerNorm over the channels."""
+    bb = relax.BlockBuilder()
+    rng = np.random.default_rng(0)
+    x = relax.Var("x", relax.TensorType((1, 16, 7, 7), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, relax.const(rng.standard_normal((32, 16, 3, 3)).astype("float32")),
+                                           padding=1))
+            y = bb.emit(relax.op.mean(y, axis=[2, 3], keepdims=False))
+            g = relax.const(np.ones(32, "float32"))
+            out = bb.emit_output(relax.op.nn.layer_norm(y, g, g, axes=[-1]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_convert_layout_still_fails_on_a_layer_norm_behind_a_mean():
+    """Fails once TVM's ConvertLayout carries a blocked layout through a
+    reduction into LayerNorm (then convnext gets NCHWc too, not the fallback)."""
+    with pytest.raises(Exception, match="layer_norm"):
+        relax.transform.ConvertLayout({}, nchwc._layouts)(_mean_then_layer_norm())
+
+
+def test_a_model_convert_layout_fails_on_keeps_nchw(caplog):
+    plain = _mean_then_layer_norm()
+    with caplog.at_level(logging.WARNING, logger="deploy.passes.nchwc"):
+        mod = nchwc.convert()(plain)
+    assert mod.script() == plain.script()
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("layout: convolutions stay in NCHW") and "\n" not in line
+    assert "(relax.nn.layer_norm requires the input gamma" in line
+
+
+def test_nchwc_is_the_cpu_default_and_not_a_cuda_layout():
+    assert config.LLVM_DEFAULTS.layout == "NCHWc"
+    with pytest.raises(config.ConfigError, match="NCHWc is the CPU's layout"):
+        config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"layout": "NCHWc"}})
