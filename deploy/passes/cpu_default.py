@@ -17,7 +17,11 @@ it applies to any layout:
 - one more spatial axis `b`, one that the vector-loaded operand does not
   index (a convolution's output channels, a matmul's rows), is blocked by up
   to 8, so each vector load of that operand serves `b` accumulators held in
-  registers (a local cache written back once);
+  registers (a local cache written back once); where registers are left
+  (MAX_ACCUMULATORS vectors), an axis that operand does index (NCHWc's outer
+  output channels) is blocked too, so each broadcast value of the other
+  operand feeds a 2-D tile of accumulators (ResNet-50 NCHW16c, untuned:
+  33.0 -> 27.0 ms on 2 cores);
 - the reduction loops run inside each tile, and the tiles of the remaining
   spatial axes are fused and run in parallel on every core;
 - injective producers (padding) run before it in parallel; injective
@@ -128,6 +132,16 @@ class ContractionTiling:
                 b = i
                 blk = _largest_divisor(extents[i], max(1, min(MAX_BLOCK, MAX_ACCUMULATORS // registers)))
                 break
+        # A second blocked axis, one the vector-loaded operand does index (a
+        # blocked layout's outer output channels): each broadcast value of the
+        # other operand then serves more accumulators.
+        b2, blk2 = None, 1
+        room = MAX_ACCUMULATORS // (registers * blk)
+        if room >= 2:
+            for i in reversed(range(n_s)):
+                if i not in (v, b) and extents[i] > 1 and spatial[i].var in used:
+                    b2, blk2 = i, _largest_divisor(extents[i], room)
+                    break
 
         # Consumers: fold the chain into its last block, applied at write-back.
         for c in consumers[:-1]:
@@ -141,8 +155,8 @@ class ContractionTiling:
                 o, vi = sch.split(loops[i], factors=[None, vec])
                 outer.append(o)
                 v_inner = vi
-            elif i == b and blk > 1:
-                o, bi = sch.split(loops[i], factors=[None, blk])
+            elif (i == b and blk > 1) or (i == b2 and blk2 > 1):
+                o, bi = sch.split(loops[i], factors=[None, blk if i == b else blk2])
                 outer.append(o)
                 inner.append(bi)
             else:

@@ -149,3 +149,19 @@ def test_the_cpu_chain_has_no_gemv():
     names = [n for n, _ in schedule.rules("llvm")]
     assert names == [schedule.CONTRACTION, "dlight.Reduction", schedule.INJECTIVE]
     assert schedule.CONTRACTION not in [n for n, _ in schedule.rules("cuda")]
+
+
+def test_blocked_layout_conv_holds_a_two_axis_tile_in_registers(llvm_target):
+    """NCHW16c: output channels in the vector, a row of output pixels and a
+    second block of output channels held in registers (both loops unrolled)."""
+    x = te.placeholder((1, 4, 14, 14, 16), name="x")
+    w = te.placeholder((4, 4, 3, 3, 16, 16), name="w")
+    with llvm_target.tvm_target():
+        y = topi.nn.conv2d_NCHWc(x, w, 1, 1, 1, "NCHW16c", "NCHW16c", "float32")
+    sch = _check(te.create_prim_func([x, w, y]), llvm_target)
+    script = sch.mod.script()
+    # 7 pixels of a row (its largest divisor up to 8) x 2 blocks of 16 channels: 14 accumulators of 16 lanes
+    from deploy.tvm_compat import target_codegen
+
+    lanes = min(16, target_codegen.llvm_get_vector_width(llvm_target.tvm_target()) // 32)
+    assert "T.unroll(7)" in script and "T.unroll(2)" in script and f"T.vectorized({lanes})" in script
