@@ -287,6 +287,8 @@ def format_summary(summary: dict) -> str:
                 + ("  stopped at the deadline" if s["stopped_by_deadline"] else "")
                 + (f"  {s['kernel_check']['checked']} kernel(s) checked, {s['kernel_check']['rejected']} "
                    "rejected (computed something else than their default schedule)"
+                   + (f", {s['kernel_check']['default_faster']} slower than their default schedule (the build keeps "
+                      "the default)" if s["kernel_check"].get("default_faster") else "")
                    if (s.get("kernel_check") or {}).get("checked") else "")
                 + (f"  done: it holds TRIALS={s['trials_wanted']} (a larger TRIALS tunes on)"
                    if not s["new_trials"] and s.get("trials_wanted") and s["trials_after"] >= s["trials_wanted"] else "")

@@ -16,6 +16,17 @@ is **rejected**: listed in the database folder's `database_checks.json`
 (committed with it), and every reader of the database (builds, the kernel
 store, the search's seeds) skips it, so the next-best record is checked and
 applied instead. Records that passed are listed too and not checked again.
+
+The same check times each best record against the kernel's default schedule
+(the first of our schedule chain that applies: DLight's rules on a GPU, our
+CPU defaults, `deploy/passes/cpu_default.py`, on the CPU), built and run the
+same way on the same inputs. Where the default is faster (a short tuning run
+on the CPU, whose default convolutions are already register-blocked, finds
+slower schedules for many kernels), the workload is listed under
+`default_faster` with both times, and builds and the kernel store leave its
+records at least as slow as that one out, so the kernel keeps its default
+schedule; the search still seeds from them, and a faster record found
+later is checked and timed in its turn.
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ CHECKS = "database_checks.json"
 # output; a wrong kernel is off by far more (the BERT one: see above).
 TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-3, "float64": 1e-6}
 ROUNDS = 3  # a workload whose best records keep failing: at most this many checked per run
+TIMING_REPEATS = 5  # the tuned and the default kernel: median of this many repeats,
+TIMING_REPEAT_MS = 20  # each calling it for at least this long
 
 
 def record_id(shash: str, rec: list) -> str:
@@ -47,25 +60,38 @@ def record_id(shash: str, rec: list) -> str:
 
 def read(folder: Path) -> dict:
     path = Path(folder) / CHECKS
-    if not path.is_file():
-        return {"passed": [], "rejected": []}
-    return json.loads(path.read_text())
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    for k in ("passed", "rejected", "timed", "default_faster"):
+        state.setdefault(k, [])
+    return state
 
 
 def rejected_ids(folder: Path) -> set[str]:
     return {r["record"] for r in read(folder)["rejected"]}
 
 
-def drop_rejected(folder: Path, workloads: list[str], records: list[str]) -> list[str]:
-    """`records` less those the check rejected (their workload lines stay)."""
-    bad = rejected_ids(folder)
-    if not bad:
+def drop_rejected(folder: Path, workloads: list[str], records: list[str], slower_than_default: bool = False
+                  ) -> list[str]:
+    """`records` less those the check rejected (their workload lines stay);
+    with `slower_than_default` (builds and the kernel store), less those of a
+    workload whose default schedule beat a record at least as fast."""
+    from .database import _mean_secs
+
+    state = read(folder)
+    bad = {r["record"] for r in state["rejected"]}
+    slow: dict[str, float] = {}
+    if slower_than_default:
+        for r in state["default_faster"]:
+            slow[r["workload"]] = min(slow.get(r["workload"], float("inf")), r["record_secs"])
+    if not bad and not slow:
         return records
     out = []
     for ln in records:
         wi, rec = json.loads(ln)
-        if record_id(json.loads(workloads[wi])[0], rec) not in bad:
-            out.append(ln)
+        shash = json.loads(workloads[wi])[0]
+        if record_id(shash, rec) in bad or (shash in slow and _mean_secs(rec) >= slow[shash]):
+            continue
+        out.append(ln)
     return out
 
 
@@ -76,17 +102,19 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
 
     folder = Path(folder)
     state = read(folder)
-    passed = set(state["passed"])
-    counts = {"checked": 0, "passed": 0, "rejected": 0}
+    passed, timed = set(state["passed"]), set(state["timed"])
+    counts = {"checked": 0, "passed": 0, "rejected": 0, "default_faster": 0}
     dev = target.device()
     tried: set[str] = set()
     for _ in range(ROUNDS):
-        workloads, records = dbs._best_lines(folder, 1)  # rejected records already left out
+        # (rejected records, and those the default schedule already beat, left out)
+        workloads, records = dbs._best_lines(folder, 1, slower_than_default=True)
         todo = []
         for ln in records:
             wi, rec = json.loads(ln)
             shash = json.loads(workloads[wi])[0]
-            if dbs._mean_secs(rec) != float("inf") and record_id(shash, rec) not in passed:
+            rid = record_id(shash, rec)
+            if dbs._mean_secs(rec) != float("inf") and (rid not in passed or rid not in timed):
                 todo.append((workloads[wi], rec, shash))
         todo = [t for t in todo if record_id(t[2], t[1]) not in tried]
         if not todo:
@@ -96,29 +124,40 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
             rid = record_id(shash, rec)
             counts["checked"] += 1
             try:
-                err = compare(wl_line, rec, target, dev)
+                err = compare(wl_line, rec, target, dev, check_outputs=rid not in passed)
             except Exception as e:  # noqa: BLE001 - a record that cannot be built or run alone is left unjudged
                 log.warning("check: workload %s: not checked (%s)", shash, str(e).splitlines()[0][:200])
                 counts["unchecked"] = counts.get("unchecked", 0) + 1
                 continue  # (not listed: the next run tries again)
             if err["ok"]:
-                passed.add(rid)
-                counts["passed"] += 1
+                if rid not in passed:
+                    passed.add(rid)
+                    counts["passed"] += 1
+                timed.add(rid)
+                if err["default_us"] is not None and err["default_us"] < err["tuned_us"]:
+                    state["default_faster"].append({"record": rid, "workload": shash, "record_secs": dbs._mean_secs(rec),
+                                                    "tuned_us": err["tuned_us"], "default_us": err["default_us"]})
+                    counts["default_faster"] += 1
+                    log.info("check: workload %s: its default schedule is faster than the best tuned kernel "
+                             "(%.1f us against %.1f us); the build keeps the default", shash, err["default_us"],
+                             err["tuned_us"])
             else:
                 state["rejected"].append({"record": rid, "workload": shash, **err})
                 counts["rejected"] += 1
                 log.warning("check: workload %s: the tuned kernel computes something else than its default "
                             "schedule (rel_l2 %.2e on %s); rejected, the next-best record is used",
                             shash, err["rel_l2"], err["output"])
-        state["passed"] = sorted(passed)
+        state["passed"], state["timed"] = sorted(passed), sorted(timed)
         artifacts.write_json_atomic(folder / CHECKS, state)
     return counts
 
 
-def compare(wl_line: str, rec: list, target: TargetInfo, dev) -> dict:
-    """Build the workload with the record's trace and with its default
-    schedule, run both on the same seeded arguments, compare every argument
-    after the run (the outputs; the inputs are left as they were)."""
+def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: bool = True) -> dict:
+    """Build the workload with the record's trace, with its default schedule
+    and (on the CPU, for the outputs) unscheduled; run them on the same seeded
+    arguments and compare every argument after the run (the outputs; the
+    inputs are left as they were); time the record's kernel and the default
+    one (`tuned_us`, `default_us`: None where no default schedule applies)."""
     from ..build import build_kernel
     from ..passes import schedule
     from ..tvm_compat import ms, register_tensor_intrinsics, s_tir, tensor
@@ -131,13 +170,11 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev) -> dict:
     sch = s_tir.Schedule(workload.mod)
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     tuned = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-    # The reference: on the CPU, TVM's own lowering of the kernel (plain loops: slow, but nothing of ours
-    # to trust); on a GPU, which needs a schedule, the first DLight rule that applies.
-    reference = func if target.kind != "cuda" else None
-    for _name, f in [] if reference is not None else schedule._sources(None, func, None, target.tvm_target(), target.kind):
-        if not isinstance(f, Exception):
-            reference = f
-            break
+    default = next((f for _name, f in schedule._sources(None, func, None, target.tvm_target(), target.kind)
+                    if not isinstance(f, Exception)), None)
+    # The reference of the outputs: on the CPU, TVM's own lowering of the kernel (plain loops: slow, but
+    # nothing of ours to trust); on a GPU, which needs a schedule, the default one (DLight's).
+    reference = func if target.kind != "cuda" else default
     buffers = [(f"argument {k}", str(a[1]), [int(d) for d in a[2]]) for k, a in enumerate(rec[3])]  # args_info
     rng = np.random.default_rng(0)
     args = []
@@ -145,25 +182,37 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev) -> dict:
         args.append(rng.standard_normal(shape).astype(dtype) if dtype.startswith(("float", "bfloat"))
                     else rng.integers(0, 10, shape).astype(dtype))
     with target.tvm_target():
-        outs = []
-        for f in (tuned, reference):
-            lib = build_kernel("main", f, target)
+        libs = {"tuned": build_kernel("main", tuned, target)}
+        if default is not None:
+            libs["default"] = libs["reference"] = build_kernel("main", default, target)
+        if check_outputs and reference is func:
+            libs["reference"] = build_kernel("main", func, target)
+        outs = {}
+        for name in ("tuned", "reference") if check_outputs else ():
             ts = [tensor(a, dev) for a in args]
-            lib["main"](*ts)
+            libs[name]["main"](*ts)
             dev.sync()
-            outs.append([t.numpy() for t in ts])
-    worst = {"ok": True, "rel_l2": 0.0, "output": ""}
-    for (name, dtype, _), got, want in zip(buffers, *outs):
+            outs[name] = [t.numpy() for t in ts]
+        times = {name: _time_us(libs[name], [tensor(a, dev) for a in args], dev) for name in ("tuned", "default")
+                 if name in libs}
+    worst = {"ok": True, "rel_l2": 0.0, "output": "", "tuned_us": times["tuned"], "default_us": times.get("default")}
+    for (name, dtype, _), got, want in zip(buffers, *outs.values()) if outs else ():
         if np.array_equal(got, want, equal_nan=True):
             continue
         g, w = got.astype("float64"), want.astype("float64")
         finite = np.isfinite(w)
         if not np.array_equal(np.isfinite(g), finite):
-            return {"ok": False, "rel_l2": float("inf"), "output": name}
+            return {**worst, "ok": False, "rel_l2": float("inf"), "output": name}
         rel = float(np.linalg.norm((g - w)[finite]) / max(np.linalg.norm(w[finite]), 1e-30))
         tol = TOLERANCE.get(dtype, 0.0)
         if rel > worst["rel_l2"]:
-            worst = {"ok": rel <= tol, "rel_l2": rel, "output": name}
+            worst = {**worst, "ok": rel <= tol, "rel_l2": rel, "output": name}
         if rel > tol:
-            return {"ok": False, "rel_l2": rel, "output": name}
+            return {**worst, "ok": False, "rel_l2": rel, "output": name}
     return worst
+
+
+def _time_us(lib, args, dev) -> float:
+    """Median microseconds of one call, each repeat long enough to time."""
+    timer = lib.time_evaluator("main", dev, number=1, repeat=TIMING_REPEATS, min_repeat_ms=TIMING_REPEAT_MS)
+    return round(float(timer(*args).median) * 1e6, 3)

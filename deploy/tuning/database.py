@@ -253,9 +253,9 @@ def has_records(folder: Path) -> bool:
                for n in (RECORDS, RECORDS + PACKED, journal.MEASURED))
 
 
-def _all_lines(folder: Path) -> tuple[list[str], list[str]]:
+def _all_lines(folder: Path, slower_than_default: bool = False) -> tuple[list[str], list[str]]:
     """Every workload and record: the compressed files plus any working copy
-    and journal."""
+    and journal (`slower_than_default`: see check.drop_rejected)."""
     workloads, records = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
     if (folder / RECORDS).is_file():
         try:
@@ -263,7 +263,7 @@ def _all_lines(folder: Path) -> tuple[list[str], list[str]]:
         except (json.JSONDecodeError, IndexError):  # a torn line being written: count what is packed
             pass
     workloads, records, _ = journal.fold(workloads, records, folder / journal.MEASURED)
-    return workloads, kernel_check.drop_rejected(folder, workloads, records)
+    return workloads, kernel_check.drop_rejected(folder, workloads, records, slower_than_default)
 
 
 def _mean_secs(rec: list) -> float:
@@ -295,11 +295,13 @@ def _expand(folder: Path, dest: Path, top_k: int | None = None, extra: tuple[lis
     return _write_plain(dest, workloads, records, extra)
 
 
-def _best_lines(folder: Path, top_k: int | None) -> tuple[list[str], list[str]]:
+def _best_lines(folder: Path, top_k: int | None, slower_than_default: bool = False) -> tuple[list[str], list[str]]:
     """`folder`'s packed workload lines and the best `top_k` records of each
-    workload (all of them with None)."""
+    workload (all of them with None); `slower_than_default`: see
+    check.drop_rejected."""
     workloads = _packed_lines(folder / (WORKLOADS + PACKED))
-    records = kernel_check.drop_rejected(folder, workloads, _packed_lines(folder / (RECORDS + PACKED)))
+    records = kernel_check.drop_rejected(folder, workloads, _packed_lines(folder / (RECORDS + PACKED)),
+                                         slower_than_default)
     if top_k is not None:
         records = _best_per_workload(records, top_k)
     return workloads, records
@@ -388,9 +390,13 @@ def open_readonly(folder: Path | None, key: dict | None, store: tuple[list[str],
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="tvm-deploy-db-") as tmp:
-        workloads, records = _best_lines(folder, 1) if own else ([], [])
+        # A kernel whose default schedule beat its tuned one keeps the default
+        # (check.py): left out of the database and of the store's records alike.
+        workloads, records = _best_lines(folder, 1, slower_than_default=True) if own else ([], [])
         if own_kernels is not None:
             own_kernels |= hashes_of((workloads, records))
+        if own and store and store[1]:
+            store = (store[0], kernel_check.drop_rejected(folder, store[0], store[1], slower_than_default=True))
         _write_plain(Path(tmp), workloads, records, store)
         yield _json_database(Path(tmp))
 

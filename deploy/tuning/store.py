@@ -104,7 +104,7 @@ def refresh(root: Path, only: dict | None = None) -> dict[str, int]:
             if have.is_file() and json.loads(have.read_text()) != _key(keys[tkey]):
                 log.warning("store: %s holds another target's records; left as it is", dest)
                 continue
-            workloads, records = _best([dbs._all_lines(db) for db in folders])
+            workloads, records = _best([dbs._all_lines(db, slower_than_default=True) for db in folders])
             artifacts.write_json_atomic(have, _key(keys[tkey]))
             dbs._write_packed(dest / (dbs.WORKLOADS + dbs.PACKED), workloads)
             dbs._write_packed(dest / (dbs.RECORDS + dbs.PACKED), records)

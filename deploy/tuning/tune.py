@@ -212,8 +212,9 @@ def run(
             )
             if target.has_device and dbs.has_records(db_dir):  # each kernel checked where it runs (check.py)
                 summaries[bucket.label]["kernel_check"] = counts = kernel_check.check_database(db_dir, target)
-                log.info("tune: %s: %d tuned kernel(s) checked against default schedules, %d rejected",
-                         db_dir.name, counts["checked"], counts["rejected"])
+                log.info("tune: %s: %d tuned kernel(s) checked against default schedules, %d rejected, "
+                         "%d slower than the default", db_dir.name, counts["checked"], counts["rejected"],
+                         counts["default_faster"])
             folders[bucket.label] = str(db_dir)
         if any(s.get("new_trials") for s in summaries.values()):
             try:

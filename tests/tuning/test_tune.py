@@ -40,7 +40,11 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert s1["tasks"][name]["best_us"] is not None
     assert s1["valid_fraction"] == 1.0
     # the tuned kernel was built alone and compared with its default schedule, on this device
-    assert s1["kernel_check"] == {"checked": 1, "passed": 1, "rejected": 0}
+    # and timed against it (which is faster on this machine decides, so either count is right)
+    kc = s1["kernel_check"]
+    assert (kc["checked"], kc["passed"], kc["rejected"]) == (1, 1, 0) and kc["default_faster"] in (0, 1)
+    checks = json.loads((a1.databases[1] / "database_checks.json").read_text())
+    assert len(checks["timed"]) == 1 and len(checks["default_faster"]) == kc["default_faster"]
     # where the time went, from MetaSchedule's profiler
     assert s1["time_split_s"] and all(v >= 0 for v in s1["time_split_s"].values())
     from deploy import pipeline
@@ -72,6 +76,9 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     from deploy import build
     from deploy.tuning import store
 
+    if checks["default_faster"]:  # (the store leaves such a record out: test_..._slower_than_its_default_...)
+        (db_dir / "database_checks.json").write_text(json.dumps({**checks, "default_faster": []}))
+        store.refresh(db_root)
     assert dbs.hashes_of(store.lines_for(db_root, llvm_target)) and store.digest(db_root, llvm_target)
     one = dataclasses.replace(cfg.llvm, buckets=(1,))  # built in this process, whose TVM has the intrinsics already
     other = build.run(one, llvm_target, exported, opt, {}, {}, tmp_path / "other", "other", store_root=db_root)
@@ -354,19 +361,60 @@ def test_a_tuned_kernel_that_computes_something_else_is_rejected(tmp_path, llvm_
     (wrong,) = best
     calls = []
 
-    def compare(wl_line, rec, target, dev):
+    def compare(wl_line, rec, target, dev, check_outputs=True):
         calls.append(rec)
         bad = kernel_check.record_id(json.loads(wl_line)[0], rec) == kernel_check.record_id(
             json.loads(workloads[json.loads(wrong)[0]])[0], json.loads(wrong)[1])
-        return {"ok": not bad, "rel_l2": 0.5 if bad else 0.0, "output": "argument 2"}
+        return {"ok": not bad, "rel_l2": 0.5 if bad else 0.0, "output": "argument 2", "tuned_us": 1.0,
+                "default_us": 2.0}
 
     monkeypatch.setattr(kernel_check, "compare", compare)
     counts = kernel_check.check_database(db_dir, llvm_target)
-    assert counts == {"checked": 2, "passed": 1, "rejected": 1} and len(calls) == 2
+    assert counts == {"checked": 2, "passed": 1, "rejected": 1, "default_faster": 0} and len(calls) == 2
     state = json.loads((db_dir / kernel_check.CHECKS).read_text())
     assert state["rejected"][0]["rel_l2"] == 0.5 and len(state["passed"]) == 1
     _, now = dbs._best_lines(db_dir, 1)
     assert now and wrong not in now  # the next-best record is what a build applies
     _, every = dbs._best_lines(db_dir, None)
     assert wrong not in every and len(every) == 3  # 4 trials, one rejected
-    assert kernel_check.check_database(db_dir, llvm_target) == {"checked": 0, "passed": 0, "rejected": 0}
+    assert kernel_check.check_database(db_dir, llvm_target) == {"checked": 0, "passed": 0, "rejected": 0,
+                                                                "default_faster": 0}
+
+
+def test_a_tuned_kernel_slower_than_its_default_schedule_is_left_out_of_builds(tmp_path, llvm_target, tiny_opt,
+                                                                                monkeypatch):
+    """check.py: where the default schedule beats the best record, builds and
+    the kernel store leave out that record and every slower one of the
+    workload; tuning still seeds from them; a faster record found later is
+    applied until it too is timed."""
+    from deploy.tuning import check as kernel_check
+    from deploy.tuning import store as kernel_store
+
+    exported, opt = tiny_opt
+    cfg = make_config(trials=4, trials_per_task=4, trials_per_iter=2, max_tasks=1)
+    _, a = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
+    db_dir = a.databases[1]
+    (db_dir / kernel_check.CHECKS).unlink(missing_ok=True)
+    _, every = dbs._best_lines(db_dir, None)
+    secs = sorted(dbs._mean_secs(json.loads(ln)[1]) for ln in every)
+    timed = []
+
+    def compare(wl_line, rec, target, dev, check_outputs=True):
+        timed.append(check_outputs)
+        return {"ok": True, "rel_l2": 0.0, "output": "", "tuned_us": dbs._mean_secs(rec) * 1e6,
+                "default_us": secs[0] * 1e6 / 2}  # twice as fast as the best record
+
+    monkeypatch.setattr(kernel_check, "compare", compare)
+    counts = kernel_check.check_database(db_dir, llvm_target)
+    assert counts == {"checked": 1, "passed": 1, "rejected": 0, "default_faster": 1} and timed == [True]
+    assert dbs._best_lines(db_dir, 1, slower_than_default=True)[1] == []  # the build keeps the default schedule
+    assert len(dbs._all_lines(db_dir)[1]) == 4  # the search still sees them all
+    kernel_store.refresh(tmp_path / "db")
+    assert kernel_store.lines_for(tmp_path / "db", llvm_target)[1] == []
+    with dbs.open_readonly(db_dir, json.loads((db_dir / dbs.KEY_FILE).read_text())) as d:
+        assert not d.get_all_tuning_records()
+    # a faster record (a later run's) is applied, and timed on the next check
+    state = kernel_check.read(db_dir)
+    state["default_faster"][0]["record_secs"] = secs[0] * (1 + 1e-9)  # as if timed when the best was slower
+    (db_dir / kernel_check.CHECKS).write_text(json.dumps(state))
+    assert len(dbs._best_lines(db_dir, 1, slower_than_default=True)[1]) == 1
