@@ -144,9 +144,10 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
         if db is not None or store_lines:
             folder, key = (Path(db[0]), db[1]) if db is not None else (None, None)
             own_kernels: set[str] = set()
-            with dbs.open_readonly(folder, key, store_lines, own_kernels) as database:
+            store_kernels: set[str] = set()
+            with dbs.open_readonly(folder, key, store_lines, own_kernels, store_kernels) as database:
                 if store_info is not None:
-                    store_info["not_in_database"] = len(dbs.hashes_of(store_lines) - own_kernels)
+                    store_info["not_in_database"] = len(store_kernels - own_kernels)
                 if database is not None:
                     if db is not None:
                         db_info = {"path": db[0], "digest": dbs.digest(Path(db[0]))}

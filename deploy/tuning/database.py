@@ -374,12 +374,13 @@ def open_for_tuning(folder: Path, key: dict, seed_records: int = SEED_RECORDS, s
 
 @contextlib.contextmanager
 def open_readonly(folder: Path | None, key: dict | None, store: tuple[list[str], list[str]] | None = None,
-                  own_kernels: set[str] | None = None):
+                  own_kernels: set[str] | None = None, store_kernels: set[str] | None = None):
     """Yield a JSONDatabase with the best record of each workload (what a
     build applies) of the database at `folder` (None: no database of its
     own) and the kernel store's records `store`, or None when neither has a
-    record. `own_kernels`, when given, receives the workloads the database
-    itself has a record for."""
+    record. `own_kernels` and `store_kernels`, when given, receive the
+    workloads that the database, and the store less what the database's
+    check left to default schedules, give a record."""
     if folder is not None:
         folder = Path(folder)
         check_key(folder, key)
@@ -397,6 +398,8 @@ def open_readonly(folder: Path | None, key: dict | None, store: tuple[list[str],
             own_kernels |= hashes_of((workloads, records))
         if own and store and store[1]:
             store = (store[0], kernel_check.drop_rejected(folder, store[0], store[1], slower_than_default=True))
+        if store_kernels is not None and store:
+            store_kernels |= hashes_of(store)
         _write_plain(Path(tmp), workloads, records, store)
         yield _json_database(Path(tmp))
 
