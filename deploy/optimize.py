@@ -6,8 +6,8 @@ relax/backend/cuda/pipeline.py):
   inference         remaining inference-only decompositions (batch_norm, ...)
   constant_folding  constants folded, dead code and common subexpressions removed,
                     small integer powers as multiplications (passes.exact_power)
-  layout            2-D convolutions to NHWC, or to NCHW[x]c on the CPU (passes.nchwc),
-                    when the profile asks for it
+  layout            2-D convolutions to NHWC, or to NCHW[x]c on the CPU (passes.nchwc,
+                    after passes.clip), when the profile asks for it
   mixed_precision   fp16 compute (when the profile asks for it)
   fusion            legalize to TIR and fuse into kernels: the module that
                     tuning extracts tasks from and the build compiles
@@ -27,6 +27,7 @@ from .config import Profile
 from .errors import StaleArtifactError, run_in_processes
 from .frontend import FrontendArtifact, parallel_workers
 from .passes import nchwc
+from .passes.clip import clip_kernels_to_ops
 from .passes.exact_power import power_to_multiply
 from .passes.layout import convert_to_nhwc
 from .passes.mixed_precision import to_mixed_precision
@@ -71,7 +72,7 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
     if profile.layout == "NHWC":
         out.append(("layout", [convert_to_nhwc(), T.FoldConstant()]))
     elif profile.layout == "NCHWc":
-        out.append(("layout", [nchwc.convert(), T.FoldConstant()]))
+        out.append(("layout", [clip_kernels_to_ops(), nchwc.convert(), T.FoldConstant()]))
     if profile.precision == "fp16":
         acc = "float16" if profile.accumulate == "fp16" else "float32"
         out.append(("mixed_precision", [to_mixed_precision(acc), T.FoldConstant()]))

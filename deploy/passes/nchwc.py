@@ -88,10 +88,25 @@ def _layouts(call) -> dict:
     return KEEP if chosen is None else {**KEEP, "relax.nn.conv2d": list(chosen)}
 
 
+# What TVM's conv2d legalization logs (to the root logger, at INFO) each
+# time a pass tries it on a blocked convolution (FoldConstant does, once per
+# convolution): legalize_conv2d lowers those, so the lines are noise.
+_TVM_REFUSALS = ("channel chunk cannot be legalized", "does not support different input-output layouts")
+
+
+class _QuietTvmRefusals(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "root" and any(t in record.getMessage() for t in _TVM_REFUSALS))
+
+
 def convert():
     """ConvertLayout with a per-convolution choice of blocks (`blocks`); a
     module TVM's ConvertLayout cannot convert keeps NCHW (one log line)."""
     from ..tvm_compat import relax, tvm
+
+    root = logging.getLogger()
+    if not any(isinstance(f, _QuietTvmRefusals) for f in root.filters):
+        root.addFilter(_QuietTvmRefusals())
 
     @tvm.transform.module_pass(opt_level=0, name="ConvertLayoutNCHWc")
     def run(mod, _ctx):

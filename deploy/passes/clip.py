@@ -1,0 +1,77 @@
+"""Workaround: TVM 0.27's ONNX frontend writes Clip as opaque kernels, which
+no layout pass can see into.
+
+Upstream symptom (TVM 0.27, `relax.frontend.onnx`, Clip from opset 11 on):
+the bounds are tensors, so the frontend emits `call_tir(maximum, [x, lo])`
+and `call_tir(minimum, [x, hi])` (`bb.emit_te(topi.maximum, ...)`) instead of
+Relax operators. ConvertLayout knows nothing of a `call_tir`, so it moves
+the tensor back to NCHW before each one and to the blocked layout after:
+MobileNetV2's 35 ReLU6 became 70 layout transforms, and its 33 kernels 69
+(`results/cpu/2026-12-03/`).
+
+Scope: a `call_tir` whose kernel is exactly TOPI's `maximum` or `minimum` of
+a tensor and a 0-d bound (compared structurally with the kernel TOPI makes
+for the same shapes and dtypes) becomes `R.maximum` / `R.minimum`; nothing
+else is touched. It runs before the NCHWc layout phase only (the CPU).
+`tests/passes/test_nchwc.py` checks that the frontend still writes Clip as
+`call_tir`, and fails once it writes Relax operators.
+"""
+
+from __future__ import annotations
+
+
+def _reference(name: str, x_ty, bound_ty):
+    from ..tvm_compat import te, topi
+
+    a = te.placeholder(list(x_ty.shape), str(x_ty.dtype), "x")  # the frontend's int64 extents
+    b = te.placeholder([], str(bound_ty.dtype), "bound")
+    return te.create_prim_func([a, b, getattr(topi, name)(a, b)])
+
+
+def _same(func, ref) -> bool:
+    import tvm_ffi
+
+    strip = ("global_symbol", "tir.noalias", "tirx.noalias", "s_tir")
+    for k in strip:
+        func, ref = func.without_attr(k), ref.without_attr(k)
+    return bool(tvm_ffi.structural_equal(func, ref, map_free_vars=True))
+
+
+def clip_kernels_to_ops():
+    from ..tvm_compat import relax, tvm
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    ops = {"maximum": relax.op.maximum, "minimum": relax.op.minimum}
+
+    @tvm.transform.module_pass(opt_level=0, name="ClipKernelsToOps")
+    def run(mod, _ctx):
+        @relax.expr_functor.mutator
+        class Rewrite(relax.PyExprMutator):
+            def visit_call_(self, call):
+                call = super().visit_call_(call)
+                if call.op != call_tir or not isinstance(call.args[1], relax.Tuple):
+                    return call
+                gv, (args, out_ty) = call.args[0], (call.args[1].fields, call.ty)
+                func = mod[gv] if gv in mod.functions else None
+                name = next((n for n in ops if gv.name_hint.startswith(n)), None)
+                if name is None or len(args) != 2 or not isinstance(func, tvm.tirx.PrimFunc):
+                    return call
+                x_ty, bound_ty = (a.ty for a in args)
+                if not (isinstance(x_ty, relax.TensorType) and isinstance(bound_ty, relax.TensorType)
+                        and isinstance(out_ty, relax.TensorType) and bound_ty.ndim == 0
+                        and x_ty.shape is not None and str(x_ty.dtype) == str(bound_ty.dtype)):
+                    return call
+                try:
+                    if not _same(func, _reference(name, x_ty, bound_ty)):
+                        return call
+                except (TypeError, ValueError):  # a symbolic shape: left as it is
+                    return call
+                return ops[name](*args)
+
+        out = mod.clone()
+        for gv, func in list(mod.functions.items()):
+            if isinstance(func, relax.Function):
+                out[gv] = Rewrite().visit_expr(func)
+        return relax.transform.DeadCodeElimination()(out)
+
+    return run
