@@ -26,6 +26,7 @@ from ..config import Profile
 from ..errors import ConfigError, KernelFaultError
 from ..optimize import OptimizeArtifact
 from ..targets import TargetInfo
+from .peaks import ceilings, roofline
 
 log = logging.getLogger(__name__)
 STAGE = "profile"
@@ -135,6 +136,12 @@ def run(
                 "flops": c["flops"],
                 "bytes": c["bytes"],
             })
+        peaks = ceilings(target.device_name, profile.precision) if target.kind == "cuda" else None
+        if peaks is not None:  # where each kernel stands against the GPU's ceilings, and the time above them
+            for k in kernels:
+                r = roofline(k["flops"], k["bytes"], k["ms_per_call"] / 1e3, peaks)
+                k.update(bound=r["bound"], of_roofline=r["of_roofline"],
+                         loss_ms_per_run=max(0.0, k["ms_per_call"] / 1e3 - r["roofline_s"]) * k["calls_per_run"] * 1e3)
         kernels.sort(key=lambda k: -k["ms_per_run"])
         report = {
             "bucket": bucket.label if bucket.dims else bucket.batch,
@@ -145,6 +152,7 @@ def run(
             "instrumented_ms_per_run": wall * 1e3,
             "kernel_ms_per_run": total * 1e3,
             "kernels": kernels,
+            "ceilings": peaks,
         }
         if trace is not None:
             vm.set_instrument(None)
@@ -303,18 +311,26 @@ def chrome_trace(events: list[dict], report: dict) -> dict:
 
 def format_report(report: dict, top: int = 0) -> str:
     rows = report["kernels"][:top] if top else report["kernels"]
+    peaks = report.get("ceilings")
     lines = [
         f"bucket {report['bucket']}: {report['kernel_ms_per_run']:.3f} ms in kernels per run "
         f"({report['tuned_kernels']}/{report['kernels_total']} kernels tuned; "
         f"each kernel synchronized, so this exceeds the graph-replayed latency)",
-        "",
-        "| kernel | calls | ms/call | ms/run | share | GFLOP/s | GB/s |",
-        "|---|---|---|---|---|---|---|",
     ]
+    if peaks is not None:
+        loss = sum(k["loss_ms_per_run"] for k in report["kernels"])
+        worst = sorted(report["kernels"], key=lambda k: -k["loss_ms_per_run"])[:3]
+        lines.append(f"{loss:.3f} ms per run above the kernels' rooflines ({peaks['source']}); most: "
+                     + ", ".join(f"{k['kernel']} {k['loss_ms_per_run']:.3f} ms ({k['bound']}-bound, "
+                                 f"{k['of_roofline']:.0%} of its roofline)" for k in worst))
+    head = "| kernel | calls | ms/call | ms/run | share | GFLOP/s | GB/s |"
+    lines += ["", head + (" roofline | bound | above roofline ms/run |" if peaks else ""),
+              "|---" * (head.count("|") - 1 + (3 if peaks else 0)) + "|"]
     for k in rows:
         lines.append(
             f"| {k['kernel']} | {k['calls_per_run']} | {k['ms_per_call']:.4f} | {k['ms_per_run']:.4f} | "
             f"{k['share']:.1%} | {k['gflops_per_s']:.0f} | {k['gbytes_per_s']:.1f} |"
+            + (f" {k['of_roofline']:.0%} | {k['bound']} | {k['loss_ms_per_run']:.4f} |" if peaks else "")
         )
     return "\n".join(lines) + "\n"
 
