@@ -142,7 +142,6 @@ def test_tvm_refusing_blocked_convolutions_is_not_logged(llvm_target, caplog):
 
 def _onnx_clip_net():
     """Conv then ReLU6 as torch exports it (Clip with tensor bounds), through TVM's ONNX frontend."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     from deploy.tvm_compat import from_onnx
