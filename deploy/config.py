@@ -106,6 +106,10 @@ class Profile:
     budget: str  # wall-clock tuning budget, e.g. "10m"; "" = unbounded
     builder_timeout_s: float
     runner_timeout_s: float
+    # exp, sigmoid, tanh, erf and softmax as vectorizable approximations
+    # (passes.fast_math; relative error <= 4e-6 in fp32): on by default on the
+    # CPU, where LLVM otherwise calls libm once per element.
+    fast_math: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +146,7 @@ LLVM_DEFAULTS = Profile(
     budget="6m",
     builder_timeout_s=120.0,
     runner_timeout_s=60.0,
+    fast_math=True,
 )
 
 CUDA_DEFAULTS = Profile(

@@ -8,6 +8,8 @@ relax/backend/cuda/pipeline.py):
                     small integer powers as multiplications (passes.exact_power)
   layout            2-D convolutions to NHWC, or to NCHW[x]c on the CPU (passes.nchwc,
                     after passes.clip), when the profile asks for it
+  fast_math         exp, sigmoid, tanh, erf, softmax as vectorizable approximations
+                    (passes.fast_math; the CPU's default)
   mixed_precision   fp16 compute (when the profile asks for it)
   fusion            legalize to TIR and fuse into kernels: the module that
                     tuning extracts tasks from and the build compiles
@@ -29,6 +31,7 @@ from .frontend import FrontendArtifact, parallel_workers
 from .passes import nchwc
 from .passes.clip import clip_kernels_to_ops
 from .passes.exact_power import power_to_multiply
+from .passes.fast_math import fast_math
 from .passes.layout import convert_to_nhwc
 from .passes.mixed_precision import to_mixed_precision
 from .passes.split_k import split_k_conv2d
@@ -73,6 +76,8 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
         out.append(("layout", [convert_to_nhwc(), T.FoldConstant()]))
     elif profile.layout == "NCHWc":
         out.append(("layout", [clip_kernels_to_ops(), nchwc.convert(), T.FoldConstant()]))
+    if profile.fast_math:
+        out.append(("fast_math", [fast_math()]))
     if profile.precision == "fp16":
         acc = "float16" if profile.accumulate == "fp16" else "float32"
         out.append(("mixed_precision", [to_mixed_precision(acc), T.FoldConstant()]))
