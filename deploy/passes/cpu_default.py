@@ -68,6 +68,14 @@ def _largest_divisor(n: int, limit: int) -> int:
     return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
 
 
+def _block(n: int, limit: int) -> int:
+    """The block of an axis of extent `n`: its largest divisor up to
+    `limit`, or `limit` itself (the last block cut short by a predicate)
+    where no divisor reaches half of it (ViT's 197 tokens: a prime)."""
+    d = _largest_divisor(n, limit)
+    return limit if n > limit and 2 * d <= limit else d
+
+
 def _vars_of(expr) -> set:
     from ..tvm_compat import tirx
 
@@ -119,7 +127,10 @@ class ContractionTiling:
             return None
         bits = target_codegen.llvm_get_vector_width(target)
         lanes = max(2, (bits if bits > 0 else LANES_BITS_FALLBACK) // write.source.dtype.bits)
-        vec = _largest_divisor(extents[v], lanes)
+        # Two vectors per row of the tile where the axis divides evenly (a
+        # matmul's output columns: each broadcast of the other operand then
+        # feeds two accumulators, as in a GEMM micro-kernel).
+        vec = 2 * lanes if extents[v] % (2 * lanes) == 0 else _block(extents[v], lanes)
         if vec < 2:
             return None
         # The blocked axis: not indexed by the operand read along the vector axis.
@@ -130,7 +141,7 @@ class ContractionTiling:
         for i in reversed(range(n_s)):
             if i != v and extents[i] > 1 and spatial[i].var not in used:
                 b = i
-                blk = _largest_divisor(extents[i], max(1, min(MAX_BLOCK, MAX_ACCUMULATORS // registers)))
+                blk = _block(extents[i], max(1, min(MAX_BLOCK, MAX_ACCUMULATORS // registers)))
                 break
         # A second blocked axis, one the vector-loaded operand does index (a
         # blocked layout's outer output channels): each broadcast value of the
@@ -140,7 +151,7 @@ class ContractionTiling:
         if room >= 2:
             for i in reversed(range(n_s)):
                 if i not in (v, b) and extents[i] > 1 and spatial[i].var in used:
-                    b2, blk2 = i, _largest_divisor(extents[i], room)
+                    b2, blk2 = i, _block(extents[i], room)
                     break
 
         # Consumers: fold the chain into its last block, applied at write-back.

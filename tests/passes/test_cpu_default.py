@@ -46,7 +46,7 @@ def test_conv_bias_relu_nchw(llvm_target, size, channels):
     assert ("T.parallel" in sch.mod.script()) == (size * size * channels * 8 * 9 >= cpu_default.PARALLEL_MIN_WORK)
 
 
-@pytest.mark.parametrize("m,n,k", [(64, 48, 32), (7, 33, 20), (1, 5, 3)])
+@pytest.mark.parametrize("m,n,k", [(64, 48, 32), (7, 33, 20), (1, 5, 3), (197, 197, 64), (197, 384, 40)])
 def test_matmul(llvm_target, m, n, k):
     a = te.placeholder((m, k), name="a")
     b = te.placeholder((k, n), name="b")
