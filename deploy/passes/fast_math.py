@@ -13,7 +13,7 @@ validation's 1e-4.
 
 On by default on the `llvm` target (`fast_math` in `[llvm]`; `fast_math =
 false` keeps libm); off on CUDA, whose exp is a hardware instruction.
-Measured: `results/cpu/2026-12-03/fast-math/`.
+Measured over the corpus: `results/cpu/2026-12-03/corpus-llvm-after/` (README one folder up).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ convolution goes to TVM's own legalization. `tests/passes/test_nchwc.py`
 fails once TVM legalizes a blocked conv2d itself.
 
 Measured, ResNet-50 batch 1 on 2 cores (x86-64-v4), untuned, the default CPU
-schedules: `results/cpu/2026-12-03/nchwc-resnet50-llvm/`.
+schedules: NCHW 58.0 ms, NCHWc 27.5 ms (ONNX Runtime 21.6 ms); the corpus:
+`results/cpu/2026-12-03/corpus-llvm-nchwc/` (README one folder up).
 """
 
 from __future__ import annotations
