@@ -479,7 +479,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config file (overrides the one found from --model)")
     p.add_argument("--target", default="", help="auto (default), llvm, cuda, or cuda:sm_XY to cross-compile")
     p.add_argument("--precision", default="", help="fp32 or fp16")
-    p.add_argument("--layout", default="", help="NCHW, NHWC, or NCHWc (the CPU's default: channels blocked by the vector width)")
+    p.add_argument("--layout", default="", help="NCHW, NHWC, or NCHWc (the CPU's default: channels blocked in 16s)")
     p.add_argument("--accumulate", default="", help="fp32 or fp16: accumulator dtype of fp16 convolutions/matmuls")
     p.add_argument("--buckets", default="", help="batch buckets, e.g. 1,8,32")
     p.add_argument("--tune-buckets", default="", help="buckets to tune, e.g. 1")

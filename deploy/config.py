@@ -86,7 +86,7 @@ class Profile:
 
     precision: str  # fp32 | fp16 (fp16 compute, see `accumulate`)
     accumulate: str  # fp32 | fp16: accumulator dtype of fp16 convolutions/matmuls
-    layout: str  # NCHW | NHWC | NCHWc (CPU: channels blocked by the vector width): data layout for 2-D convolutions
+    layout: str  # NCHW | NHWC | NCHWc (CPU: channels blocked in 16s): data layout for 2-D convolutions
     buckets: tuple[int, ...]  # batch sizes, one shape-specialized module each
     cuda_graph: bool
     tune_buckets: tuple[int, ...]  # which buckets to tune (others reuse nothing)

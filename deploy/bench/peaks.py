@@ -9,33 +9,38 @@ the roofline (`loss`) is what tuning or a better kernel could win back.
 TVM's FLOP estimate and "each argument read or written once" make the
 roofline an optimistic floor, not a target every kernel can reach.
 
-Figures from NVIDIA's datasheets (SXM parts): fp16 is the dense tensor-core
+Figures from NVIDIA's datasheets (SXM parts unless the name says PCIe): fp16 is the dense tensor-core
 rate with fp32 accumulation, fp32 the CUDA-core rate. Unknown GPUs and CPUs
 get no ceiling (the report leaves the columns out).
 """
 
 from __future__ import annotations
 
-# name fragment (lower case) -> (fp16 tensor TFLOP/s, fp32 TFLOP/s, memory TB/s)
-GPUS = {
-    "h200": (989.4, 66.9, 4.8),
-    "h100": (989.4, 66.9, 3.35),
-    "a100": (312.0, 19.5, 2.04),
-    "l40s": (362.1, 91.6, 0.864),
-    "l4": (121.0, 30.3, 0.3),
-}
+import re
+
+# A pattern on the GPU's name (lower case; the first that matches) ->
+# (fp16 tensor TFLOP/s, fp32 TFLOP/s, memory TB/s).
+GPUS = [
+    (r"\bh200\b", (989.4, 66.9, 4.8)),
+    (r"\bh100\b.*\bpcie\b", (756.0, 51.2, 2.0)),
+    (r"\bh100\b", (989.4, 66.9, 3.35)),
+    (r"\ba100\b.*\b80gb\b", (312.0, 19.5, 2.04)),
+    (r"\ba100\b", (312.0, 19.5, 1.555)),
+    (r"\bl40s\b", (362.1, 91.6, 0.864)),
+    (r"\bl40\b", (181.0, 90.5, 0.864)),
+    (r"\bl4\b", (121.0, 30.3, 0.3)),
+]
 
 
 def ceilings(device_name: str, precision: str) -> dict | None:
     """{"flops_per_s", "bytes_per_s", "source"} of this device at this
     precision, or None where the device is not in the table."""
     name = (device_name or "").lower()
-    for key in sorted(GPUS, key=len, reverse=True):  # "l40s" before "l4"
-        if key in name:
-            fp16, fp32, tbs = GPUS[key]
+    for pattern, (fp16, fp32, tbs) in GPUS:
+        if re.search(pattern, name):
             tflops = fp16 if precision == "fp16" else fp32
             return {"flops_per_s": tflops * 1e12, "bytes_per_s": tbs * 1e12,
-                    "source": f"{key.upper()} datasheet: {tflops:g} TFLOP/s {precision}, {tbs:g} TB/s"}
+                    "source": f"{device_name} datasheet: {tflops:g} TFLOP/s {precision}, {tbs:g} TB/s"}
     return None
 
 

@@ -146,11 +146,14 @@ class ContractionTiling:
         # A second blocked axis, one the vector-loaded operand does index (a
         # blocked layout's outer output channels): each broadcast value of the
         # other operand then serves more accumulators.
+        # (Not an axis the other operands index too, as a batch matmul's
+        # batch: blocking it would reuse nothing.)
+        others = set().union(*(_vars_of(rg.min) for r in block.reads if r not in vloaded for rg in r.region))
         b2, blk2 = None, 1
         room = MAX_ACCUMULATORS // (registers * blk)
         if room >= 2:
             for i in reversed(range(n_s)):
-                if i not in (v, b) and extents[i] > 1 and spatial[i].var in used:
+                if i not in (v, b) and extents[i] > 1 and spatial[i].var in used and spatial[i].var not in others:
                     b2, blk2 = i, _block(extents[i], room)
                     break
 

@@ -1,12 +1,13 @@
-"""The CPU's convolution layout, NCHW[x]c: channels blocked by the vector
-width, so that a convolution's innermost loop is one SIMD vector of output
+"""The CPU's convolution layout, NCHW[x]c: channels blocked in 16s (one
+AVX-512 vector of fp32; two AVX2 vectors), so that a convolution's
+innermost loop is one SIMD vector of output
 channels, fed by one broadcast input value and one contiguous vector of
 prepacked weights (ONNX Runtime's MLAS and oneDNN do the same on x86).
 
 `convert()` moves each 2-D convolution to NCHW{c}c data, OIHW{ci}i{co}o
 weights and NCHW{co}c outputs, choosing the blocks per convolution from its
 own channel counts (`blocks`): 16 where the channels allow it, 8 or 4
-otherwise, a first layer's 3 input channels taken whole; a depthwise
+otherwise, fewer than 16 input channels (a first layer's 3) taken whole; a depthwise
 convolution gets OIHW1i{c}o weights; grouped convolutions and channel counts
 no block divides stay in NCHW. ConvertLayout carries the blocked layout
 through the elementwise ops and pooling between convolutions and transforms

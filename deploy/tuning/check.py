@@ -96,8 +96,10 @@ def drop_rejected(folder: Path, workloads: list[str], records: list[str], slower
 
 
 def check_database(folder: Path, target: TargetInfo) -> dict:
-    """Check each workload's best record not checked before; returns
-    {"checked", "passed", "rejected"} counts of this call."""
+    """Check (and time against its default schedule) each workload's best
+    record not checked or not timed before; returns the counts of this call:
+    {"checked", "passed", "rejected", "default_faster"}, and "unchecked"
+    where a record could not be built or run alone."""
     from . import database as dbs
 
     folder = Path(folder)
@@ -126,7 +128,8 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
             try:
                 err = compare(wl_line, rec, target, dev, check_outputs=rid not in passed)
             except Exception as e:  # noqa: BLE001 - a record that cannot be built or run alone is left unjudged
-                log.warning("check: workload %s: not checked (%s)", shash, str(e).splitlines()[0][:200])
+                log.warning("check: workload %s: not checked (%s)", shash,
+                            (str(e).strip().splitlines() or [type(e).__name__])[0][:200])
                 counts["unchecked"] = counts.get("unchecked", 0) + 1
                 continue  # (not listed: the next run tries again)
             if err["ok"]:
@@ -134,7 +137,7 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
                     passed.add(rid)
                     counts["passed"] += 1
                 timed.add(rid)
-                if err["default_us"] is not None and err["default_us"] < err["tuned_us"]:
+                if err["default_us"] is not None and err["tuned_us"] is not None and err["default_us"] < err["tuned_us"]:
                     state["default_faster"].append({"record": rid, "workload": shash, "record_secs": dbs._mean_secs(rec),
                                                     "tuned_us": err["tuned_us"], "default_us": err["default_us"]})
                     counts["default_faster"] += 1
@@ -153,11 +156,14 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
 
 
 def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: bool = True) -> dict:
-    """Build the workload with the record's trace, with its default schedule
-    and (on the CPU, for the outputs) unscheduled; run them on the same seeded
+    """Build the workload with the record's trace and with its default
+    schedule (the first source of the schedule chain that builds, as a build
+    would take it); run the record's kernel and a reference (on the CPU,
+    TVM's own unscheduled lowering; on a GPU, the default) on the same seeded
     arguments and compare every argument after the run (the outputs; the
-    inputs are left as they were); time the record's kernel and the default
-    one (`tuned_us`, `default_us`: None where no default schedule applies)."""
+    inputs are left as they were); then, if they agree, time the record's
+    kernel and the default one (`tuned_us`, `default_us`; both None when the
+    outputs differ, `default_us` None when no default builds)."""
     from ..build import build_kernel
     from ..passes import schedule
     from ..tvm_compat import ms, register_tensor_intrinsics, s_tir, tensor
@@ -170,11 +176,6 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
     sch = s_tir.Schedule(workload.mod)
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     tuned = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-    default = next((f for _name, f in schedule._sources(None, func, None, target.tvm_target(), target.kind)
-                    if not isinstance(f, Exception)), None)
-    # The reference of the outputs: on the CPU, TVM's own lowering of the kernel (plain loops: slow, but
-    # nothing of ours to trust); on a GPU, which needs a schedule, the default one (DLight's).
-    reference = func if target.kind != "cuda" else default
     buffers = [(f"argument {k}", str(a[1]), [int(d) for d in a[2]]) for k, a in enumerate(rec[3])]  # args_info
     rng = np.random.default_rng(0)
     args = []
@@ -183,20 +184,44 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
                     else rng.integers(0, 10, shape).astype(dtype))
     with target.tvm_target():
         libs = {"tuned": build_kernel("main", tuned, target)}
-        if default is not None:
-            libs["default"] = libs["reference"] = build_kernel("main", default, target)
-        if check_outputs and reference is func:
-            libs["reference"] = build_kernel("main", func, target)
-        outs = {}
-        for name in ("tuned", "reference") if check_outputs else ():
-            ts = [tensor(a, dev) for a in args]
-            libs[name]["main"](*ts)
-            dev.sync()
-            outs[name] = [t.numpy() for t in ts]
-        times = {name: _time_us(libs[name], [tensor(a, dev) for a in args], dev) for name in ("tuned", "default")
-                 if name in libs}
-    worst = {"ok": True, "rel_l2": 0.0, "output": "", "tuned_us": times["tuned"], "default_us": times.get("default")}
-    for (name, dtype, _), got, want in zip(buffers, *outs.values()) if outs else ():
+        for _name, f in schedule._sources(None, func, None, target.tvm_target(), target.kind):
+            if isinstance(f, Exception):
+                continue
+            try:
+                libs["default"] = build_kernel("main", f, target)
+            except Exception:  # noqa: BLE001 - as the build does: the next source
+                continue
+            if f is func:
+                libs["plain"] = libs["default"]
+            break
+        # The reference of the outputs: on the CPU, TVM's own lowering of the kernel (plain loops: slow, but
+        # nothing of ours to trust); on a GPU, which needs a schedule, the default one (DLight's).
+        if target.kind != "cuda":
+            reference = None if not check_outputs else \
+                libs["plain"] if "plain" in libs else build_kernel("main", func, target)
+        else:
+            reference = libs.get("default")
+        worst = {"ok": True, "rel_l2": 0.0, "output": "", "tuned_us": None, "default_us": None}
+        if check_outputs:
+            if reference is None:
+                raise RuntimeError("no default schedule of this kernel builds: nothing to compare with")
+            outs = []
+            for lib in (libs["tuned"], reference):
+                ts = [tensor(a, dev) for a in args]
+                lib["main"](*ts)
+                dev.sync()
+                outs.append([t.numpy() for t in ts])
+            worst = _worst(buffers, *outs)
+            if not worst["ok"]:
+                return worst
+        return {**worst, **{f"{name}_us": _time_us(libs[name], [tensor(a, dev) for a in args], dev)
+                            for name in ("tuned", "default") if name in libs}}
+
+
+def _worst(buffers, got_all, want_all) -> dict:
+    """The argument that differs most (relative L2), and whether it is within its dtype's tolerance."""
+    worst = {"ok": True, "rel_l2": 0.0, "output": "", "tuned_us": None, "default_us": None}
+    for (name, dtype, _), got, want in zip(buffers, got_all, want_all):
         if np.array_equal(got, want, equal_nan=True):
             continue
         g, w = got.astype("float64"), want.astype("float64")

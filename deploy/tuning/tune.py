@@ -216,7 +216,10 @@ def run(
                          "%d slower than the default", db_dir.name, counts["checked"], counts["rejected"],
                          counts["default_faster"])
             folders[bucket.label] = str(db_dir)
-        if any(s.get("new_trials") for s in summaries.values()):
+        # The store follows new records, and records the check has just left out (rejected, or slower than
+        # their default schedule), which other models' builds would otherwise still apply.
+        if any(s.get("new_trials") or (s.get("kernel_check") or {}).get("rejected")
+               or (s.get("kernel_check") or {}).get("default_faster") for s in summaries.values()):
             try:
                 for dest, n in kernel_store.refresh(db_root, only=target.key()).items():
                     log.info("tune: kernel store %s: %d kernels", dest, n)

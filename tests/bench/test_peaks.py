@@ -13,6 +13,10 @@ def test_ceilings_by_gpu_name_and_precision():
     assert h200["flops_per_s"] == pytest.approx(989.4e12) and h200["bytes_per_s"] == pytest.approx(4.8e12)
     assert peaks.ceilings("NVIDIA H200", "fp32")["flops_per_s"] == pytest.approx(66.9e12)
     assert peaks.ceilings("NVIDIA L40S", "fp16")["bytes_per_s"] == pytest.approx(0.864e12)  # not the L4's
+    assert peaks.ceilings("NVIDIA L40", "fp16")["bytes_per_s"] == pytest.approx(0.864e12)
+    assert peaks.ceilings("NVIDIA L4", "fp16")["bytes_per_s"] == pytest.approx(0.3e12)
+    assert peaks.ceilings("NVIDIA H100 PCIe", "fp16")["bytes_per_s"] == pytest.approx(2.0e12)
+    assert peaks.ceilings("NVIDIA A100-SXM4-80GB", "fp16")["bytes_per_s"] == pytest.approx(2.04e12)
     assert peaks.ceilings("rocketlake", "fp32") is None and peaks.ceilings("", "fp16") is None
 
 
@@ -38,7 +42,7 @@ def _report(ceil):
 
 def test_report_columns_against_the_gpu_and_without_one():
     text = format_report(_report(peaks.ceilings("NVIDIA H200", "fp16")))
-    assert "above the kernels' rooflines (H200 datasheet: 989.4 TFLOP/s fp16, 4.8 TB/s)" in text
+    assert "above the kernels' rooflines (NVIDIA H200 datasheet: 989.4 TFLOP/s fp16, 4.8 TB/s)" in text
     assert "conv 0.038 ms (memory-bound, 5% of its roofline)" in text
     header, rule, row = text.splitlines()[3:6]
     assert header.count("|") == rule.count("|") == row.count("|") == 11

@@ -152,8 +152,9 @@ def test_the_cpu_chain_has_no_gemv():
 
 
 def test_blocked_layout_conv_holds_a_two_axis_tile_in_registers(llvm_target):
-    """NCHW16c: output channels in the vector, a row of output pixels and a
-    second block of output channels held in registers (both loops unrolled)."""
+    """NCHW16c: output channels in the vector, a row of output pixels and
+    (on AVX-512) a second block of output channels held in registers (both
+    loops unrolled): 14 accumulators of 16 lanes."""
     x = te.placeholder((1, 4, 14, 14, 16), name="x")
     w = te.placeholder((4, 4, 3, 3, 16, 16), name="w")
     with llvm_target.tvm_target():
@@ -163,5 +164,17 @@ def test_blocked_layout_conv_holds_a_two_axis_tile_in_registers(llvm_target):
     # 7 pixels of a row (its largest divisor up to 8) x 2 blocks of 16 channels: 14 accumulators of 16 lanes
     from deploy.tvm_compat import target_codegen
 
-    lanes = min(16, target_codegen.llvm_get_vector_width(llvm_target.tvm_target()) // 32)
-    assert "T.unroll(7)" in script and "T.unroll(2)" in script and f"T.vectorized({lanes})" in script
+    lanes = target_codegen.llvm_get_vector_width(llvm_target.tvm_target()) // 32
+    assert "T.unroll(7)" in script and "T.vectorized(16)" in script
+    # AVX-512: one vector of 16 channels by 2 outer channel blocks; AVX2: the 16 channels are two vectors already
+    assert ("T.unroll(2)" in script) == (lanes >= 16)
+
+
+def test_batch_matmul_blocks_no_axis_both_operands_index(llvm_target):
+    """Attention's [heads, 197, 64] x [heads, 64, 197]: the heads are indexed
+    by both operands, so blocking them would reuse nothing: rows only."""
+    a = te.placeholder((4, 197, 64), name="a")
+    b = te.placeholder((4, 64, 197), name="b")
+    sch = _check(te.create_prim_func([a, b, topi.nn.batch_matmul(a, b, transpose_b=False)]), llvm_target)
+    script = sch.mod.script()
+    assert "T.unroll(8)" in script and "T.unroll(2)" not in script and "T.unroll(4)" not in script

@@ -6,6 +6,7 @@ there (each test named `..._still_...` fails once TVM no longer needs us)."""
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def test_blocks(cin, cout, groups, want):
     assert nchwc.blocks(cin, cout, groups) == want
 
 
-def _net(bb=None):
+def _net():
     """conv 3->16 + relu, depthwise 3x3, conv 16->24 + residual-free add of a
     bias, grouped conv, max pool, conv_transpose, global mean: every branch of
     the layout choice in one graph."""
@@ -64,7 +65,7 @@ def _vm(mod, llvm_target, folder):
 
     folder.mkdir()
     (folder / "m.json").write_text(save_json(mod))
-    build_bucket(str(folder / "m.json"), llvm_target, _profile("NCHW"), None, str(folder / "m.so"))
+    build_bucket(str(folder / "m.json"), llvm_target, _profile("NCHWc"), None, str(folder / "m.so"))
     return relax.VirtualMachine(load_module(str(folder / "m.so")), tvm.cpu())
 
 
@@ -78,9 +79,16 @@ def test_nchwc_module_computes_what_nchw_computes(llvm_target, tmp_path):
         outs[layout] = vm["main"](tvm.runtime.tensor(x)).numpy()
     np.testing.assert_allclose(outs["NCHWc"], outs["NCHW"], rtol=1e-4, atol=1e-5)
     s = scripts["NCHWc"]
-    # the first layer's 3 channels whole, the depthwise blocked by 16, the 16->24 by 8; the grouped conv stays NCHW
-    assert "conv2d_NCHWc" in s and "depthwise_conv2d_NCHWc" in s
+    assert re.search(r"(?<!depthwise_)conv2d_NCHWc", s) and "depthwise_conv2d_NCHWc" in s
     assert "conv2d_NCHWc" not in scripts["NCHW"]
+    # the first layer's 3 channels whole, the depthwise blocked by 16, the 16->24 in 16 out 8; the grouped stays NCHW
+    layouts = {}
+    for line in nchwc.convert()(_net()).script().splitlines():
+        m = re.search(r"R\.nn\.conv2d\(.*groups=(\d+), data_layout=\"(\w+)\", kernel_layout=\"(\w+)\"", line)
+        if m:
+            layouts.setdefault(int(m.group(1)), []).append((m.group(2), m.group(3)))
+    assert layouts == {1: [("NCHW3c", "OIHW3i16o"), ("NCHW16c", "OIHW16i8o")], 16: [("NCHW16c", "OIHW1i16o")],
+                       2: [("NCHW", "OIHW")]}
 
 
 def test_a_blocked_conv2d_still_is_not_legalized_by_tvm(llvm_target):
