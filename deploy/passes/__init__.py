@@ -22,3 +22,28 @@ def relax_function_pass(name: str, make_mutator):
         return out
 
     return run
+
+
+def call_rewrite_pass(name: str, rewrite):
+    """A module pass that offers every call of every Relax function, its
+    arguments already rewritten, to `rewrite(builder, mod, call)`, which
+    returns the replacement or None; PrimFuncs it emits (`builder.call_te`)
+    join the module."""
+    from ..tvm_compat import relax, tvm
+
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def run(mod, _ctx):
+        @relax.expr_functor.mutator
+        class Rewrite(relax.PyExprMutator):
+            def visit_call_(self, call):
+                call = super().visit_call_(call)
+                out = rewrite(self.builder_, mod, call)
+                return call if out is None else out
+
+        mutator = Rewrite(mod)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                mutator.builder_.update_func(gv, mutator.visit_expr(func))
+        return mutator.builder_.get()
+
+    return run

@@ -19,6 +19,8 @@ else is touched. It runs before the NCHWc layout phase only (the CPU).
 
 from __future__ import annotations
 
+from . import call_rewrite_pass
+
 
 def _reference(name: str, x_ty, bound_ty):
     from ..tvm_compat import te, topi
@@ -38,40 +40,30 @@ def _same(func, ref) -> bool:
 
 
 def clip_kernels_to_ops():
-    from ..tvm_compat import relax, tvm
+    from ..tvm_compat import Sequential, relax, tvm
 
     call_tir = tvm.ir.Op.get("relax.call_tir")
     ops = {"maximum": relax.op.maximum, "minimum": relax.op.minimum}
 
-    @tvm.transform.module_pass(opt_level=0, name="ClipKernelsToOps")
-    def run(mod, _ctx):
-        @relax.expr_functor.mutator
-        class Rewrite(relax.PyExprMutator):
-            def visit_call_(self, call):
-                call = super().visit_call_(call)
-                if call.op != call_tir or not isinstance(call.args[1], relax.Tuple):
-                    return call
-                gv, (args, out_ty) = call.args[0], (call.args[1].fields, call.ty)
-                func = mod[gv] if gv in mod.functions else None
-                name = next((n for n in ops if gv.name_hint.startswith(n)), None)
-                if name is None or len(args) != 2 or not isinstance(func, tvm.tirx.PrimFunc):
-                    return call
-                x_ty, bound_ty = (a.ty for a in args)
-                if not (isinstance(x_ty, relax.TensorType) and isinstance(bound_ty, relax.TensorType)
-                        and isinstance(out_ty, relax.TensorType) and bound_ty.ndim == 0
-                        and x_ty.shape is not None and str(x_ty.dtype) == str(bound_ty.dtype)):
-                    return call
-                try:
-                    if not _same(func, _reference(name, x_ty, bound_ty)):
-                        return call
-                except Exception:  # noqa: BLE001 - a symbolic shape, anything TOPI cannot rebuild: left as it is
-                    return call
-                return ops[name](*args)
+    def rewrite(_builder, mod, call):
+        if call.op != call_tir or not isinstance(call.args[1], relax.Tuple):
+            return None
+        gv, args, out_ty = call.args[0], call.args[1].fields, call.ty
+        func = mod[gv] if gv in mod.functions else None
+        name = next((n for n in ops if gv.name_hint.startswith(n)), None)
+        if name is None or len(args) != 2 or not isinstance(func, tvm.tirx.PrimFunc):
+            return None
+        x_ty, bound_ty = (a.ty for a in args)
+        if not (isinstance(x_ty, relax.TensorType) and isinstance(bound_ty, relax.TensorType)
+                and isinstance(out_ty, relax.TensorType) and bound_ty.ndim == 0
+                and x_ty.shape is not None and str(x_ty.dtype) == str(bound_ty.dtype)):
+            return None
+        try:
+            if not _same(func, _reference(name, x_ty, bound_ty)):
+                return None
+        except Exception:  # noqa: BLE001 - a symbolic shape, anything TOPI cannot rebuild: left as it is
+            return None
+        return ops[name](*args)
 
-        out = mod.clone()
-        for gv, func in list(mod.functions.items()):
-            if isinstance(func, relax.Function):
-                out[gv] = Rewrite().visit_expr(func)
-        return relax.transform.DeadCodeElimination()(out)
-
-    return run
+    return Sequential([call_rewrite_pass("ClipKernelsToOps", rewrite), relax.transform.DeadCodeElimination()],
+                      name="ClipKernelsToOps")

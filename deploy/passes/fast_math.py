@@ -18,6 +18,8 @@ Measured over the corpus: `results/cpu/2026-12-03/corpus-llvm-after/` (README on
 
 from __future__ import annotations
 
+from . import call_rewrite_pass
+
 
 def _fast_sigmoid(x):
     from ..tvm_compat import te, topi
@@ -31,20 +33,10 @@ def fast_math():
 
     sigmoid = tvm.ir.Op.get("relax.sigmoid")
 
-    @tvm.transform.module_pass(opt_level=0, name="FastSigmoid")
-    def fast_sigmoid(mod, _ctx):
-        @relax.expr_functor.mutator
-        class Rewrite(relax.PyExprMutator):
-            def visit_call_(self, call):
-                call = super().visit_call_(call)
-                if call.op == sigmoid and str(call.args[0].ty.dtype) in ("float32", "float16"):
-                    return self.builder_.call_te(_fast_sigmoid, call.args[0], primfunc_name_hint="fast_sigmoid")
-                return call
+    def rewrite(builder, _mod, call):
+        if call.op == sigmoid and str(call.args[0].ty.dtype) in ("float32", "float16"):
+            return builder.call_te(_fast_sigmoid, call.args[0], primfunc_name_hint="fast_sigmoid")
+        return None
 
-        rewrite = Rewrite(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewrite.builder_.update_func(gv, rewrite.visit_expr(func))
-        return rewrite.builder_.get()
-
-    return Sequential([fast_sigmoid, relax.transform.FastMathTransform()], name="FastMath")
+    return Sequential([call_rewrite_pass("FastSigmoid", rewrite), relax.transform.FastMathTransform()],
+                      name="FastMath")
