@@ -203,3 +203,32 @@ def test_a_kernel_named_maximum_that_is_not_topi_maximum_is_left_alone():
         bb.emit_func_output(out)
     mod = bb.get()
     assert "R.call_tir(" in clip_kernels_to_ops()(mod).script()
+
+
+def test_a_relax_clip_becomes_max_min_and_the_blocked_layout_goes_through(llvm_target):
+    """ONNX HardSwish (MobileNetV3) comes out of TVM's frontend with an R.clip
+    that ConvertLayout transforms around in 0.27; as maximum/minimum it does not."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from deploy.passes.clip import clip_kernels_to_ops
+    from deploy.tvm_compat import from_onnx
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("HardSwish", ["c"], ["y"])],
+        "hardswish", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 6, 6])],
+        [numpy_helper.from_array(rng.standard_normal((32, 16, 1, 1)).astype("float32"), "w")])
+    plain = relax.transform.FoldConstant()(from_onnx(helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 17)]), keep_params_in_input=False))
+    assert "R.clip(" in plain.script()
+    assert nchwc.convert()(plain).script().count("R.layout_transform(") > 3
+    mod = clip_kernels_to_ops()(plain)
+    assert "R.clip(" not in mod.script()
+    assert nchwc.convert()(mod).script().count("R.layout_transform(") == 3  # input, weights, output
+    xs = rng.standard_normal((1, 16, 6, 6)).astype("float32") * 3
+    outs = []
+    for m in (plain, mod):
+        ex = tvm.compile(relax.get_pipeline("zero")(m), target=llvm_target.tvm_target())
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(xs)).numpy())
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
