@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 BLOCKS = (16, 8, 4)  # channel blocks tried, largest first (16 fp32 lanes fill an AVX-512 vector)
 
 
-def _block(channels: int, whole_below: int = 0) -> int | None:
+def _channel_block(channels: int, whole_below: int = 0) -> int | None:
     """The largest of BLOCKS dividing `channels`; `channels` itself when it is
     below `whole_below` (a first layer's 3 channels); else None."""
     for b in BLOCKS:
@@ -57,12 +57,12 @@ def blocks(in_channels: int, out_channels: int, groups: int) -> tuple[str, str, 
     """(data, weight, output) layouts of one NCHW/OIHW convolution, or None
     where it stays as it is."""
     if groups == 1:
-        ci, co = _block(in_channels, whole_below=BLOCKS[0]), _block(out_channels)
+        ci, co = _channel_block(in_channels, whole_below=BLOCKS[0]), _channel_block(out_channels)
         if ci is None or co is None:
             return None
         return f"NCHW{ci}c", f"OIHW{ci}i{co}o", f"NCHW{co}c"
     if groups == in_channels == out_channels:  # depthwise
-        c = _block(in_channels)
+        c = _channel_block(in_channels)
         return None if c is None else (f"NCHW{c}c", f"OIHW1i{c}o", f"NCHW{c}c")
     return None
 

@@ -66,10 +66,6 @@ def read(folder: Path) -> dict:
     return state
 
 
-def rejected_ids(folder: Path) -> set[str]:
-    return {r["record"] for r in read(folder)["rejected"]}
-
-
 def drop_rejected(folder: Path, workloads: list[str], records: list[str], slower_than_default: bool = False
                   ) -> list[str]:
     """`records` less those the check rejected (their workload lines stay);
@@ -116,14 +112,12 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
             wi, rec = json.loads(ln)
             shash = json.loads(workloads[wi])[0]
             rid = record_id(shash, rec)
-            if dbs._mean_secs(rec) != float("inf") and (rid not in passed or rid not in timed):
-                todo.append((workloads[wi], rec, shash))
-        todo = [t for t in todo if record_id(t[2], t[1]) not in tried]
+            if dbs._mean_secs(rec) != float("inf") and (rid not in passed or rid not in timed) and rid not in tried:
+                todo.append((workloads[wi], rec, shash, rid))
         if not todo:
             break
-        tried.update(record_id(t[2], t[1]) for t in todo)
-        for wl_line, rec, shash in todo:
-            rid = record_id(shash, rec)
+        tried.update(t[3] for t in todo)
+        for wl_line, rec, shash, rid in todo:
             counts["checked"] += 1
             try:
                 err = compare(wl_line, rec, target, dev, check_outputs=rid not in passed)
@@ -201,7 +195,7 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
                 libs["plain"] if "plain" in libs else build_kernel("main", func, target)
         else:
             reference = libs.get("default")
-        worst = {"ok": True, "rel_l2": 0.0, "output": "", "tuned_us": None, "default_us": None}
+        worst = {"ok": True, "rel_l2": 0.0, "output": ""}
         if check_outputs:
             if reference is None:
                 raise RuntimeError("no default schedule of this kernel builds: nothing to compare with")
@@ -213,27 +207,28 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
                 outs.append([t.numpy() for t in ts])
             worst = _worst(buffers, *outs)
             if not worst["ok"]:
-                return worst
-        return {**worst, **{f"{name}_us": _time_us(libs[name], [tensor(a, dev) for a in args], dev)
-                            for name in ("tuned", "default") if name in libs}}
+                return {**worst, "tuned_us": None, "default_us": None}
+        return {**worst, "tuned_us": _time_us(libs["tuned"], [tensor(a, dev) for a in args], dev),
+                "default_us": _time_us(libs["default"], [tensor(a, dev) for a in args], dev)
+                if "default" in libs else None}
 
 
 def _worst(buffers, got_all, want_all) -> dict:
     """The argument that differs most (relative L2), and whether it is within its dtype's tolerance."""
-    worst = {"ok": True, "rel_l2": 0.0, "output": "", "tuned_us": None, "default_us": None}
+    worst = {"ok": True, "rel_l2": 0.0, "output": ""}
     for (name, dtype, _), got, want in zip(buffers, got_all, want_all):
         if np.array_equal(got, want, equal_nan=True):
             continue
         g, w = got.astype("float64"), want.astype("float64")
         finite = np.isfinite(w)
         if not np.array_equal(np.isfinite(g), finite):
-            return {**worst, "ok": False, "rel_l2": float("inf"), "output": name}
+            return {"ok": False, "rel_l2": float("inf"), "output": name}
         rel = float(np.linalg.norm((g - w)[finite]) / max(np.linalg.norm(w[finite]), 1e-30))
         tol = TOLERANCE.get(dtype, 0.0)
         if rel > worst["rel_l2"]:
-            worst = {**worst, "ok": rel <= tol, "rel_l2": rel, "output": name}
+            worst = {"ok": rel <= tol, "rel_l2": rel, "output": name}
         if rel > tol:
-            return {**worst, "ok": False, "rel_l2": rel, "output": name}
+            return {"ok": False, "rel_l2": rel, "output": name}
     return worst
 
 
