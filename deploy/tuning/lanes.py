@@ -180,7 +180,8 @@ def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -
                 times[k] += lane_times[k]
         for k, v in r["summary"].get("time_split_s", {}).items():
             split[k] = round(split.get(k, 0.0) + v, 2)
-        summary.setdefault("unschedulable", {}).update(r["summary"].get("unschedulable", {}))
+        for k in ("unschedulable", "without_tensor_cores"):
+            summary.setdefault(k, {}).update(r["summary"].get(k, {}))
         rpc = r["summary"].get("rpc")
         if rpc:
             if rpc_all is None:
@@ -199,8 +200,9 @@ def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -
                                  "time_split_s": r["summary"].get("time_split_s", {}),
                                  "build": candidates.build_stats(lane_times) if lane_times else {},
                                  "cost_model_warm_start": r["summary"].get("cost_model_warm_start")})
-    if not summary.get("unschedulable"):
-        summary.pop("unschedulable", None)
+    for k in ("unschedulable", "without_tensor_cores"):
+        if not summary.get(k):
+            summary.pop(k, None)
     if split:
         # Summed over the lanes, which ran at the same time: CPU-side seconds, not wall time.
         summary["time_split_s"] = dict(sorted(split.items(), key=lambda kv: -kv[1]))

@@ -63,29 +63,50 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
     TVM 0.27 some samples make `compute-at` raise a ScheduleError ("not a
     stage pipeline"; seen on ResNet-50's 3x3 256-channel NHWC fp16 conv), which
     would abort the whole tuning run from inside the task scheduler. So it is
-    retried with other seeds, and a task that fails every time is left out."""
+    retried with other seeds.
+
+    On CUDA a task that fails every time is then given the rules without
+    tensor cores (`SIMT_FALLBACK`): TVM 0.27's tensor-core tiling raises
+    "Back optional access" on a matrix-vector product with an epilogue (the
+    fp16 1x1 convolutions + SiLU of EfficientNet's squeeze-excitation, one
+    output row), which left 17 of its 73 kernels untuned. `cache["rules"]`
+    says which rules the space came from; a task that fails both ways
+    raises the first error and is left to the default schedules."""
     from ..tvm_compat import ms
 
     cache: dict = {}
+
+    def generate(rules, attempt: int):
+        ctx = ms.TuneContext(mod=task_mod, target=target, space_generator=rules, rand_state=seed + 7919 * attempt)
+        return list(ctx.generate_design_space())
 
     def sch_fn(_sch):
         if "spaces" not in cache:
             error = None
             for attempt in range(attempts):
-                ctx = ms.TuneContext(
-                    mod=task_mod, target=target, space_generator="post-order-apply", rand_state=seed + 7919 * attempt
-                )
                 try:
-                    cache["spaces"] = list(ctx.generate_design_space())
-                    cache["attempts"] = attempt + 1
+                    cache["spaces"] = generate("post-order-apply", attempt)
+                    cache["attempts"], cache["rules"] = attempt + 1, "default"
                     break
                 except Exception as e:  # ScheduleError / TVMError
                     error = e
             else:
-                raise error
+                if target.kind.name != "cuda":
+                    raise error
+                try:
+                    cache["spaces"] = generate(SIMT_FALLBACK, 0)
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    raise error from None
+                cache["attempts"], cache["rules"] = attempts + 1, SIMT_FALLBACK
+                cache["default_error"] = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         return cache["spaces"]
 
     return ms.space_generator.ScheduleFn(sch_fn), cache
+
+
+# MetaSchedule's CUDA rules without the tensor-core tiling (its schedule
+# rules, postprocessors and mutators of the kind "cuda").
+SIMT_FALLBACK = "cuda"
 
 
 # Records per task the cost model is warmed with: replaying and featurizing

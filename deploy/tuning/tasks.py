@@ -168,11 +168,12 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     loggers = ms.logging.get_loggers_from_work_dir(str(logs), [p["name"] for p in todo])
     _quiet_console()
     seeds = ms.utils.fork_seed(seed, n=len(todo))
+    spaces = [deadline_search._design_space(p["mod"], tvm_target, s) for p, s in zip(todo, seeds)]
     contexts = [
         ms.TuneContext(
             mod=p["mod"],
             target=tvm_target,
-            space_generator=deadline_search._design_space(p["mod"], tvm_target, s)[0],
+            space_generator=space,
             search_strategy=deadline_search._make_deadline_search(
                 deadline, p["left"], profile.search_population, profile.search_generations, (stop, interrupted),
                 journal,
@@ -183,15 +184,19 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
             # every core given: the evolutionary search is CPU-bound between batches
             num_threads=cpus,
         )
-        for p, lg, s in zip(todo, loggers, seeds)
+        for p, lg, s, (space, _) in zip(todo, loggers, seeds, spaces)
     ]
     # Generate (and cache) each design space before tuning: a task whose
     # space cannot be generated is left to the default schedules.
     kept = []
-    for p, ctx in zip(todo, contexts):
+    for p, ctx, (_, cache) in zip(todo, contexts, spaces):
         try:
             ctx.generate_design_space()
             kept.append((p, ctx))
+            if cache.get("rules") == deadline_search.SIMT_FALLBACK:
+                summary.setdefault("without_tensor_cores", {})[p["name"]] = cache["default_error"]
+                log.info("tune: %s: no tensor-core design space (%s); tuned with the rules without tensor cores",
+                         p["name"], cache["default_error"])
         except Exception as e:  # TVM raises ScheduleError/TVMError subclasses
             reason = _first_line(str(e))
             summary.setdefault("unschedulable", {})[p["name"]] = reason

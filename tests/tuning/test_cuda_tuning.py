@@ -75,3 +75,54 @@ def test_fp32_accumulation_candidates_build(conv_task):
             assert "tvm_access_ptr element type must match" in str(e)
             stock_failed += 1
     assert stock_failed >= len(tensorized) // 2
+
+
+def _task(work, model, shape, name_part):
+    """The tuning task named like `name_part` of `model` (input `x` of
+    `shape`, batch 1), fp16 NHWC for sm_90."""
+    path = work / "m.onnx"
+    torch.onnx.export(model, (torch.randn(1, *shape),), str(path), opset_version=17, dynamo=False,
+                      input_names=["x"], dynamic_axes={"x": {0: "n"}})
+    cfg = config.from_dict({
+        "model": {"source": str(path), "inputs": [{"name": "x", "shape": list(shape)}]},
+        "cuda": {"buckets": [1], "precision": "fp16", "accumulate": "fp32", "layout": "NHWC"},
+    })
+    target = targets.resolve("cuda:sm_90")
+    ex = export.run(cfg, work / "export")
+    fe = frontend.run(cfg.cuda, ex, work / "frontend")
+    opt = optimize.run(cfg.cuda, target, fe, work / "optimize")
+    tasks = tune_tasks.extract_tasks(opt.load_module(1), target.tvm_target())
+    (task,) = [t for t in tasks if name_part in t.task_name]
+    return task, target.tvm_target()
+
+
+def test_a_matrix_vector_conv_without_a_tensor_core_space_is_tuned_without_tensor_cores(tmp_path):
+    # Squeeze-excitation's 1x1 convolution on one pixel, then SiLU (EfficientNet).
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 16, 1), torch.nn.SiLU()).eval()
+    task, tgt = _task(tmp_path, model, (64, 1, 1), "conv2d")
+    mod = task.dispatched[0]
+
+    # TVM 0.27's tensor-core tiling fails on it: this test fails once it does not.
+    with pytest.raises(Exception, match="Back optional access"):
+        ms.TuneContext(mod=mod, target=tgt, space_generator="post-order-apply", rand_state=1).generate_design_space()
+
+    space, cache = tune_search._design_space(mod, tgt, seed=1)
+    ctx = ms.TuneContext(mod=mod, target=tgt, space_generator=space, search_strategy=ms.search_strategy.ReplayTrace(),
+                         task_name=task.task_name, rand_state=1)
+    spaces = ctx.generate_design_space()
+    assert cache["rules"] == tune_search.SIMT_FALLBACK and "Back optional access" in cache["default_error"]
+    ctx.pre_tuning(max_trials=4, num_trials_per_iter=4, design_spaces=spaces)
+    candidates = ctx.generate_measure_candidates()
+    assert candidates
+    for c in candidates:
+        assert "wmma" not in str(c.sch.trace)
+        src = tune_builder.lean_build(c.sch.mod, tgt, None).imports[0].inspect_source()
+        assert "threadIdx" in src
+
+
+def test_the_fallback_is_not_taken_where_tensor_cores_tile(conv_task):
+    task, target = conv_task
+    _space, cache = tune_search._design_space(task.dispatched[0], target.tvm_target(), seed=1)
+    ms.TuneContext(mod=task.dispatched[0], target=target.tvm_target(), space_generator=_space,
+                   rand_state=1).generate_design_space()
+    assert cache["rules"] == "default"
