@@ -26,6 +26,7 @@ from ..config import Profile
 from ..errors import ConfigError, KernelFaultError
 from ..optimize import OptimizeArtifact
 from ..targets import TargetInfo
+from . import sanitize
 from .peaks import ceilings, roofline
 
 log = logging.getLogger(__name__)
@@ -91,10 +92,22 @@ def run(
         info, _ = build.build_bucket(str(opt.module_path(bucket)), target, plain, db, str(tmp / "module.so"))
         vm = VirtualMachine(load_module(str(tmp / "module.so")), dev)
         params, _ = build.signature(mod["main"])
-        args = [tensor(a, dev) for a in random_inputs([(p["shape"], p["dtype"]) for p in params], None)]
+        inputs = random_inputs([(p["shape"], p["dtype"]) for p in params], None)
+        args = [tensor(a, dev) for a in inputs]
+        sanitizer = None
         if debug_kernels:  # before anything else runs: the first fault is the one to name
-            calls = run_synchronized(vm, dev, args, costs, mod, Path(folder).parent / "kernel-fault")
+            fault_dir = Path(folder).parent / "kernel-fault"
+            try:
+                calls = run_synchronized(vm, dev, args, costs, mod, fault_dir)
+            except KernelFaultError as e:  # memcheck, in a process of its own, says which thread and address
+                if target.kind != "cuda":
+                    raise
+                line = sanitize.describe(sanitize.run(tmp / "module.so", inputs, fault_dir))
+                raise KernelFaultError(e.what, f"{e.got}; {line}") from e
             log.info("profile: --debug-kernels: %d kernel calls, each synchronized: no fault", calls)
+            if target.kind == "cuda":
+                sanitizer = sanitize.run(tmp / "module.so", inputs, Path(folder).parent / "sanitizer")
+                log.info("profile: --debug-kernels: %s", sanitize.describe(sanitizer))
         vm["main"](*args)  # warm-up
 
         times: dict[str, list[float]] = collections.defaultdict(list)
@@ -154,6 +167,8 @@ def run(
             "kernels": kernels,
             "ceilings": peaks,
         }
+        if sanitizer is not None:
+            report["sanitizer"] = sanitize.describe(sanitizer)
         if trace is not None:
             vm.set_instrument(None)
             events = timeline(vm, dev, args, costs, trace_iters, target)
@@ -323,6 +338,8 @@ def format_report(report: dict, top: int = 0) -> str:
         lines.append(f"{loss:.3f} ms per run above the kernels' rooflines ({peaks['source']}); most: "
                      + ", ".join(f"{k['kernel']} {k['loss_ms_per_run']:.3f} ms ({k['bound']}-bound, "
                                  f"{k['of_roofline']:.0%} of its roofline)" for k in worst))
+    if report.get("sanitizer"):
+        lines.append(report["sanitizer"])
     head = "| kernel | calls | ms/call | ms/run | share | GFLOP/s | GB/s |"
     lines += ["", head + (" roofline | bound | above roofline ms/run |" if peaks else ""),
               "|---" * (head.count("|") - 1 + (3 if peaks else 0)) + "|"]
