@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import shlex
 import sys
 import time
@@ -662,6 +663,12 @@ def main(argv: list[str] | None = None) -> int:
     except DeployError as e:
         print(f"error: {e}", file=sys.stderr)
         print(f"FAILED | {time.time() - t0:.1f}s | {command}", file=sys.stderr)
+        if getattr(e, "device_lost", False):
+            # The faulted CUDA context aborts the interpreter's teardown
+            # ("terminate called ... CUDA Runtime Error"): leave without it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted (finished stages and measured tuning records are kept)", file=sys.stderr)

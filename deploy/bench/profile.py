@@ -103,7 +103,9 @@ def run(
                 if target.kind != "cuda":
                     raise
                 line = sanitize.describe(sanitize.run(tmp / "module.so", inputs, fault_dir))
-                raise KernelFaultError(e.what, f"{e.got}; {line}") from e
+                err = KernelFaultError(e.what, f"{e.got}; {line}")
+                err.device_lost = True  # the CLI exits without the teardown a faulted context aborts
+                raise err from e
             log.info("profile: --debug-kernels: %d kernel calls, each synchronized: no fault", calls)
             if target.kind == "cuda":
                 sanitizer = sanitize.run(tmp / "module.so", inputs, Path(folder).parent / "sanitizer")

@@ -61,7 +61,7 @@ def parse(text: str) -> dict | None:
                 err["tir"] = tir_name(m.group("k"))
             elif m := re.match(r"^by thread \((?P<t>[^)]*)\) in block \((?P<b>[^)]*)\)", nxt):
                 err["thread"], err["block"] = m.group("t"), m.group("b")
-            elif nxt.startswith("Address"):
+            elif nxt.startswith(("Address", "Access to")):
                 err["address"] = nxt
         return err
     return None

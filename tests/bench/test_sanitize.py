@@ -19,7 +19,7 @@ REPORT = """========= COMPUTE-SANITIZER
 ========= Invalid __global__ write of size 4 bytes
 =========     at oob_write_kernel+0x90
 =========     by thread (1,0,0) in block (0,0,0)
-=========     Address 0x7f2c16000004 is out of bounds
+=========     Access to 0x7f2c16000004 is out of bounds
 =========     and is 16,776,196 bytes after the nearest allocation at 0x7f2c15000000 of size 1,024 bytes
 =========     Saved host backtrace up to driver entry point at kernel launch time
 =========         Host Frame: cuLaunchKernel [0x2f2f25] in libcuda.so.1
@@ -41,7 +41,7 @@ def test_the_first_error_names_the_tir_function_thread_and_address():
     err = sanitize.parse(REPORT)
     assert err == {"what": "Invalid __global__ write of size 4 bytes", "kernel": "oob_write_kernel",
                    "tir": "oob_write", "thread": "1,0,0", "block": "0,0,0",
-                   "address": "Address 0x7f2c16000004 is out of bounds"}
+                   "address": "Access to 0x7f2c16000004 is out of bounds"}
     assert sanitize.parse("========= ERROR SUMMARY: 0 errors\n") is None
     assert sanitize.tir_name("fused_conv2d_add_relu_kernel0") == "fused_conv2d_add_relu"
     assert sanitize.tir_name("main_kernel") == "main"
@@ -51,7 +51,7 @@ def test_an_error_is_one_line_and_the_report_is_kept(tmp_path):
     out = sanitize.run(tmp_path / "m.so", [np.zeros(4, "float32")], tmp_path / "f", exe=_fake(tmp_path, REPORT, 86))
     line = sanitize.describe(out)
     assert line == ("compute-sanitizer: Invalid __global__ write of size 4 bytes in kernel 'oob_write' "
-                    "(thread (1,0,0) of block (0,0,0)): Address 0x7f2c16000004 is out of bounds")
+                    "(thread (1,0,0) of block (0,0,0)): Access to 0x7f2c16000004 is out of bounds")
     assert "\n" not in line
     assert "oob_write_kernel+0x90" in (tmp_path / "f" / "sanitizer.txt").read_text()
     assert not list((tmp_path / "f").glob("*.npz")), "the inputs are not left behind"
