@@ -1,0 +1,111 @@
+"""Which tuning tasks of the corpus models get a design space on a target,
+and from which rules: MetaSchedule's default rules (on CUDA with tensor
+cores), the rules without tensor cores (the fallback of
+`deploy/tuning/search.py`), or none (left to the default schedules). No GPU
+is needed: design spaces are generated and sampled on the CPU.
+
+    python scripts/design_spaces.py --target cuda:sm_90 --batch 1 --out results/cpu/DATE/design-spaces-cuda-b1
+
+Writes design_spaces.json and design_spaces.md in --out; resumable (models
+already in the JSON are skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def census(name: str, target_name: str, batch: int, precision: str, work: Path) -> dict:
+    import models
+    from deploy import config, export, frontend, optimize, targets
+    from deploy.errors import error_line
+    from deploy.tuning import search, tasks
+    from deploy.tvm_compat import ms
+
+    target = targets.resolve(target_name)
+    spec = models.get(name)
+    cfg = config.from_dict({"model": {"source": name},
+                            target.kind: {"buckets": [batch], "tune_buckets": [batch], "precision": precision}})
+    entry = {"model": name, "kind": spec.kind, "batch": batch, "precision": precision}
+    try:
+        ex = export.run(cfg, work / "export")
+        fe = frontend.run(cfg.profile(target.kind), ex, work / "frontend")
+        opt = optimize.run(cfg.profile(target.kind), target, fe, work / "optimize")
+        found = tasks.extract_tasks(opt.load_module(batch), target.tvm_target())
+    except Exception as e:  # noqa: BLE001 - the outcome is the answer
+        entry["error"] = error_line(e)
+        return entry
+    rules = collections.Counter()
+    entry["without_tensor_cores"], entry["none"] = {}, {}
+    for t in found:
+        space, cache = search._design_space(t.dispatched[0], target.tvm_target(), seed=1)
+        try:
+            ms.TuneContext(mod=t.dispatched[0], target=target.tvm_target(), space_generator=space,
+                           rand_state=1).generate_design_space()
+            rules[cache["rules"]] += 1
+            if cache["rules"] != "default":
+                entry["without_tensor_cores"][t.task_name] = cache["default_error"]
+        except Exception as e:  # noqa: BLE001
+            rules["none"] += 1
+            entry["none"][t.task_name] = tasks._first_line(str(e))
+    entry["tasks"] = len(found)
+    entry["default"], entry["fallback"], entry["no_space"] = rules["default"], rules[search.SIMT_FALLBACK], rules["none"]
+    return entry
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="cuda:sm_90")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--precision", default="fp16")
+    ap.add_argument("--models", default="", help="comma-separated corpus names (default: all)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    import models
+
+    names = [n for n in args.models.split(",") if n] or [s.name for s in models.CORPUS]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "design_spaces.json"
+    done = json.loads(path.read_text()) if path.is_file() else []
+    have = {e["model"] for e in done}
+    for name in names:
+        if name in have:
+            continue
+        work = Path(tempfile.mkdtemp(prefix=f"ds-{name}-"))
+        try:
+            entry = census(name, args.target, args.batch, args.precision, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        done.append(entry)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(done, indent=1))
+        tmp.replace(path)
+        print(f"{name}: " + (entry.get("error") or
+              f"{entry['tasks']} tasks, {entry['default']} default rules, {entry['fallback']} without tensor cores, "
+              f"{entry['no_space']} none"), flush=True)
+    lines = [f"# Design spaces of the corpus: {args.target}, {args.precision}, batch {args.batch}", "",
+             f"`python scripts/design_spaces.py --target {args.target} --batch {args.batch} --precision {args.precision}`",
+             "", "| model | tasks | default rules | without tensor cores | none |", "|---|---|---|---|---|"]
+    for e in done:
+        if "error" in e:
+            lines.append(f"| {e['model']} | error: {e['error'][:120]} | | | |")
+        else:
+            lines.append(f"| {e['model']} | {e['tasks']} | {e['default']} | {e['fallback']} | {e['no_space']} |")
+    (out / "design_spaces.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
