@@ -159,7 +159,6 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
     kernel and the default one (`tuned_us`, `default_us`; both None when the
     outputs differ, `default_us` None when no default builds)."""
     from ..build import build_kernel
-    from ..passes import schedule
     from ..tvm_compat import ms, register_tensor_intrinsics, s_tir, tensor
 
     if "tensorize" in json.dumps(rec[0]).lower():
@@ -171,23 +170,14 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     tuned = sch.mod["main"].with_attr("tirx.is_scheduled", True)
     buffers = [(f"argument {k}", str(a[1]), [int(d) for d in a[2]]) for k, a in enumerate(rec[3])]  # args_info
-    rng = np.random.default_rng(0)
-    args = []
-    for _, dtype, shape in buffers:
-        args.append(rng.standard_normal(shape).astype(dtype) if dtype.startswith(("float", "bfloat"))
-                    else rng.integers(0, 10, shape).astype(dtype))
+    args = _seeded_args(buffers)
     with target.tvm_target():
         libs = {"tuned": build_kernel("main", tuned, target)}
-        for _name, f in schedule._sources(None, func, None, target.tvm_target(), target.kind):
-            if isinstance(f, Exception):
-                continue
-            try:
-                libs["default"] = build_kernel("main", f, target)
-            except Exception:  # noqa: BLE001 - as the build does: the next source
-                continue
-            if f is func:
-                libs["plain"] = libs["default"]
-            break
+        default, plain = _default_lib(func, target)
+        if default is not None:
+            libs["default"] = default
+            if plain:
+                libs["plain"] = default
         # The reference of the outputs: on the CPU, TVM's own lowering of the kernel (plain loops: slow, but
         # nothing of ours to trust); on a GPU, which needs a schedule, the default one (DLight's).
         if target.kind != "cuda":
@@ -211,6 +201,69 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
         return {**worst, "tuned_us": _time_us(libs["tuned"], [tensor(a, dev) for a in args], dev),
                 "default_us": _time_us(libs["default"], [tensor(a, dev) for a in args], dev)
                 if "default" in libs else None}
+
+
+def _default_lib(func, target: TargetInfo):
+    """The kernel built with its default schedule (the first source of the
+    schedule chain that builds, as a build would take it), and whether that
+    source is the unscheduled function itself; (None, False) if none builds."""
+    from ..build import build_kernel
+    from ..passes import schedule
+
+    for _name, f in schedule._sources(None, func, None, target.tvm_target(), target.kind):
+        if isinstance(f, Exception):
+            continue
+        try:
+            return build_kernel("main", f, target), f is func
+        except Exception:  # noqa: BLE001 - as the build does: the next source
+            continue
+    return None, False
+
+
+def _seeded_args(buffers) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(shape).astype(dtype) if dtype.startswith(("float", "bfloat"))
+            else rng.integers(0, 10, shape).astype(dtype) for _, dtype, shape in buffers]
+
+
+def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[str, float]:
+    """Microseconds of one call of each task's kernel under its default
+    schedule, timed on this machine's device; {task name: us} for those that
+    built. `tasks` are tune plans' entries ({"name", "mod"}). Times are kept
+    per workload in the folder's database_checks.json ("default_us") and not
+    measured again. The tune stage tunes the slowest untuned kernels first:
+    FLOPs do not say which default schedules are slow (EfficientNet-B0 at
+    batch 1: a squeeze-excitation 1x1 convolution of 0.4 MFLOP took 338 us
+    under DLight, 13% of the model)."""
+    from ..tvm_compat import ms, tensor
+    from .store import workload_hashes
+
+    folder = Path(folder)
+    state = read(folder)
+    cached = state.setdefault("default_us", {})
+    dev = target.device()
+    out, new = {}, 0
+    for t in tasks:
+        (shash,) = workload_hashes([t["mod"]])
+        if shash not in cached:
+            func = t["mod"]["main"]
+            try:
+                with target.tvm_target():
+                    lib, _ = _default_lib(func, target)
+                if lib is None:
+                    continue
+                buffers = [(f"argument {k}", str(a.dtype), [int(d) for d in a.shape])
+                           for k, a in enumerate(ms.arg_info.ArgInfo.from_prim_func(func))]
+                cached[shash] = _time_us(lib, [tensor(a, dev) for a in _seeded_args(buffers)], dev)
+                new += 1
+            except Exception as e:  # noqa: BLE001 - untimed: ranked by its FLOPs instead
+                log.debug("check: %s: default schedule not timed (%s)", t["name"], e)
+                continue
+        out[t["name"]] = cached[shash]
+    if new:
+        folder.mkdir(parents=True, exist_ok=True)
+        artifacts.write_json_atomic(folder / CHECKS, state)
+    return out
 
 
 def _worst(buffers, got_all, want_all) -> dict:

@@ -43,7 +43,7 @@ def split_tasks(todo: list[dict], n: int) -> list[list[dict]]:
     run lasts as long as its busiest lane."""
     out: list[list[dict]] = [[] for _ in range(n)]
     load = [0] * n
-    for p in sorted(todo, key=lambda p: (-p["left"], -p["flops"] * p["weight"])):
+    for p in sorted(todo, key=task_loop.order):
         i = min(range(n), key=lambda j: (load[j], len(out[j])))
         out[i].append(p)
         load[i] += p["left"]

@@ -143,6 +143,17 @@ def extract_tasks(mod, target):
     return [t for t in tasks if not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False)]
 
 
+def order(p: dict) -> tuple:
+    """Sort key of tune plans' entries, first to tune first: most trials
+    left; then, among kernels timed under their default schedules
+    (`check.time_defaults`), the most time per run (weight x time); then the
+    most FLOPs per run. MetaSchedule's task scheduler gives the tasks one
+    round each in this order before it chooses by gradient, so a short chunk
+    reaches only the first few (a 3-minute chunk, ~4 tasks per lane)."""
+    timed = p.get("default_us")
+    return (-p["left"], timed is None, -(timed or 0.0) * p["weight"], -p["flops"] * p["weight"])
+
+
 def _new_stats() -> dict:
     return {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None}
 

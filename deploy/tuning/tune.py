@@ -94,7 +94,19 @@ def tune_bucket(
         "trials_wanted": profile.trials,  # what the database should hold (TRIALS)
         "cpus": candidates.usable_cpus(),
     }
-    todo = [p for p in plan if p["left"] > 0]
+    fresh = [p for p in plan if p["done"] == 0 and p["left"] > 0]
+    if fresh and target.has_device:  # timed where the check times kernels (a pool's devices match this one)
+        t0 = time.time()
+        times = kernel_check.time_defaults(db_dir, fresh, target)
+        for p in plan:
+            p["default_us"] = times.get(p["name"])
+        slow = sorted(fresh, key=lambda p: -(p.get("default_us") or 0.0) * p["weight"])[:3]
+        log.info("tune: %s: %d untuned kernels under their default schedules: %.0f us per run (timed in %.0f s); "
+                 "tuned first: %s", db_dir.name, len(fresh),
+                 sum((p.get("default_us") or 0.0) * p["weight"] for p in fresh), time.time() - t0,
+                 ", ".join(f"{p['name']} {p['default_us']:.0f} us x{p['weight']:.0f}" for p in slow
+                           if p.get("default_us") is not None))
+    todo = sorted((p for p in plan if p["left"] > 0), key=task_loop.order)
     n_lanes = min(tuning_lanes.lanes(pool, n_servers), len(todo))
     stats: dict = {}
     started = time.time()

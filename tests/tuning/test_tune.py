@@ -45,6 +45,8 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert (kc["checked"], kc["passed"], kc["rejected"]) == (1, 1, 0) and kc["default_faster"] in (0, 1)
     checks = json.loads((a1.databases[1] / "database_checks.json").read_text())
     assert len(checks["timed"]) == 1 and len(checks["default_faster"]) == kc["default_faster"]
+    # before tuning, the untuned task's kernel was timed under its default schedule (the tuning order)
+    assert len(checks["default_us"]) == 1 and list(checks["default_us"].values())[0] > 0
     # where the time went, from MetaSchedule's profiler
     assert s1["time_split_s"] and all(v >= 0 for v in s1["time_split_s"].values())
     from deploy import pipeline
@@ -418,3 +420,30 @@ def test_a_tuned_kernel_slower_than_its_default_schedule_is_left_out_of_builds(t
     state["default_faster"][0]["record_secs"] = secs[0] * (1 + 1e-9)  # as if timed when the best was slower
     (db_dir / kernel_check.CHECKS).write_text(json.dumps(state))
     assert len(dbs._best_lines(db_dir, 1, slower_than_default=True)[1]) == 1
+
+
+def test_untuned_kernels_are_timed_once_and_the_slowest_is_tuned_first(tmp_path, llvm_target, tiny_opt, monkeypatch):
+    from deploy.tuning import check as kernel_check
+    from deploy.tuning import lanes as tune_lanes
+
+    _, opt = tiny_opt
+    tasks = tune_tasks.extract_tasks(opt.load_module(1), llvm_target.tvm_target())
+    plan = [{"name": t.task_name, "mod": t.dispatched[0], "weight": float(t.weight), "flops": tune_tasks.task_flops(t),
+             "left": 4, "done": 0} for t in tasks]
+    times = kernel_check.time_defaults(tmp_path / "db", plan, llvm_target)
+    assert set(times) == {p["name"] for p in plan} and all(v > 0 for v in times.values())
+    state = json.loads((tmp_path / "db" / "database_checks.json").read_text())
+    assert sorted(state["default_us"].values()) == sorted(times.values())
+    # kept with the database: not built or timed again
+    monkeypatch.setattr(kernel_check, "_default_lib", lambda *a: pytest.fail("timed again"))
+    assert kernel_check.time_defaults(tmp_path / "db", plan, llvm_target) == times
+
+    for p in plan:
+        p["default_us"] = times[p["name"]]
+    slowest = max(plan, key=lambda p: p["default_us"] * p["weight"])
+    assert sorted(plan, key=tune_tasks.order)[0] is slowest
+    heavy = {"name": "untimed", "left": 4, "flops": 1e15, "weight": 1.0, "default_us": None}
+    half_done = {"name": "half", "left": 2, "flops": 1.0, "weight": 1.0, "default_us": 1e9}
+    ranked = sorted([half_done, heavy, *plan], key=tune_tasks.order)
+    assert ranked[-2:] == [heavy, half_done]  # FLOPs only where untimed; most trials left first
+    assert tune_lanes.split_tasks(plan, 1) == [sorted(plan, key=tune_tasks.order)]  # a lane tunes in that order
