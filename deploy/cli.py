@@ -589,7 +589,7 @@ def parser() -> argparse.ArgumentParser:
         p.set_defaults(func=cmd_stage)
     p = sub.add_parser("bench", help="latency diff of the package against the other runtimes")
     _add_common(p)
-    p.add_argument("--runners", default="tvm,tvm-untuned,onnxruntime,torch-eager,torch-eager-fp16,torch-compile,tensorrt",
+    p.add_argument("--runners", default="tvm,tvm-untuned,onnxruntime,onnxruntime-fp16,torch-eager,torch-eager-fp16,torch-compile,tensorrt",
                    help="comma-separated; see deploy.bench.runners.ALL_RUNNERS")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20, help="warm-up iterations before each runner's turn")

@@ -200,8 +200,9 @@ def alternatives(cfg, profile, target_kind: str, exported, buckets, names, secon
             n = "onnxruntime"
         if n in made:
             continue
-        if n == "onnxruntime":
-            r = bench_runners.ORTRunner(exported.onnx_path, [i.name for i in exported.inputs])
+        if n == "onnxruntime":  # fp16 beside an fp16 package where its CUDA provider is there
+            r = bench_runners.ORTRunner(exported.onnx_path, [i.name for i in exported.inputs],
+                                        half=half and bench_runners.ort_has_cuda())
         elif n == "torch-eager":
             r = bench_runners.TorchRunner("torch-eager-fp16" if half else "torch-eager", factory, half=half,
                                           channels_last=half)

@@ -125,19 +125,39 @@ class TVMRunner(Runner):
 
 
 class ORTRunner(Runner):
+    """ONNX Runtime on its CUDA execution provider where the installed build
+    has one (`onnxruntime-gpu`), else on the CPU. `half`: the model converted
+    to fp16 by ONNX Runtime's own converter (inputs and outputs kept fp32,
+    cast inside the graph), what a user of its CUDA provider would run; only
+    on the CUDA provider (fp16 on its CPU provider is not a fair baseline)."""
+
     kind = "onnxruntime"
 
-    def __init__(self, onnx_path: Path, input_names: list[str]):
-        self.onnx_path, self.input_names = Path(onnx_path), input_names
+    def __init__(self, onnx_path: Path, input_names: list[str], half: bool = False):
+        self.onnx_path, self.input_names, self.half = Path(onnx_path), input_names, half
 
     def activate(self, inputs):
         import onnxruntime as ort
 
-        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
-        self.name = "onnxruntime-" + ("cuda" if providers[0].startswith("CUDA") else "cpu")
-        self.sess = ort.InferenceSession(str(self.onnx_path), providers=providers)
+        available = ort.get_available_providers()
+        if "CUDAExecutionProvider" in available and hasattr(ort, "preload_dlls"):
+            # onnxruntime-gpu finds cuDNN and cuBLAS in the nvidia-* wheels PyTorch installed
+            ort.preload_dlls()
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        cuda = providers[0].startswith("CUDA")
+        if self.half and not cuda:
+            raise RunnerUnavailable(f"fp16 needs ONNX Runtime's CUDA execution provider (onnxruntime-gpu); "
+                                    f"this onnxruntime {ort.__version__} has {', '.join(available)}")
+        self.name = "onnxruntime-" + ("cuda" if cuda else "cpu") + ("-fp16" if self.half else "")
+        model = str(self.onnx_path)
+        if self.half:
+            model = fp16_by_onnxruntime(self.onnx_path)
+        self.sess = ort.InferenceSession(model, providers=providers)
+        if cuda and self.sess.get_providers()[0] != "CUDAExecutionProvider":
+            raise RunnerUnavailable(f"ONNX Runtime's CUDA execution provider did not load (session providers: "
+                                    f"{', '.join(self.sess.get_providers())}); its log above says which library")
         self.feed = dict(zip(self.input_names, inputs))
-        if providers[0].startswith("CUDA"):
+        if cuda:
             # Keep inputs and outputs on the device, as the other runners do.
             self.binding = self.sess.io_binding()
             for name, a in self.feed.items():
@@ -293,8 +313,24 @@ class TensorRTRunner(Runner):
         return _timed_loop(self.graph.replay, self.torch.cuda.synchronize, warmup, iters)
 
 
-ALL_RUNNERS = ("tvm", "tvm-untuned", "onnxruntime", "torch-eager", "torch-eager-tf32", "torch-eager-fp16", "torch-compile",
+ALL_RUNNERS = ("tvm", "tvm-untuned", "onnxruntime", "onnxruntime-fp16", "torch-eager", "torch-eager-tf32", "torch-eager-fp16", "torch-compile",
                "tensorrt")
+
+
+def ort_has_cuda() -> bool:
+    """Whether the installed ONNX Runtime has its CUDA execution provider."""
+    import onnxruntime as ort
+
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def fp16_by_onnxruntime(onnx_path: Path) -> bytes:
+    """The model with fp16 weights and arithmetic, inputs and outputs fp32
+    (`onnxruntime.transformers.float16`, which ships with ONNX Runtime)."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    return convert_float_to_float16(onnx.load(str(onnx_path)), keep_io_types=True).SerializeToString()
 
 
 def fp16_onnx(factory, inputs: list[np.ndarray], opset: int, dest: Path) -> Path:
@@ -321,9 +357,9 @@ def make_runners(names, *, package: Path, untuned: Path, onnx_path: Path, input_
             out.append(TVMRunner("tvm", package))
         elif n == "tvm-untuned":
             out.append(TVMRunner("tvm-untuned", untuned))
-        elif n == "onnxruntime":
-            r = ORTRunner(onnx_path, input_names)
-            r.name = "onnxruntime"
+        elif n in ("onnxruntime", "onnxruntime-fp16"):
+            r = ORTRunner(onnx_path, input_names, half=n.endswith("fp16"))
+            r.name = n
             out.append(r)
         elif n.startswith("torch") and factory is None:
             out.append(_Unavailable(n, "pytorch", "no PyTorch model for an ONNX source"))

@@ -279,3 +279,37 @@ def test_unreadable_baseline_files_are_user_errors(tmp_path):
     (tmp_path / "arr.json").write_text("[]")
     with pytest.raises(InputFileError, match="JSON object"):
         trtexec.load_baseline(tmp_path / "arr.json", "resnet50", 1, [3, 224, 224], "fp16")
+
+
+def _matmul_onnx(path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype("float32"), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
+                          "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4])], [w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_onnxruntime_fp16_converts_the_model_and_needs_the_cuda_provider(tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    path = _matmul_onnx(tmp_path / "m.onnx")
+    half = onnx.load_from_string(bench_runners.fp16_by_onnxruntime(path))
+    assert half.graph.initializer[0].data_type == onnx.TensorProto.FLOAT16
+    assert half.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # inputs stay fp32
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype("float32")
+    got = ort.InferenceSession(half.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert got.dtype == np.float32 and np.allclose(got, want, rtol=1e-2, atol=1e-2)
+
+    (r,) = bench_runners.make_runners(["onnxruntime-fp16"], package=tmp_path, untuned=tmp_path, onnx_path=path,
+                                      input_names=["x"], factory=None, precision="fp16", compile_mode="default",
+                                      fp16_onnx_path=None)
+    if bench_runners.ort_has_cuda():
+        pytest.skip("this onnxruntime has its CUDA provider: the GPU run covers it")
+    with pytest.raises(bench_runners.RunnerUnavailable, match="CUDA execution provider \\(onnxruntime-gpu\\)"):
+        r.activate([x])
