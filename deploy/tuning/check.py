@@ -234,36 +234,67 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
     measured again. The tune stage tunes the slowest untuned kernels first:
     FLOPs do not say which default schedules are slow (EfficientNet-B0 at
     batch 1: a squeeze-excitation 1x1 convolution of 0.4 MFLOP took 338 us
-    under DLight, 13% of the model)."""
-    from ..tvm_compat import ms, tensor
+    under DLight, 13% of the model). The kernels are built in parallel
+    processes where there are many (each ~1-2 s of NVRTC on a GPU), then
+    timed here one at a time."""
+    import tempfile
+
+    from ..errors import run_in_processes
+    from ..tvm_compat import load_module, tensor, tvm
+    from .builder import usable_cpus
     from .store import workload_hashes
 
     folder = Path(folder)
     state = read(folder)
     cached = state.setdefault("default_us", {})
-    dev = target.device()
-    out, new = {}, 0
-    for t in tasks:
-        (shash,) = workload_hashes([t["mod"]])
-        if shash not in cached:
-            func = t["mod"]["main"]
-            try:
-                with target.tvm_target():
-                    lib, _ = _default_lib(func, target)
-                if lib is None:
+    hashes = {t["name"]: next(iter(workload_hashes([t["mod"]]))) for t in tasks}
+    todo = [t for t in tasks if hashes[t["name"]] not in cached]
+    if todo:
+        dev = target.device()
+        workers = min(PARALLEL_BUILDS, usable_cpus(), len(todo)) if len(todo) >= PARALLEL_FROM else 1
+        with tempfile.TemporaryDirectory(prefix="tvm-deploy-defaults-") as tmp:
+            jobs = [(tvm.ir.save_json(t["mod"]), target, str(Path(tmp) / f"{k}.so")) for k, t in enumerate(todo)]
+            built = run_in_processes(_build_default, jobs, workers)
+            for t, path in zip(todo, built):
+                if path is None:
                     continue
-                buffers = [(f"argument {k}", str(a.dtype), [int(d) for d in a.shape])
-                           for k, a in enumerate(ms.arg_info.ArgInfo.from_prim_func(func))]
-                cached[shash] = _time_us(lib, [tensor(a, dev) for a in _seeded_args(buffers)], dev)
-                new += 1
-            except Exception as e:  # noqa: BLE001 - untimed: ranked by its FLOPs instead
-                log.debug("check: %s: default schedule not timed (%s)", t["name"], e)
-                continue
-        out[t["name"]] = cached[shash]
-    if new:
+                try:
+                    args = _seeded_args(_buffers(t["mod"]["main"]))
+                    cached[hashes[t["name"]]] = _time_us(load_module(path), [tensor(a, dev) for a in args], dev)
+                except Exception as e:  # noqa: BLE001 - untimed: ranked by its FLOPs instead
+                    log.debug("check: %s: default schedule not timed (%s)", t["name"], e)
         folder.mkdir(parents=True, exist_ok=True)
         artifacts.write_json_atomic(folder / CHECKS, state)
-    return out
+    return {t["name"]: cached[hashes[t["name"]]] for t in tasks if hashes[t["name"]] in cached}
+
+
+PARALLEL_BUILDS = 8  # build processes for time_defaults, from PARALLEL_FROM kernels on
+PARALLEL_FROM = 8
+
+
+def _buffers(func) -> list[tuple[str, str, list[int]]]:
+    from ..tvm_compat import ms
+
+    return [(f"argument {k}", str(a.dtype), [int(d) for d in a.shape])
+            for k, a in enumerate(ms.arg_info.ArgInfo.from_prim_func(func))]
+
+
+def _build_default(job) -> str | None:
+    """Build-process entry: the task module (JSON) built with its default
+    schedule and exported to `path`; None where no default builds."""
+    mod_json, target, path = job
+    from ..tvm_compat import tvm
+
+    try:
+        with target.tvm_target():
+            lib, _ = _default_lib(tvm.ir.load_json(mod_json)["main"], target)
+        if lib is None:
+            return None
+        lib.export_library(path)
+        return path
+    except Exception as e:  # noqa: BLE001 - untimed: ranked by its FLOPs instead
+        log.debug("check: default schedule not built (%s)", e)
+        return None
 
 
 def _worst(buffers, got_all, want_all) -> dict:

@@ -434,6 +434,9 @@ def test_untuned_kernels_are_timed_once_and_the_slowest_is_tuned_first(tmp_path,
     assert set(times) == {p["name"] for p in plan} and all(v > 0 for v in times.values())
     state = json.loads((tmp_path / "db" / "database_checks.json").read_text())
     assert sorted(state["default_us"].values()) == sorted(times.values())
+    # built in parallel processes where there are many: the same kernels timed
+    monkeypatch.setattr(kernel_check, "PARALLEL_FROM", 1)
+    assert set(kernel_check.time_defaults(tmp_path / "db2", plan, llvm_target)) == set(times)
     # kept with the database: not built or timed again
     monkeypatch.setattr(kernel_check, "_default_lib", lambda *a: pytest.fail("timed again"))
     assert kernel_check.time_defaults(tmp_path / "db", plan, llvm_target) == times
