@@ -22,7 +22,8 @@ spec=${ORT_GPU:-onnxruntime-gpu==1.31.0}
 n=${PARTS:-5}
 out=.device
 mkdir -p "$out"
-grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx "/$out/" "$exclude" 2>/dev/null || echo "/$out/" >> "$exclude"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 plat=""; for v in 17 27 28 34; do plat="$plat --platform manylinux_2_${v}_x86_64"; done
@@ -40,7 +41,7 @@ for i in $(seq 1 "$n"); do
 #!/usr/bin/env bash
 # Runs on the GPU machine: keep this part of $name; once all $n are there, install it.
 set -euo pipefail
-b=/tmp/ort-gpu; mkdir -p \$b
+b=/tmp/ort-gpu-${sum:0:16}; mkdir -p \$b  # (named by the wheel: parts of another run never mix in)
 cp "\$(dirname "\$0")/chunk" \$b/chunk.$i
 have=\$(ls \$b/chunk.* 2>/dev/null | wc -l)
 if [ "\$have" -eq $n ]; then

@@ -102,7 +102,10 @@ def run(
             except KernelFaultError as e:  # memcheck, in a process of its own, says which thread and address
                 if target.kind != "cuda":
                     raise
-                line = sanitize.describe(sanitize.run(tmp / "module.so", inputs, fault_dir))
+                try:
+                    line = sanitize.describe(sanitize.run(tmp / "module.so", inputs, fault_dir))
+                except Exception as s_err:  # noqa: BLE001 - the fault is what to report
+                    line = f"compute-sanitizer: not run: {type(s_err).__name__}: {s_err}"
                 err = KernelFaultError(e.what, f"{e.got}; {line}")
                 err.device_lost = True  # the CLI exits without the teardown a faulted context aborts
                 raise err from e

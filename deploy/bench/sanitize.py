@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,11 +33,15 @@ def find() -> str | None:
     if exe:
         return exe
     for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root and (Path(root) / "bin" / "compute-sanitizer").is_file():
-            return str(Path(root) / "bin" / "compute-sanitizer")
+        path = Path(root or "/nonexistent") / "bin" / "compute-sanitizer"
+        if root and path.is_file() and os.access(path, os.X_OK):
+            return str(path)
     return None
 
 
+# memcheck's kernel errors (its API errors, "Program hit ...", follow them and are not one)
+_ERROR = re.compile(r"^(Invalid|Misaligned|Out-of-range|Uninitialized|Race|Barrier|Malloc|Warp|Lane|Illegal|"
+                    r"Hardware|Device-side|Cuda Memory|Leaked)")
 _KERNEL = re.compile(r"^(?P<name>.+?)_kernel\d*$")
 
 
@@ -52,11 +57,12 @@ def parse(text: str) -> dict | None:
     'thread', 'block', 'address'} (as far as given), or None without one."""
     lines = [ln.strip().lstrip("=").strip() for ln in text.splitlines() if ln.startswith("=========")]
     for i, ln in enumerate(lines):
-        if not re.match(r"^(Invalid|Misaligned|Out-of-range|Uninitialized|Race|Barrier|Malloc)", ln):
+        if not _ERROR.match(ln):
             continue  # headers, host backtraces, and the API errors that follow a kernel's
         err = {"what": ln}
         for nxt in lines[i + 1:i + 8]:
-            if m := re.match(r"^at (?:0x[0-9a-f]+ in )?(?P<k>[\w$.]+)", nxt):
+            # "at kern+0x90 [in file.cu:12]", or older "at 0x90 in [file.cu:12:]kern"
+            if m := re.match(r"^at (?:0x[0-9a-f]+ in (?:\S*:\d+:)?)?(?P<k>[A-Za-z_][\w$.]*)", nxt):
                 err["kernel"] = m.group("k")
                 err["tir"] = tir_name(m.group("k"))
             elif m := re.match(r"^by thread \((?P<t>[^)]*)\) in block \((?P<b>[^)]*)\)", nxt):
@@ -92,14 +98,24 @@ def run(module: Path, inputs: list[np.ndarray], folder: Path, exe: str | None = 
     cmd = [exe, "--tool", "memcheck", "--print-limit", "10", "--error-exitcode", str(EXIT_ON_ERROR),
            sys.executable, "-m", "deploy.bench.sanitize", str(module), str(npz)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"status": "unavailable", "reason": f"one run took over {TIMEOUT_S} s under memcheck"}
+        # its own process group: a time-out ends the tool and the Python process it instruments alike
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return {"status": "unavailable", "reason": f"one run took over {TIMEOUT_S} s under memcheck"}
+    except OSError as e:
+        return {"status": "unavailable", "reason": f"{exe} could not be started ({e})"}
     finally:
         npz.unlink(missing_ok=True)
+    p = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     report = folder / "sanitizer.txt"
     report.write_text(f"$ {' '.join(cmd)}\n# exit {p.returncode}\n{p.stdout}{p.stderr}")
     err = parse(p.stdout + "\n" + p.stderr)
+    if err is None and p.returncode == EXIT_ON_ERROR:  # an error in a form not read here
+        err = {"what": f"memcheck found an error (its report: {report})"}
     if err is not None:
         return {"status": "error", "error": err, "report": str(report)}
     if p.returncode == 0:

@@ -256,16 +256,17 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
             jobs = [(tvm.ir.save_json(t["mod"]), target, str(Path(tmp) / f"{k}.so")) for k, t in enumerate(todo)]
             built = run_in_processes(_build_default, jobs, workers)
             for t, path in zip(todo, built):
-                if path is None:
-                    continue
-                try:
-                    args = _seeded_args(_buffers(t["mod"]["main"]))
-                    cached[hashes[t["name"]]] = _time_us(load_module(path), [tensor(a, dev) for a in args], dev)
-                except Exception as e:  # noqa: BLE001 - untimed: ranked by its FLOPs instead
-                    log.debug("check: %s: default schedule not timed (%s)", t["name"], e)
-        folder.mkdir(parents=True, exist_ok=True)
+                us = None  # (kept as None: not built again next run; ranked by its FLOPs instead)
+                if path is not None:
+                    try:
+                        args = _seeded_args(_buffers(t["mod"]["main"]))
+                        us = _time_us(load_module(path), [tensor(a, dev) for a in args], dev)
+                    except Exception as e:  # noqa: BLE001
+                        log.debug("check: %s: default schedule not timed (%s)", t["name"], e)
+                cached[hashes[t["name"]]] = us
+        folder.mkdir(parents=True, exist_ok=True)  # (before a new database's first record: tuning opens it as is)
         artifacts.write_json_atomic(folder / CHECKS, state)
-    return {t["name"]: cached[hashes[t["name"]]] for t in tasks if hashes[t["name"]] in cached}
+    return {t["name"]: cached[hashes[t["name"]]] for t in tasks if cached.get(hashes[t["name"]]) is not None}
 
 
 PARALLEL_BUILDS = 8  # build processes for time_defaults, from PARALLEL_FROM kernels on

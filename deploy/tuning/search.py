@@ -93,20 +93,27 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
             else:
                 if target.kind.name != "cuda":
                     raise error
-                try:
-                    cache["spaces"] = generate(SIMT_FALLBACK, 0)
-                except Exception:  # noqa: BLE001 - the first error is the one to report
-                    raise error from None
-                cache["attempts"], cache["rules"] = attempts + 1, SIMT_FALLBACK
+                for extra in range(FALLBACK_ATTEMPTS):
+                    try:
+                        cache["spaces"] = generate(SIMT_FALLBACK, attempts + extra)
+                        break
+                    except Exception:  # noqa: BLE001, S112 - the tensor-core error is the one to report
+                        continue
+                else:
+                    raise error
+                cache["attempts"], cache["rules"] = attempts + extra + 1, SIMT_FALLBACK
                 cache["default_error"] = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         return cache["spaces"]
 
     return ms.space_generator.ScheduleFn(sch_fn), cache
 
 
-# MetaSchedule's CUDA rules without the tensor-core tiling (its schedule
-# rules, postprocessors and mutators of the kind "cuda").
+# MetaSchedule's CUDA schedule rules without the tensor-core tiling (the kind
+# "cuda"). The space is generated with them; the tuning context's
+# postprocessors and mutators stay the target's, a superset that leaves
+# schedules without tensor-core blocks as they are.
 SIMT_FALLBACK = "cuda"
+FALLBACK_ATTEMPTS = 3
 
 
 # Records per task the cost model is warmed with: replaying and featurizing

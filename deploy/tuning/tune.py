@@ -94,18 +94,25 @@ def tune_bucket(
         "trials_wanted": profile.trials,  # what the database should hold (TRIALS)
         "cpus": candidates.usable_cpus(),
     }
-    fresh = [p for p in plan if p["done"] == 0 and p["left"] > 0]
-    if fresh and target.has_device:  # timed where the check times kernels (a pool's devices match this one)
+    left = [p for p in plan if p["left"] > 0]
+    if left and global_left > 0 and target.has_device and (deadline is None or time.time() < deadline):
+        # where the check times kernels (a pool's devices match this one); only the ordering depends on it
         t0 = time.time()
-        times = kernel_check.time_defaults(db_dir, fresh, target)
+        try:
+            times = kernel_check.time_defaults(db_dir, left, target)
+        except Exception as e:  # noqa: BLE001 - the order falls back to FLOPs; tuning goes on
+            log.warning("tune: %s: default schedules not timed (%s); tasks ordered by FLOPs", db_dir.name,
+                        task_loop._first_line(str(e)) or type(e).__name__)
+            times = {}
         for p in plan:
             p["default_us"] = times.get(p["name"])
-        slow = sorted(fresh, key=lambda p: -(p.get("default_us") or 0.0) * p["weight"])[:3]
-        log.info("tune: %s: %d untuned kernels under their default schedules: %.0f us per run (timed in %.0f s); "
-                 "tuned first: %s", db_dir.name, len(fresh),
-                 sum((p.get("default_us") or 0.0) * p["weight"] for p in fresh), time.time() - t0,
-                 ", ".join(f"{p['name']} {p['default_us']:.0f} us x{p['weight']:.0f}" for p in slow
-                           if p.get("default_us") is not None))
+        slow = sorted((p for p in left if p.get("default_us") is not None),
+                      key=lambda p: -p["default_us"] * p["weight"])[:3]
+        if slow:
+            log.info("tune: %s: %d kernels to tune take %.0f us per run under their default schedules (timed in "
+                     "%.0f s); tuned first: %s", db_dir.name, len(left),
+                     sum((p.get("default_us") or 0.0) * p["weight"] for p in left), time.time() - t0,
+                     ", ".join(f"{p['name']} {p['default_us']:.0f} us x{p['weight']:.0f}" for p in slow))
     todo = sorted((p for p in plan if p["left"] > 0), key=task_loop.order)
     n_lanes = min(tuning_lanes.lanes(pool, n_servers), len(todo))
     stats: dict = {}

@@ -75,9 +75,30 @@ def test_a_clean_run_and_a_missing_tool(tmp_path, monkeypatch):
         assert sanitize.run(tmp_path / "m.so", [], tmp_path / "g")["status"] == "unavailable"
     toolkit = tmp_path / "cuda"
     (toolkit / "bin").mkdir(parents=True)
-    (toolkit / "bin" / "compute-sanitizer").write_text("")
+    tool = toolkit / "bin" / "compute-sanitizer"
+    tool.write_text("")
     monkeypatch.setenv("CUDA_PATH", str(toolkit))
-    assert sanitize.find() == str(toolkit / "bin" / "compute-sanitizer")
+    assert sanitize.find() is None  # not executable
+    tool.chmod(0o755)
+    assert sanitize.find() == str(tool)
+
+
+def test_other_report_forms():
+    old = ("========= Invalid __global__ read of size 2\n=========     at 0x00000150 in /tmp/k.cu:12:fused_add_kernel0\n"
+           "=========     by thread (3,0,0) in block (7,0,0)\n")
+    assert sanitize.parse(old)["tir"] == "fused_add"
+    warp = ("========= Warp Illegal Address\n=========     at fused_matmul_kernel+0x1a0\n"
+            "=========     by thread (0,0,0) in block (2,0,0)\n")
+    assert sanitize.parse(warp) == {"what": "Warp Illegal Address", "kernel": "fused_matmul_kernel",
+                                    "tir": "fused_matmul", "thread": "0,0,0", "block": "2,0,0"}
+    # memcheck said it found an error, in a form not read here: an error all the same, not "not run"
+    assert sanitize.parse("========= Something new\n========= ERROR SUMMARY: 1 error\n") is None
+
+
+def test_an_error_in_a_form_not_read_is_still_an_error(tmp_path):
+    out = sanitize.run(tmp_path / "m.so", [], tmp_path / "f",
+                       exe=_fake(tmp_path, "========= Something new\n========= ERROR SUMMARY: 1 error\n", 86))
+    assert out["status"] == "error" and "memcheck found an error" in sanitize.describe(out)
 
 
 def test_the_demo_kernel_builds_for_sm_90_and_writes_out_of_bounds(tmp_path):

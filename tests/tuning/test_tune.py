@@ -440,6 +440,13 @@ def test_untuned_kernels_are_timed_once_and_the_slowest_is_tuned_first(tmp_path,
     # kept with the database: not built or timed again
     monkeypatch.setattr(kernel_check, "_default_lib", lambda *a: pytest.fail("timed again"))
     assert kernel_check.time_defaults(tmp_path / "db", plan, llvm_target) == times
+    # a kernel whose default does not build is remembered as such, not built on every run
+    monkeypatch.setattr(kernel_check, "PARALLEL_FROM", 100)
+    monkeypatch.setattr(kernel_check, "_default_lib", lambda *a: (None, False))
+    assert kernel_check.time_defaults(tmp_path / "db3", plan, llvm_target) == {}
+    assert set(json.loads((tmp_path / "db3" / "database_checks.json").read_text())["default_us"].values()) == {None}
+    monkeypatch.setattr(kernel_check, "_default_lib", lambda *a: pytest.fail("built again"))
+    assert kernel_check.time_defaults(tmp_path / "db3", plan, llvm_target) == {}
 
     for p in plan:
         p["default_us"] = times[p["name"]]
