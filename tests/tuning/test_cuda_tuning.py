@@ -15,15 +15,14 @@ from deploy.tuning import tasks as tune_tasks
 from deploy.tvm_compat import ms, tvm
 
 
-@pytest.fixture(scope="module")
-def conv_task(tmp_path_factory):
-    work = tmp_path_factory.mktemp("conv16")
-    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU()).eval()
-    path = work / "conv.onnx"
-    torch.onnx.export(model, (torch.randn(1, 64, 28, 28),), str(path), opset_version=17, dynamo=False,
+def _task(work, model, shape, name_part):
+    """The tuning task named like `name_part` of `model` (input `x` of
+    `shape`, batch 1), fp16 NHWC for sm_90."""
+    path = work / "m.onnx"
+    torch.onnx.export(model, (torch.randn(1, *shape),), str(path), opset_version=17, dynamo=False,
                       input_names=["x"], dynamic_axes={"x": {0: "n"}})
     cfg = config.from_dict({
-        "model": {"source": str(path), "inputs": [{"name": "x", "shape": [64, 28, 28]}]},
+        "model": {"source": str(path), "inputs": [{"name": "x", "shape": list(shape)}]},
         "cuda": {"buckets": [1], "precision": "fp16", "accumulate": "fp32", "layout": "NHWC"},
     })
     target = targets.resolve("cuda:sm_90")
@@ -31,8 +30,15 @@ def conv_task(tmp_path_factory):
     fe = frontend.run(cfg.cuda, ex, work / "frontend")
     opt = optimize.run(cfg.cuda, target, fe, work / "optimize")
     tasks = tune_tasks.extract_tasks(opt.load_module(1), target.tvm_target())
-    (task,) = [t for t in tasks if "conv2d" in t.task_name]
-    return task, target
+    (task,) = [t for t in tasks if name_part in t.task_name]
+    return task, target.tvm_target()
+
+
+@pytest.fixture(scope="module")
+def conv_task(tmp_path_factory):
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU()).eval()
+    task, _ = _task(tmp_path_factory.mktemp("conv16"), model, (64, 28, 28), "conv2d")
+    return task, targets.resolve("cuda:sm_90")
 
 
 def _build(mod, target, config):
@@ -75,25 +81,6 @@ def test_fp32_accumulation_candidates_build(conv_task):
             assert "tvm_access_ptr element type must match" in str(e)
             stock_failed += 1
     assert stock_failed >= len(tensorized) // 2
-
-
-def _task(work, model, shape, name_part):
-    """The tuning task named like `name_part` of `model` (input `x` of
-    `shape`, batch 1), fp16 NHWC for sm_90."""
-    path = work / "m.onnx"
-    torch.onnx.export(model, (torch.randn(1, *shape),), str(path), opset_version=17, dynamo=False,
-                      input_names=["x"], dynamic_axes={"x": {0: "n"}})
-    cfg = config.from_dict({
-        "model": {"source": str(path), "inputs": [{"name": "x", "shape": list(shape)}]},
-        "cuda": {"buckets": [1], "precision": "fp16", "accumulate": "fp32", "layout": "NHWC"},
-    })
-    target = targets.resolve("cuda:sm_90")
-    ex = export.run(cfg, work / "export")
-    fe = frontend.run(cfg.cuda, ex, work / "frontend")
-    opt = optimize.run(cfg.cuda, target, fe, work / "optimize")
-    tasks = tune_tasks.extract_tasks(opt.load_module(1), target.tvm_target())
-    (task,) = [t for t in tasks if name_part in t.task_name]
-    return task, target.tvm_target()
 
 
 def test_a_matrix_vector_conv_without_a_tensor_core_space_is_tuned_without_tensor_cores(tmp_path):
