@@ -111,8 +111,8 @@ def run(
                 raise err from e
             log.info("profile: --debug-kernels: %d kernel calls, each synchronized: no fault", calls)
             if target.kind == "cuda":
-                sanitizer = sanitize.run(tmp / "module.so", inputs, Path(folder).parent / "sanitizer")
-                log.info("profile: --debug-kernels: %s", sanitize.describe(sanitizer))
+                sanitizer = sanitize.describe(sanitize.run(tmp / "module.so", inputs, Path(folder).parent / "sanitizer"))
+                log.info("profile: --debug-kernels: %s", sanitizer)
         vm["main"](*args)  # warm-up
 
         times: dict[str, list[float]] = collections.defaultdict(list)
@@ -173,7 +173,7 @@ def run(
             "ceilings": peaks,
         }
         if sanitizer is not None:
-            report["sanitizer"] = sanitize.describe(sanitizer)
+            report["sanitizer"] = sanitizer
         if trace is not None:
             vm.set_instrument(None)
             events = timeline(vm, dev, args, costs, trace_iters, target)

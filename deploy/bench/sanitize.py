@@ -110,20 +110,19 @@ def run(module: Path, inputs: list[np.ndarray], folder: Path, exe: str | None = 
         return {"status": "unavailable", "reason": f"{exe} could not be started ({e})"}
     finally:
         npz.unlink(missing_ok=True)
-    p = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    rc, said = proc.returncode, stdout + "\n" + stderr
     report = folder / "sanitizer.txt"
-    report.write_text(f"$ {' '.join(cmd)}\n# exit {p.returncode}\n{p.stdout}{p.stderr}")
-    err = parse(p.stdout + "\n" + p.stderr)
-    if err is None and p.returncode == EXIT_ON_ERROR:  # an error in a form not read here
+    report.write_text(f"$ {' '.join(cmd)}\n# exit {rc}\n{stdout}{stderr}")
+    err = parse(said)
+    if err is None and rc == EXIT_ON_ERROR:  # an error in a form not read here
         err = {"what": f"memcheck found an error (its report: {report})"}
     if err is not None:
         return {"status": "error", "error": err, "report": str(report)}
-    if p.returncode == 0:
+    if rc == 0:
         return {"status": "clean", "report": str(report)}
-    said = [ln.strip("= ").strip() for ln in (p.stdout + p.stderr).splitlines() if ln.strip("= ").strip()]
-    why = next((ln for ln in said if "rror" in ln or "not supported" in ln), said[-1] if said else f"exit {p.returncode}")
-    return {"status": "unavailable", "reason": f"{why[:200]} (exit {p.returncode}; {report})", "report": str(report)}
-
+    lines = [ln.strip("= ").strip() for ln in said.splitlines() if ln.strip("= ").strip()]
+    why = next((ln for ln in lines if "rror" in ln or "not supported" in ln), lines[-1] if lines else f"exit {rc}")
+    return {"status": "unavailable", "reason": f"{why[:200]} (exit {rc}; {report})", "report": str(report)}
 
 def _child(module: str, npz: str) -> int:
     from ..tvm_compat import VirtualMachine, load_module, tensor, tvm

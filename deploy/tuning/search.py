@@ -102,7 +102,9 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
                 else:
                     raise error
                 cache["attempts"], cache["rules"] = attempts + extra + 1, SIMT_FALLBACK
-                cache["default_error"] = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+                from .tasks import _first_line  # (tasks imports this module)
+
+                cache["default_error"] = _first_line(str(error)) or type(error).__name__
         return cache["spaces"]
 
     return ms.space_generator.ScheduleFn(sch_fn), cache

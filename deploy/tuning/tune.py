@@ -95,6 +95,7 @@ def tune_bucket(
         "cpus": candidates.usable_cpus(),
     }
     left = [p for p in plan if p["left"] > 0]
+    timed_s = 0.0
     if left and global_left > 0 and target.has_device and (deadline is None or time.time() < deadline):
         # where the check times kernels (a pool's devices match this one); only the ordering depends on it
         t0 = time.time()
@@ -106,14 +107,13 @@ def tune_bucket(
             times = {}
         for p in plan:
             p["default_us"] = times.get(p["name"])
-        slow = sorted((p for p in left if p.get("default_us") is not None),
-                      key=lambda p: -p["default_us"] * p["weight"])[:3]
-        if slow:
-            log.info("tune: %s: %d kernels to tune take %.0f us per run under their default schedules (timed in "
-                     "%.0f s); tuned first: %s", db_dir.name, len(left),
-                     sum((p.get("default_us") or 0.0) * p["weight"] for p in left), time.time() - t0,
-                     ", ".join(f"{p['name']} {p['default_us']:.0f} us x{p['weight']:.0f}" for p in slow))
-    todo = sorted((p for p in plan if p["left"] > 0), key=task_loop.order)
+        timed_s = time.time() - t0
+    todo = sorted(left, key=task_loop.order)
+    first = [p for p in todo[:3] if p.get("default_us") is not None]
+    if first:
+        log.info("tune: %s: %d kernels to tune take %.0f us per run under their default schedules (timed in %.0f s); "
+                 "tuned first: %s", db_dir.name, len(todo), sum((p.get("default_us") or 0.0) * p["weight"] for p in todo),
+                 timed_s, ", ".join(f"{p['name']} {p['default_us']:.0f} us x{p['weight']:.0f}" for p in first))
     n_lanes = min(tuning_lanes.lanes(pool, n_servers), len(todo))
     stats: dict = {}
     started = time.time()
