@@ -135,6 +135,7 @@ class ORTRunner(Runner):
 
     def __init__(self, onnx_path: Path, input_names: list[str], half: bool = False):
         self.onnx_path, self.input_names, self.half = Path(onnx_path), input_names, half
+        self.precision = "fp16" if half else "fp32"  # its outputs checked with that tolerance
 
     def activate(self, inputs):
         import onnxruntime as ort
