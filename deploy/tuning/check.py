@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import artifacts
+from ..errors import error_line
 from ..targets import TargetInfo
 from . import journal
 
@@ -117,10 +118,15 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
         if not todo:
             break
         tried.update(t[3] for t in todo)
-        for wl_line, rec, shash, rid in todo:
+        for (wl_line, rec, shash, rid), built in zip(todo, _build_all(todo, passed, target)):
             counts["checked"] += 1
             try:
-                err = compare(wl_line, rec, target, dev, check_outputs=rid not in passed)
+                if built is None:  # (built here, one record at a time)
+                    err = compare(wl_line, rec, target, dev, check_outputs=rid not in passed)
+                elif "error" in built:
+                    raise RuntimeError(built["error"])
+                else:
+                    err = judge(built, target, dev, check_outputs=rid not in passed)
             except Exception as e:  # noqa: BLE001 - a record that cannot be built or run alone is left unjudged
                 log.warning("check: workload %s: not checked (%s)", shash,
                             (str(e).strip().splitlines() or [type(e).__name__])[0][:200])
@@ -158,8 +164,16 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
     inputs are left as they were); then, if they agree, time the record's
     kernel and the default one (`tuned_us`, `default_us`; both None when the
     outputs differ, `default_us` None when no default builds)."""
+    return judge(build_libs(wl_line, rec, target, check_outputs), target, dev, check_outputs)
+
+
+def build_libs(wl_line: str, rec: list, target: TargetInfo, check_outputs: bool = True) -> dict:
+    """compare()'s builds: {"buffers": the arguments, "tuned": the record's
+    kernel, "default": the default schedule's (absent when none builds),
+    "reference": what the outputs are compared with (absent when not
+    checked or none builds)}."""
     from ..build import build_kernel
-    from ..tvm_compat import ms, register_tensor_intrinsics, s_tir, tensor
+    from ..tvm_compat import ms, register_tensor_intrinsics, s_tir
 
     if "tensorize" in json.dumps(rec[0]).lower():
         register_tensor_intrinsics()  # tensor-core traces name TVM's intrinsics (wmma_fill_16x16x16_f32, ...)
@@ -169,38 +183,89 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
     sch = s_tir.Schedule(workload.mod)
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     tuned = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-    buffers = [(f"argument {k}", str(a[1]), [int(d) for d in a[2]]) for k, a in enumerate(rec[3])]  # args_info
-    args = _seeded_args(buffers)
+    libs = {"buffers": [(f"argument {k}", str(a[1]), [int(d) for d in a[2]]) for k, a in enumerate(rec[3])]}
     with target.tvm_target():
-        libs = {"tuned": build_kernel("main", tuned, target)}
+        libs["tuned"] = build_kernel("main", tuned, target)
         default, plain = _default_lib(func, target)
         if default is not None:
             libs["default"] = default
-            if plain:
-                libs["plain"] = default
         # The reference of the outputs: on the CPU, TVM's own lowering of the kernel (plain loops: slow, but
         # nothing of ours to trust); on a GPU, which needs a schedule, the default one (DLight's).
-        if target.kind != "cuda":
-            reference = None if not check_outputs else \
-                libs["plain"] if "plain" in libs else build_kernel("main", func, target)
-        else:
-            reference = libs.get("default")
-        worst = {"ok": True, "rel_l2": 0.0, "output": ""}
-        if check_outputs:
-            if reference is None:
-                raise RuntimeError("no default schedule of this kernel builds: nothing to compare with")
-            outs = []
-            for lib in (libs["tuned"], reference):
-                ts = [tensor(a, dev) for a in args]
-                lib["main"](*ts)
-                dev.sync()
-                outs.append([t.numpy() for t in ts])
-            worst = _worst(buffers, *outs)
-            if not worst["ok"]:
-                return {**worst, "tuned_us": None, "default_us": None}
-        return {**worst, "tuned_us": _time_us(libs["tuned"], [tensor(a, dev) for a in args], dev),
-                "default_us": _time_us(libs["default"], [tensor(a, dev) for a in args], dev)
-                if "default" in libs else None}
+        if check_outputs and target.kind != "cuda":
+            libs["reference"] = default if plain else build_kernel("main", func, target)
+        elif check_outputs and default is not None:
+            libs["reference"] = default
+    return libs
+
+
+def judge(libs: dict, target: TargetInfo, dev, check_outputs: bool = True) -> dict:
+    """compare()'s runs on this machine's device, with build_libs()'s kernels."""
+    from ..tvm_compat import tensor
+
+    buffers = libs["buffers"]
+    args = _seeded_args(buffers)
+    worst = {"ok": True, "rel_l2": 0.0, "output": ""}
+    if check_outputs:
+        if "reference" not in libs:
+            raise RuntimeError("no default schedule of this kernel builds: nothing to compare with")
+        outs = []
+        for lib in (libs["tuned"], libs["reference"]):
+            ts = [tensor(a, dev) for a in args]
+            lib["main"](*ts)
+            dev.sync()
+            outs.append([t.numpy() for t in ts])
+        worst = _worst(buffers, *outs)
+        if not worst["ok"]:
+            return {**worst, "tuned_us": None, "default_us": None}
+    return {**worst, "tuned_us": _time_us(libs["tuned"], [tensor(a, dev) for a in args], dev),
+            "default_us": _time_us(libs["default"], [tensor(a, dev) for a in args], dev)
+            if "default" in libs else None}
+
+
+def _build_all(todo, passed: set, target: TargetInfo) -> list[dict | None]:
+    """build_libs() for every record to check, in parallel processes where
+    there are many (on the H200 each check spent ~4.6 s, most of it building
+    two kernels with NVRTC one after the other: 40 records of ResNet-50 took
+    185 s on a fresh machine, results/h200/2026-12-03/resnet50-time-to-package);
+    a record whose builds failed gets {"error": its first line}. Few records:
+    None each, compare() builds them here."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from ..errors import run_in_processes
+    from ..tvm_compat import load_module
+    from .builder import usable_cpus
+
+    workers = min(PARALLEL_BUILDS, usable_cpus(), len(todo)) if len(todo) >= PARALLEL_FROM else 1
+    if workers <= 1:
+        return [None] * len(todo)
+    tmp = tempfile.mkdtemp(prefix="tvm-deploy-check-")
+    atexit.register(shutil.rmtree, tmp, True)
+    jobs = [(wl_line, rec, target, rid not in passed, str(Path(tmp) / str(k)))
+            for k, (wl_line, rec, _shash, rid) in enumerate(todo)]
+    built = run_in_processes(_build_exported, jobs, workers)
+    return [b if "error" in b else {**{k: load_module(v) for k, v in b.items() if k != "buffers"},
+                                    "buffers": b["buffers"]} for b in built]
+
+
+def _build_exported(job) -> dict:
+    """Build-process entry: build_libs(), each kernel exported to a file
+    (a reference that is the default schedule itself shares its file)."""
+    wl_line, rec, target, check_outputs, stem = job
+    try:
+        libs = build_libs(wl_line, rec, target, check_outputs)
+        out = {"buffers": libs.pop("buffers")}
+        for name, lib in libs.items():
+            same = next((k for k, v in libs.items() if v is lib and k in out), None)
+            if same is not None:
+                out[name] = out[same]
+                continue
+            out[name] = f"{stem}-{name}.so"
+            lib.export_library(out[name])
+        return out
+    except Exception as e:  # noqa: BLE001 - reported by the caller, as "not checked"
+        return {"error": error_line(e, 200)}
 
 
 def _default_lib(func, target: TargetInfo):

@@ -383,6 +383,44 @@ def test_a_tuned_kernel_that_computes_something_else_is_rejected(tmp_path, llvm_
                                                                 "default_faster": 0}
 
 
+def test_many_kernels_to_check_are_built_in_parallel_processes(tmp_path, llvm_target, tiny_opt, monkeypatch):
+    """check.py: from PARALLEL_FROM records on, the tuned and default kernels
+    are built in other processes and judged here, with the outcome of the
+    one-process path; a record whose build fails there is left unchecked."""
+    from deploy.tuning import check as kernel_check
+
+    exported, opt = tiny_opt
+    cfg = make_config(trials=4, trials_per_task=2, trials_per_iter=2, max_tasks=2)
+    _, a = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
+    db_dir = a.databases[1]
+    (db_dir / kernel_check.CHECKS).unlink(missing_ok=True)
+    monkeypatch.setattr(kernel_check, "PARALLEL_FROM", 2)
+    monkeypatch.setattr(kernel_check, "PARALLEL_BUILDS", 2)
+    monkeypatch.setattr("deploy.tuning.builder.usable_cpus", lambda: 2)
+    monkeypatch.setattr(kernel_check, "compare", lambda *a, **k: pytest.fail("built in this process"))
+    counts = kernel_check.check_database(db_dir, llvm_target)
+    assert counts["checked"] == 2 and counts["passed"] == 2 and counts["rejected"] == 0, counts
+    state = kernel_check.read(db_dir)
+    assert len(state["passed"]) == 2 and state["passed"] == state["timed"]
+    # a build that fails in a build process: its one line comes back; the record is not checked, not
+    # listed, and tried again next run
+    failed = kernel_check._build_exported(("not json", [], llvm_target, True, str(tmp_path / "k")))
+    assert set(failed) == {"error"} and "\n" not in failed["error"]
+    (db_dir / kernel_check.CHECKS).unlink()
+    monkeypatch.setattr(kernel_check, "_build_all", lambda todo, *a: [failed] * len(todo))
+    counts = kernel_check.check_database(db_dir, llvm_target)
+    assert counts == {"checked": 2, "passed": 0, "rejected": 0, "default_faster": 0, "unchecked": 2}
+    assert kernel_check.read(db_dir)["passed"] == []
+    # a run that does not tune (TRIALS=0) still checks the kernels its build applies, where the device is
+    from deploy import pipeline
+
+    monkeypatch.undo()
+    summary = pipeline.run(make_config(), llvm_target, tmp_path / "ws", db_root=tmp_path / "db",
+                           compare_untuned=False)
+    assert "check" in summary["stage_seconds"] and summary["tuning"] is None
+    assert len(kernel_check.read(db_dir)["passed"]) == 2
+
+
 def test_a_tuned_kernel_slower_than_its_default_schedule_is_left_out_of_builds(tmp_path, llvm_target, tiny_opt,
                                                                                 monkeypatch):
     """check.py: where the default schedule beats the best record, builds and
@@ -457,3 +495,9 @@ def test_untuned_kernels_are_timed_once_and_the_slowest_is_tuned_first(tmp_path,
     ranked = sorted([half_done, heavy, *plan], key=tune_tasks.order)
     assert ranked[-2:] == [heavy, half_done]  # FLOPs only where untimed; most trials left first
     assert tune_lanes.split_tasks(plan, 1) == [sorted(plan, key=tune_tasks.order)]  # a lane tunes in that order
+    # MAX_TASKS keeps the slowest per run, not the heaviest in FLOPs
+    profile = make_config(max_tasks=1).llvm
+    (kept,), _ = tune._plan(tasks, tmp_path / "db", profile, times)
+    assert kept["name"] == slowest["name"]
+    (heaviest,), _ = tune._plan(tasks, tmp_path / "db", profile)
+    assert heaviest["name"] == max(plan, key=lambda p: p["flops"] * p["weight"])["name"]
