@@ -160,6 +160,9 @@ def run(
             )
             tune_summary = json.loads((tuned.folder / "summary.json").read_text())
     keys, existing = existing_databases(cfg, profile, target, exported.inputs, db_root, exported.dims)
+    if tune_summary is None and target.has_device and existing:
+        # (no tuning this run: the databases' kernels are still checked here before the build applies them)
+        timed("check", tune.check_databases, sorted(set(existing.values())), target, db_root)
     package = timed("build", build.run, profile, target, exported, opt, existing, keys, ws.package, cfg.model.name,
                     db_root)
     tol = getattr(cfg.tolerance, profile.precision)

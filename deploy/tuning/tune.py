@@ -84,7 +84,17 @@ def tune_bucket(
     if dbs.has_records(db_dir):
         dbs.check_key(db_dir, key)
         dbs.pack(db_dir)  # what a killed run left (working copy, journal, lanes) counts towards the plan
-    plan, global_left = _plan(all_tasks, db_dir, profile)
+    default_us: dict[str, float] = {}
+    if 0 < profile.max_tasks < len(all_tasks) and target.has_device and (deadline is None or time.time() < deadline):
+        # which tasks MAX_TASKS keeps: the slowest per run under their default schedules (timed once, kept
+        # with the database), not the heaviest in FLOPs
+        try:
+            default_us = kernel_check.time_defaults(
+                db_dir, [{"name": t.task_name, "mod": t.dispatched[0]} for t in all_tasks], target)
+        except Exception as e:  # noqa: BLE001 - chosen by FLOPs instead; tuning goes on
+            log.warning("tune: %s: default schedules not timed (%s); MAX_TASKS keeps the heaviest in FLOPs",
+                        db_dir.name, task_loop._first_line(str(e)) or type(e).__name__)
+    plan, global_left = _plan(all_tasks, db_dir, profile, default_us)
     summary = {
         "database": str(db_dir),
         "tasks_total": len(all_tasks),
@@ -142,11 +152,15 @@ def tune_bucket(
     return summary
 
 
-def _plan(all_tasks, db_dir: Path, profile: Profile) -> tuple[list[dict], int]:
-    """The tasks to tune (the heaviest `max_tasks`), each with the trials it
-    already has and what is left of its budget; and the trials left overall."""
+def _plan(all_tasks, db_dir: Path, profile: Profile, default_us: dict | None = None) -> tuple[list[dict], int]:
+    """The tasks to tune (with `max_tasks`, the slowest per run under their
+    default schedules, `default_us` {task: us}, then the heaviest in FLOPs
+    among those not timed), each with the trials it already has and what is
+    left of its budget; and the trials left overall."""
     flops = {t.task_name: task_loop.task_flops(t) for t in all_tasks}
-    ranked = sorted(all_tasks, key=lambda t: flops[t.task_name] * t.weight, reverse=True)
+    us = default_us or {}
+    ranked = sorted(all_tasks, key=lambda t: (t.task_name not in us, -us.get(t.task_name, 0.0) * t.weight,
+                                              -flops[t.task_name] * t.weight))
     chosen = ranked[: profile.max_tasks] if profile.max_tasks else ranked
     plan = []
     for t, (done, best) in zip(chosen, dbs.trials_done(db_dir, [t.dispatched[0] for t in chosen])):
@@ -230,20 +244,13 @@ def run(
                 opt.load_module(bucket), db_dir, key, target, profile, share, tmp, seed, pool, n_servers, db_root
             )
             if target.has_device and dbs.has_records(db_dir):  # each kernel checked where it runs (check.py)
-                summaries[bucket.label]["kernel_check"] = counts = kernel_check.check_database(db_dir, target)
-                log.info("tune: %s: %d tuned kernel(s) checked against default schedules, %d rejected, "
-                         "%d slower than the default", db_dir.name, counts["checked"], counts["rejected"],
-                         counts["default_faster"])
+                summaries[bucket.label]["kernel_check"] = check_one(db_dir, target)
             folders[bucket.label] = str(db_dir)
         # The store follows new records, and records the check has just left out (rejected, or slower than
         # their default schedule), which other models' builds would otherwise still apply.
-        if any(s.get("new_trials") or (s.get("kernel_check") or {}).get("rejected")
-               or (s.get("kernel_check") or {}).get("default_faster") for s in summaries.values()):
-            try:
-                for dest, n in kernel_store.refresh(db_root, only=target.key()).items():
-                    log.info("tune: kernel store %s: %d kernels", dest, n)
-            except (OSError, ValueError) as e:  # the databases are saved; the store is rebuilt by the next run
-                log.warning("tune: kernel store not refreshed (%s); `python -m deploy pack-databases` rebuilds it", e)
+        if any(s.get("new_trials") for s in summaries.values()) or \
+                _check_left_out([s.get("kernel_check") or {} for s in summaries.values()]):
+            refresh_store(db_root, target)
         # Logs are bulky; keep them out of the manifest's hashed files.
         files = [f for f in ("failures.jsonl",) if (tmp / f).is_file()]
         artifacts.write_json_atomic(tmp / "summary.json", summaries)
@@ -278,3 +285,34 @@ def failure_reasons(folder: Path, top: int = 5) -> list[tuple[str, int]]:
             continue
         c[f"{d['stage']}: {d['error']}"] += 1
     return c.most_common(top)
+
+
+def check_databases(dirs, target: TargetInfo, db_root: Path) -> dict[str, dict]:
+    """The kernel check (check.py) of databases used without tuning (a build
+    from done databases, `TRIALS=0`), so a package built where the device is
+    applies only checked kernels, as one built after tuning does; records
+    checked before are not checked again. {database folder: counts}."""
+    out = {str(d): check_one(Path(d), target) for d in dirs}
+    if _check_left_out(out.values()):
+        refresh_store(db_root, target)
+    return out
+
+
+def check_one(db_dir: Path, target: TargetInfo) -> dict:
+    counts = kernel_check.check_database(db_dir, target)
+    log.info("tune: %s: %d tuned kernel(s) checked against default schedules, %d rejected, "
+             "%d slower than the default", db_dir.name, counts["checked"], counts["rejected"],
+             counts["default_faster"])
+    return counts
+
+
+def _check_left_out(counts) -> bool:
+    return any(c.get("rejected") or c.get("default_faster") for c in counts)
+
+
+def refresh_store(db_root: Path, target: TargetInfo) -> None:
+    try:
+        for dest, n in kernel_store.refresh(db_root, only=target.key()).items():
+            log.info("tune: kernel store %s: %d kernels", dest, n)
+    except (OSError, ValueError) as e:  # the databases are saved; the store is rebuilt by the next run
+        log.warning("tune: kernel store not refreshed (%s); `python -m deploy pack-databases` rebuilds it", e)
