@@ -40,12 +40,14 @@ def uses_tensor_cores(func) -> bool:
 
 def _pipeline_factory():
     from ..tvm_compat import PassContext, default_tir_pipeline, tirx, tvm
+    from . import mma_epilogue  # (the other workaround its tensor-core kernels need, applied first)
 
     stock, finalize_host, finalize_device = default_tir_pipeline()
 
     @tvm.transform.module_pass(opt_level=0, name="DeployTIRPipeline")
     def pipeline(mod, _ctx):
-        tc = {gv: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc) and uses_tensor_cores(f)}
+        tc = {gv: mma_epilogue.apply_to_func(f) for gv, f in mod.functions.items()
+              if isinstance(f, tirx.PrimFunc) and uses_tensor_cores(f)}
         if not tc:
             return stock(mod)
         rest = {gv: f for gv, f in mod.functions.items() if gv not in tc}

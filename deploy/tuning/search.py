@@ -107,7 +107,9 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
                 cache["default_error"] = _first_line(str(error)) or type(error).__name__
         return cache["spaces"]
 
-    return ms.space_generator.ScheduleFn(sch_fn), cache
+    from ..passes import mma_epilogue
+
+    return ms.space_generator.ScheduleFn(sch_fn, postprocs=mma_epilogue.postprocs(target)), cache
 
 
 # MetaSchedule's CUDA schedule rules without the tensor-core tiling (the kind
