@@ -229,8 +229,6 @@ def _build_all(todo, passed: set, target: TargetInfo) -> list[dict | None]:
     185 s on a fresh machine, results/h200/2026-12-03/resnet50-time-to-package);
     a record whose builds failed gets {"error": its first line}. Few records:
     None each, compare() builds them here."""
-    import atexit
-    import shutil
     import tempfile
 
     from ..errors import run_in_processes
@@ -240,13 +238,21 @@ def _build_all(todo, passed: set, target: TargetInfo) -> list[dict | None]:
     workers = min(PARALLEL_BUILDS, usable_cpus(), len(todo)) if len(todo) >= PARALLEL_FROM else 1
     if workers <= 1:
         return [None] * len(todo)
-    tmp = tempfile.mkdtemp(prefix="tvm-deploy-check-")
-    atexit.register(shutil.rmtree, tmp, True)
-    jobs = [(wl_line, rec, target, rid not in passed, str(Path(tmp) / str(k)))
-            for k, (wl_line, rec, _shash, rid) in enumerate(todo)]
-    built = run_in_processes(_build_exported, jobs, workers)
-    return [b if "error" in b else {**{k: load_module(v) for k, v in b.items() if k != "buffers"},
-                                    "buffers": b["buffers"]} for b in built]
+    with tempfile.TemporaryDirectory(prefix="tvm-deploy-check-") as tmp:
+        jobs = [(wl_line, rec, target, rid not in passed, str(Path(tmp) / str(k)))
+                for k, (wl_line, rec, _shash, rid) in enumerate(todo)]
+        try:
+            built = run_in_processes(_build_exported, jobs, workers)
+        except Exception as e:  # noqa: BLE001 - a build process died (a crash in codegen, killed for memory)
+            return [{"error": f"build processes failed: {error_line(e, 200)}"}] * len(todo)
+        out = []
+        for b in built:
+            try:  # (loaded, the files can go: the modules stay in memory)
+                out.append(b if "error" in b else {**{k: load_module(v) for k, v in b.items() if k != "buffers"},
+                                                   "buffers": b["buffers"]})
+            except Exception as e:  # noqa: BLE001
+                out.append({"error": error_line(e, 200)})
+        return out
 
 
 def _build_exported(job) -> dict:
@@ -334,7 +340,7 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
     return {t["name"]: cached[hashes[t["name"]]] for t in tasks if cached.get(hashes[t["name"]]) is not None}
 
 
-PARALLEL_BUILDS = 8  # build processes for time_defaults, from PARALLEL_FROM kernels on
+PARALLEL_BUILDS = 8  # build processes for time_defaults and check_database, from PARALLEL_FROM kernels on
 PARALLEL_FROM = 8
 
 

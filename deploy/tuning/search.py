@@ -134,6 +134,7 @@ def warm_cost_model(model, contexts, db, per_task: int = WARM_RECORDS) -> int:
     batches blind. Returns the number of records it learnt from. Trained
     once, on the last update: XGBModel retrains on each update that grows its
     data by a fifth, which would be ~15 trainings here."""
+    from ..passes import mma_epilogue
     from ..tvm_compat import ms
 
     batches = []
@@ -143,7 +144,10 @@ def warm_cost_model(model, contexts, db, per_task: int = WARM_RECORDS) -> int:
         cands, results = [], []
         for rec in db.get_top_k(db.commit_workload(ctx.mod), per_task):
             try:
-                cands.append(rec.as_measure_candidate())
+                cand = rec.as_measure_candidate()
+                # (a replayed trace lacks our postprocessors' changes; the features lower the schedule)
+                mma_epilogue.declare_accumulator_reads(cand.sch)
+                cands.append(cand)
             except Exception:  # a trace that no longer replays: skip it  # noqa: S112
                 continue
             results.append(ms.runner.RunnerResult([float(x) for x in rec.run_secs], None))
@@ -153,12 +157,22 @@ def warm_cost_model(model, contexts, db, per_task: int = WARM_RECORDS) -> int:
         return 0
     held = model.last_train_size
     model.last_train_size = 1 << 60  # no training until the last update
+    learnt = []
     try:
         for i, (ctx, cands, results) in enumerate(batches):
             if i == len(batches) - 1:
                 model.last_train_size = 0
-            model.update(ctx, cands, results)
+            try:
+                model.update(ctx, cands, results)
+                learnt.append((ctx, cands, results))
+            except Exception as e:  # noqa: BLE001 - one task's records that do not featurize: the others still count
+                log.info("tune: cost model not warmed from %s's records (%s)", ctx.task_name,
+                         (str(e).strip().splitlines() or [type(e).__name__])[-1][:200])
+        if model.last_train_size == 1 << 60 and learnt:  # the last task's failed: train on what was learnt,
+            ctx, cands, results = learnt[-1]  # re-adding one record to trigger it
+            model.last_train_size = 0
+            model.update(ctx, cands[:1], results[:1])
     finally:
         if model.last_train_size == 1 << 60:
             model.last_train_size = held
-    return sum(len(c) for _, c, _ in batches)
+    return sum(len(c) for _, c, _ in learnt)

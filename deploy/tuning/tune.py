@@ -162,11 +162,14 @@ def _plan(all_tasks, db_dir: Path, profile: Profile, default_us: dict | None = N
     ranked = sorted(all_tasks, key=lambda t: (t.task_name not in us, -us.get(t.task_name, 0.0) * t.weight,
                                               -flops[t.task_name] * t.weight))
     chosen = ranked[: profile.max_tasks] if profile.max_tasks else ranked
+    done_all = dict(zip((t.task_name for t in ranked), dbs.trials_done(db_dir, [t.dispatched[0] for t in ranked])))
     plan = []
-    for t, (done, best) in zip(chosen, dbs.trials_done(db_dir, [t.dispatched[0] for t in chosen])):
+    for t in chosen:
+        done, best = done_all[t.task_name]
         plan.append({"name": t.task_name, "mod": t.dispatched[0], "weight": float(t.weight), "flops": flops[t.task_name],
                      "done": done, "best_s": best, "left": max(0, profile.trials_per_task - done)})
-    total_done = sum(p["done"] for p in plan)
+    # (over every task: trials spent on tasks another MAX_TASKS choice kept count towards TRIALS too)
+    total_done = sum(done for done, _ in done_all.values())
     global_left = min(max(0, profile.trials - total_done), sum(p["left"] for p in plan))
     return plan, global_left
 

@@ -75,7 +75,40 @@ def test_the_accumulator_read_alone_gives_a_pipelined_mma_kernel_with_its_epilog
     assert "mma.sync" in next(m for m in built.imports if m.kind == "cuda").inspect_source()
 
 
+def _gemm(n=256):
+    a = te.placeholder((n, n), "float16", name="a")
+    b = te.placeholder((n, n), "float16", name="b")
+    r = te.reduce_axis((0, n), "r")
+    c = te.compute((n, n), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r),
+                   name="c")
+    return tvm.IRModule({"main": te.create_prim_func([a, b, c]).with_attr("global_symbol", "main")})
+
+
 def test_kernels_without_an_mma_epilogue_are_left_alone(sm90):
-    func = _gemm_bias_relu()["main"]
-    assert mma_epilogue.apply_to_func(func) is func
+    t = sm90.tvm_target()
+    sch, postprocs = _mma_schedule(_gemm(), t, "cuda-tensorcore")  # an mma write-back reading the accumulator alone
+    assert all(_apply(postprocs, sch).values())
+    func = sch.mod["main"]
+    assert "m16n8k8.matrixC" in func.script() and mma_epilogue.apply_to_func(func) is func
+    assert mma_epilogue.declare_accumulator_reads(sch) == 0
     assert mma_epilogue.postprocs(targets.resolve("llvm").tvm_target()) == "from-target"
+
+
+def test_the_cost_model_learns_from_mma_epilogue_records(sm90):
+    """A resumed run warms its cost model with the database's records,
+    replayed without our postprocessor; their features lower the schedule,
+    which failed on such a record and cost the warm start of every task."""
+    from deploy.tuning import search
+
+    t = sm90.tvm_target()
+    mod = _gemm_bias_relu()
+    sch, postprocs = _mma_schedule(mod, t, mma_epilogue.postprocs(t))
+    assert all(_apply(postprocs, sch).values())
+    db = ms.database.MemoryDatabase()
+    workload = db.commit_workload(mod)
+    db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, [1e-4], t,
+                                                     ms.arg_info.ArgInfo.from_prim_func(mod["main"])))
+    ctx = ms.TuneContext(mod=mod, target=t, space_generator=ms.space_generator.ScheduleFn(
+        lambda s: s, postprocs=mma_epilogue.postprocs(t)), task_name="gemm")
+    model = ms.cost_model.CostModel.create("xgb", num_tuning_cores=1)
+    assert search.warm_cost_model(model, [ctx], db) == 1 and model.data_size == 1
