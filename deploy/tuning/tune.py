@@ -84,17 +84,18 @@ def tune_bucket(
     if dbs.has_records(db_dir):
         dbs.check_key(db_dir, key)
         dbs.pack(db_dir)  # what a killed run left (working copy, journal, lanes) counts towards the plan
-    default_us: dict[str, float] = {}
-    if 0 < profile.max_tasks < len(all_tasks) and target.has_device and (deadline is None or time.time() < deadline):
+    plan, global_left = _plan(all_tasks, db_dir, profile)
+    if global_left > 0 and 0 < profile.max_tasks < len(all_tasks) and target.has_device \
+            and (deadline is None or time.time() < deadline):
         # which tasks MAX_TASKS keeps: the slowest per run under their default schedules (timed once, kept
-        # with the database), not the heaviest in FLOPs
+        # with the database), not the heaviest in FLOPs; only when there is tuning to do
         try:
             default_us = kernel_check.time_defaults(
                 db_dir, [{"name": t.task_name, "mod": t.dispatched[0]} for t in all_tasks], target)
+            plan, global_left = _plan(all_tasks, db_dir, profile, default_us)
         except Exception as e:  # noqa: BLE001 - chosen by FLOPs instead; tuning goes on
             log.warning("tune: %s: default schedules not timed (%s); MAX_TASKS keeps the heaviest in FLOPs",
                         db_dir.name, task_loop._first_line(str(e)) or type(e).__name__)
-    plan, global_left = _plan(all_tasks, db_dir, profile, default_us)
     summary = {
         "database": str(db_dir),
         "tasks_total": len(all_tasks),
