@@ -163,13 +163,7 @@ def run(
     if tune_summary is None and target.kind == "cuda" and target.has_device and existing:
         # (no tuning this run: the databases' kernels are still checked here before the build applies them;
         # on the GPU, where a wrong tensor-core record was seen, and where the check takes seconds a kernel)
-        t0 = time.time()
-        try:
-            tune.check_databases(sorted(set(existing.values())), target, db_root)
-        except Exception as e:  # noqa: BLE001 - the build goes on with the checks as they are
-            log.warning("check: tuned kernels not checked (%s); the build applies the databases as they are",
-                        error_line(e))
-        timings["check"] = round(time.time() - t0, 1)
+        timed("check", tune.check_databases, sorted(set(existing.values())), target, db_root)
     package = timed("build", build.run, profile, target, exported, opt, existing, keys, ws.package, cfg.model.name,
                     db_root)
     tol = getattr(cfg.tolerance, profile.precision)

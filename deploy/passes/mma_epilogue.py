@@ -129,7 +129,9 @@ _warned: list = []
 def _warn_once(e: Exception) -> None:
     import logging
 
+    from ..errors import error_line
+
     if not _warned:
         _warned.append(e)
         logging.getLogger(__name__).warning("mma_epilogue: postprocessor failed (%s); candidates left as they are",
-                                            (str(e).strip().splitlines() or [type(e).__name__])[-1][:200])
+                                            error_line(e, 200))

@@ -233,9 +233,8 @@ def _build_all(todo, passed: set, target: TargetInfo) -> list[dict | None]:
 
     from ..errors import run_in_processes
     from ..tvm_compat import load_module
-    from .builder import usable_cpus
 
-    workers = min(PARALLEL_BUILDS, usable_cpus(), len(todo)) if len(todo) >= PARALLEL_FROM else 1
+    workers = _build_workers(len(todo))
     if workers <= 1:
         return [None] * len(todo)
     with tempfile.TemporaryDirectory(prefix="tvm-deploy-check-") as tmp:
@@ -312,7 +311,6 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
 
     from ..errors import run_in_processes
     from ..tvm_compat import load_module, tensor, tvm
-    from .builder import usable_cpus
     from .store import workload_hashes
 
     folder = Path(folder)
@@ -322,7 +320,7 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
     todo = [t for t in tasks if hashes[t["name"]] not in cached]
     if todo:
         dev = target.device()
-        workers = min(PARALLEL_BUILDS, usable_cpus(), len(todo)) if len(todo) >= PARALLEL_FROM else 1
+        workers = _build_workers(len(todo))
         with tempfile.TemporaryDirectory(prefix="tvm-deploy-defaults-") as tmp:
             jobs = [(tvm.ir.save_json(t["mod"]), target, str(Path(tmp) / f"{k}.so")) for k, t in enumerate(todo)]
             built = run_in_processes(_build_default, jobs, workers)
@@ -342,6 +340,12 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
 
 PARALLEL_BUILDS = 8  # build processes for time_defaults and check_database, from PARALLEL_FROM kernels on
 PARALLEL_FROM = 8
+
+
+def _build_workers(n: int) -> int:
+    from .builder import usable_cpus
+
+    return min(PARALLEL_BUILDS, usable_cpus(), n) if n >= PARALLEL_FROM else 1
 
 
 def _buffers(func) -> list[tuple[str, str, list[int]]]:

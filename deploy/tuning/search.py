@@ -166,8 +166,10 @@ def warm_cost_model(model, contexts, db, per_task: int = WARM_RECORDS) -> int:
                 model.update(ctx, cands, results)
                 learnt.append((ctx, cands, results))
             except Exception as e:  # noqa: BLE001 - one task's records that do not featurize: the others still count
+                from .tasks import _first_line  # (tasks imports this module)
+
                 log.info("tune: cost model not warmed from %s's records (%s)", ctx.task_name,
-                         (str(e).strip().splitlines() or [type(e).__name__])[-1][:200])
+                         _first_line(str(e)) or type(e).__name__)
         if model.last_train_size == 1 << 60 and learnt:  # the last task's failed: train on what was learnt,
             ctx, cands, results = learnt[-1]  # re-adding one record to trigger it
             model.last_train_size = 0

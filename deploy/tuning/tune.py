@@ -85,17 +85,22 @@ def tune_bucket(
         dbs.check_key(db_dir, key)
         dbs.pack(db_dir)  # what a killed run left (working copy, journal, lanes) counts towards the plan
     plan, global_left = _plan(all_tasks, db_dir, profile)
+    default_us = None  # {task: us}, once timed
+    timed_s = 0.0
     if global_left > 0 and 0 < profile.max_tasks < len(all_tasks) and target.has_device \
             and (deadline is None or time.time() < deadline):
         # which tasks MAX_TASKS keeps: the slowest per run under their default schedules (timed once, kept
         # with the database), not the heaviest in FLOPs; only when there is tuning to do
+        t0 = time.time()
         try:
             default_us = kernel_check.time_defaults(
                 db_dir, [{"name": t.task_name, "mod": t.dispatched[0]} for t in all_tasks], target)
             plan, global_left = _plan(all_tasks, db_dir, profile, default_us)
         except Exception as e:  # noqa: BLE001 - chosen by FLOPs instead; tuning goes on
+            default_us = None
             log.warning("tune: %s: default schedules not timed (%s); MAX_TASKS keeps the heaviest in FLOPs",
                         db_dir.name, task_loop._first_line(str(e)) or type(e).__name__)
+        timed_s = time.time() - t0
     summary = {
         "database": str(db_dir),
         "tasks_total": len(all_tasks),
@@ -106,19 +111,18 @@ def tune_bucket(
         "cpus": candidates.usable_cpus(),
     }
     left = [p for p in plan if p["left"] > 0]
-    timed_s = 0.0
     if left and global_left > 0 and target.has_device and (deadline is None or time.time() < deadline):
         # where the check times kernels (a pool's devices match this one); only the ordering depends on it
         t0 = time.time()
-        try:
-            times = kernel_check.time_defaults(db_dir, left, target)
+        try:  # (every task's already, where MAX_TASKS chose by them)
+            times = default_us if default_us is not None else kernel_check.time_defaults(db_dir, left, target)
         except Exception as e:  # noqa: BLE001 - the order falls back to FLOPs; tuning goes on
             log.warning("tune: %s: default schedules not timed (%s); tasks ordered by FLOPs", db_dir.name,
                         task_loop._first_line(str(e)) or type(e).__name__)
             times = {}
         for p in plan:
             p["default_us"] = times.get(p["name"])
-        timed_s = time.time() - t0
+        timed_s += time.time() - t0
     todo = sorted(left, key=task_loop.order)
     first = [p for p in todo[:3] if p.get("default_us") is not None]
     if first:
@@ -295,8 +299,16 @@ def check_databases(dirs, target: TargetInfo, db_root: Path) -> dict[str, dict]:
     """The kernel check (check.py) of databases used without tuning (a build
     from done databases, `TRIALS=0`), so a package built where the device is
     applies only checked kernels, as one built after tuning does; records
-    checked before are not checked again. {database folder: counts}."""
-    out = {str(d): check_one(Path(d), target) for d in dirs}
+    checked before are not checked again. {database folder: counts}. Best
+    effort: a failure of the check itself is one warning (the build then
+    applies the databases as they are)."""
+    out = {}
+    try:
+        for d in dirs:
+            out[str(d)] = check_one(Path(d), target)
+    except Exception as e:  # noqa: BLE001
+        log.warning("check: tuned kernels not checked (%s); the build applies the databases as they are",
+                    task_loop._first_line(str(e)) or type(e).__name__)
     if _check_left_out(out.values()):
         refresh_store(db_root, target)
     return out
