@@ -2,7 +2,8 @@
 
 The sources, best first: the kernel's tuning record (MetaSchedule), then each
 of DLight's rules in order (on the CPU, our tiled schedule of contractions,
-`cpu_default`, first; DLight's GEMV is left out, see `rules`), then the plain fallback (DLight's
+`cpu_default`, first; DLight's GEMV is left out, see `rules`; on CUDA our
+schedule of short reductions, `gpu_default`, before DLight's reductions), then the plain fallback (DLight's
 `Fallback` on CUDA; TVM's own default lowering on the CPU). A rule that raises while it
 schedules a kernel (DLight's Matmul rule on a grouped convolution:
 `auto_inline_consumer_chain: AssertionError: There are some consumers of the
@@ -30,6 +31,12 @@ TUNED = "tuned"
 DEFAULT = "default"  # no schedule: TVM's own lowering (CPU targets only)
 CONTRACTION = "contraction"  # our CPU schedule of convolutions and matmuls (passes/cpu_default.py)
 INJECTIVE = "injective"  # our CPU schedule of kernels without a reduction (passes/cpu_default.py)
+SHORT_REDUCTION = "short-reduction"  # our CUDA schedule of depthwise convolutions and pools (passes/gpu_default.py)
+# The version of each target kind's default chain (`rules`): bumped when a
+# change gives kernels other default schedules, so the kernel check
+# (tuning/check.py) times tuned kernels against the new defaults again.
+# cuda 2: ShortReduction (depthwise convolutions, small pools).
+DEFAULTS_VERSION = {"cuda": 2, "llvm": 1}
 
 
 @dataclasses.dataclass
@@ -52,9 +59,14 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
     from ..tvm_compat import dlight
 
     if target_kind == "cuda":
+        from .gpu_default import ShortReduction
+
         g = dlight.gpu
-        return [("dlight.Matmul", g.Matmul()), ("dlight.GEMV", g.GEMV()), ("dlight.Reduction", g.Reduction()),
-                ("dlight.GeneralReduction", g.GeneralReduction()), ("dlight.Fallback", g.Fallback())]
+        # Our ShortReduction before DLight's reduction rules: they give a
+        # depthwise convolution one thread block per output (gpu_default.py).
+        return [("dlight.Matmul", g.Matmul()), ("dlight.GEMV", g.GEMV()), (SHORT_REDUCTION, ShortReduction()),
+                ("dlight.Reduction", g.Reduction()), ("dlight.GeneralReduction", g.GeneralReduction()),
+                ("dlight.Fallback", g.Fallback())]
     from .cpu_default import ContractionTiling, InjectiveParallel
 
     c = dlight.cpu

@@ -60,11 +60,34 @@ def record_id(shash: str, rec: list) -> str:
 
 
 def read(folder: Path) -> dict:
+    """The folder's check state. Made under another version of the target's
+    default chain (`schedule.DEFAULTS_VERSION`), which records were timed and
+    the default schedules' times are dropped, so the next check times each
+    best record against today's defaults. What stays: verdicts on what a
+    record computes (every default computes the same), and records a default
+    already beat (a new default is there because it is faster)."""
     path = Path(folder) / CHECKS
     state = json.loads(path.read_text()) if path.is_file() else {}
+    version = _defaults_version(Path(folder))
+    if state and state.get("defaults", 1) != version:
+        for k in ("timed", "default_us"):
+            state.pop(k, None)
+    state["defaults"] = version
     for k in ("passed", "rejected", "timed", "default_faster"):
         state.setdefault(k, [])
     return state
+
+
+def _defaults_version(folder: Path) -> int:
+    """The default chain's version for the target of the database in
+    `folder` (its key.json names the target kind)."""
+    from ..passes.schedule import DEFAULTS_VERSION
+
+    try:
+        kind = json.loads((folder / "key.json").read_text())["target"]["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        kind = None
+    return DEFAULTS_VERSION.get(kind, 1)
 
 
 def drop_rejected(folder: Path, workloads: list[str], records: list[str], slower_than_default: bool = False

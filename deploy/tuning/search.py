@@ -82,6 +82,7 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
 
     def sch_fn(_sch):
         if "spaces" not in cache:
+            own = _own_spaces(task_mod, target)
             error = None
             for attempt in range(attempts):
                 try:
@@ -91,26 +92,51 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
                 except Exception as e:  # ScheduleError / TVMError
                     error = e
             else:
-                if target.kind.name != "cuda":
+                if target.kind.name != "cuda" and not own:
                     raise error
-                for extra in range(FALLBACK_ATTEMPTS):
+                for extra in range(FALLBACK_ATTEMPTS if target.kind.name == "cuda" else 0):
                     try:
                         cache["spaces"] = generate(SIMT_FALLBACK, attempts + extra)
+                        cache["attempts"], cache["rules"] = attempts + extra + 1, SIMT_FALLBACK
                         break
                     except Exception:  # noqa: BLE001, S112 - the tensor-core error is the one to report
                         continue
                 else:
-                    raise error
-                cache["attempts"], cache["rules"] = attempts + extra + 1, SIMT_FALLBACK
+                    if not own:
+                        raise error
+                    cache["spaces"], cache["attempts"], cache["rules"] = [], attempts, OWN_RULES
                 from .tasks import _first_line  # (tasks imports this module)
 
                 cache["default_error"] = _first_line(str(error)) or type(error).__name__
+            if own:
+                cache["spaces"] = cache["spaces"] + own
+                cache["own"] = len(own)
         return cache["spaces"]
 
     from ..passes import mma_epilogue
 
     return ms.space_generator.ScheduleFn(sch_fn, postprocs=mma_epilogue.postprocs(target)), cache
 
+
+def _own_spaces(task_mod, target) -> list:
+    """Design spaces of our own rules, added to MetaSchedule's: on CUDA,
+    `ShortReduction`'s (passes/gpu_default.py: depthwise convolutions, small
+    pooling windows), its block size a decision. MetaSchedule's tiling of
+    such a kernel at a large batch draws no candidate VerifyGPUCode
+    accepts, so without it the task found nothing."""
+    if target.kind.name != "cuda":
+        return []
+    from ..passes.gpu_default import ShortReduction
+
+    try:
+        sch = ShortReduction().apply(task_mod["main"], target, True)
+    except Exception as e:  # noqa: BLE001 - our rule failing on a kernel leaves MetaSchedule's spaces
+        log.debug("tune: ShortReduction's design space not made (%s)", e)
+        return []
+    return [] if sch is None else [sch]
+
+
+OWN_RULES = "own"  # cache["rules"] when only our spaces were made
 
 # MetaSchedule's CUDA schedule rules without the tensor-core tiling (the kind
 # "cuda"). The space is generated with them; the tuning context's

@@ -7,6 +7,7 @@ import collections
 
 import pytest
 import torch
+import tvm_ffi
 
 from deploy import config, export, frontend, optimize, targets
 from deploy.tuning import builder as tune_builder
@@ -113,3 +114,37 @@ def test_the_fallback_is_not_taken_where_tensor_cores_tile(conv_task):
     ms.TuneContext(mod=task.dispatched[0], target=target.tvm_target(), space_generator=_space,
                    rand_state=1).generate_design_space()
     assert cache["rules"] == "default"
+
+
+def test_a_depthwise_convolution_gets_our_short_reduction_space_beside_metaschedules(tmp_path):
+    """tuning/search.py adds passes/gpu_default.py's ShortReduction as a
+    design space of its own (its block size a decision): its candidates pass
+    every postprocessor, build for sm_90, and their traces replay from JSON
+    onto the workload, as a database record is applied by a build."""
+    from deploy.tvm_compat import s_tir
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1, groups=64), torch.nn.SiLU()).eval()
+    task, tgt = _task(tmp_path, model, (64, 56, 56), "conv2d")
+    mod = task.dispatched[0]
+    space, cache = tune_search._design_space(mod, tgt, seed=1)
+    ctx = ms.TuneContext(mod=mod, target=tgt, space_generator=space, search_strategy=ms.search_strategy.ReplayTrace(),
+                         task_name=task.task_name, rand_state=1)
+    spaces = ctx.generate_design_space()
+    assert cache.get("own") == 1 and "SampleCategorical" in str(spaces[-1].trace.as_json())
+    ctx.pre_tuning(max_trials=24, num_trials_per_iter=24, design_spaces=spaces)
+    ours = [c for c in ctx.generate_measure_candidates() if "sample_categorical" in str(c.sch.trace)
+            and "blockIdx" in c.sch.mod.script() and "group_conv2d" in str(c.sch.trace)]
+    assert ours
+    for c in ours[:3]:
+        assert "threadIdx" in tune_builder.lean_build(c.sch.mod, tgt, None).imports[0].inspect_source()
+        replayed = s_tir.Schedule(mod)
+        s_tir.Trace.apply_json_to_schedule(c.sch.trace.as_json(), replayed)
+        assert tvm_ffi.structural_equal(replayed.mod, c.sch.mod)
+
+
+def test_tasks_our_rules_do_not_take_keep_metaschedules_spaces_alone(conv_task):
+    task, target = conv_task
+    _space, cache = tune_search._design_space(task.dispatched[0], target.tvm_target(), seed=1)
+    ms.TuneContext(mod=task.dispatched[0], target=target.tvm_target(), space_generator=_space,
+                   rand_state=1).generate_design_space()
+    assert "own" not in cache

@@ -1,0 +1,110 @@
+"""The default CUDA schedule of a kernel whose reduction is short: a depthwise
+convolution (3x3 to 7x7 taps), a small pooling window.
+
+Why our own: DLight's Matmul rule cannot take a grouped convolution
+(`auto_inline_consumer_chain: AssertionError`), so a depthwise convolution
+fell to `GeneralReduction`, which gives every output element its own thread
+block of 256 threads and spreads the 9 taps of a 3x3 window over 9 of them.
+EfficientNet-B0 at batch 32 on the H200 then launched 12.8 million blocks for
+its first depthwise convolution + SiLU: 11.7 ms for 0.23 GFLOP and 51 MB, 0%
+of its roofline; its depthwise kernels took 62 of the 67 ms the untuned
+package spent in kernels, against 5.6 ms for all of PyTorch eager
+(`results/h200/2026-12-03/efficientnet_b0-fp16-b32/profile.md`).
+
+`ShortReduction` gives each output element one thread instead: the spatial
+loops fused and bound to blocks of 256 threads (the channel, innermost in
+NHWC, runs across a warp, so loads and stores are coalesced), the taps as an
+unrolled loop in registers, the padding computed inline, and the epilogue
+(cast, bias, activation, residual) applied as each thread writes its output.
+
+Tuning gets the same schedule as a design space of its own, the block size
+a decision (`tunable=True`, added to MetaSchedule's spaces in
+tuning/search.py): at batch 32 MetaSchedule's multi-level tiling drew no
+candidate of EfficientNet-B0's depthwise convolutions that VerifyGPUCode
+accepts (0 of 60 draws on the CPU machine: blocks of 4 to 224 tiles, each
+caching its whole input tile in shared memory), and each such task spent its
+search finding none (21 trials per minute on the H200).
+
+It applies to a kernel with exactly one reduction block, whose loops are
+spatial axes then reduction axes, with at most MAX_TAPS reduction steps per
+output and at least MIN_OUTPUTS outputs, and injective blocks besides whose
+last writes the reduction's shape; anything else is left to DLight. It
+comes after DLight's Matmul and GEMV in the chain (passes/schedule.py), so
+no contraction they schedule changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+MAX_TAPS = 64  # reduction steps per output: a 7x7 window is 49
+MIN_OUTPUTS = 4096  # below this, too few threads: DLight's reduction rules split the reduction instead
+THREADS = 256
+THREAD_CHOICES = (64, 128, 256, 512, 1024)  # the block sizes tuning chooses among
+
+
+def _int(expr) -> int | None:
+    try:
+        return int(expr)
+    except (TypeError, ValueError):
+        return None
+
+
+class ShortReduction:
+    """A DLight-style rule (`apply(func, target, tunable)` returns a
+    schedule, or None where it does not apply)."""
+
+    def apply(self, func, target, tunable=False):
+        from ..tvm_compat import dlight, s_tir, tirx
+
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = dlight.analysis.normalize_prim_func(sch)
+        if not infos:
+            return None
+        reductions = [i for i, b in enumerate(infos) if b.is_reduction()]
+        if len(reductions) != 1:
+            return None
+        at = reductions[0]
+        main, producers, consumers = infos[at], infos[:at], infos[at + 1:]
+        if not all(b.is_injective() for b in producers + consumers):
+            return None
+        kinds = main.dom_kind()
+        n_s = len(kinds) - len(kinds.lstrip("S"))
+        if n_s == 0 or n_s == len(kinds) or kinds[n_s:].strip("R") or len(main.iters) != len(sch.get_loops(main.block_rv)):
+            return None
+        extents = [_int(it.dom) for it in main.iters]
+        if any(e is None for e in extents):
+            return None
+        if math.prod(extents[n_s:]) > MAX_TAPS or math.prod(extents[:n_s]) < MIN_OUTPUTS:
+            return None
+        block = sch.get(main.block_rv)
+        if len(block.writes) != 1:
+            return None
+        shape = [_int(d) for d in block.writes[0].source.shape]
+        if consumers and [_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
+            return None  # a broadcast epilogue: not one output per thread
+        try:
+            for p in reversed(producers):  # the padding: computed where it is read
+                sch.compute_inline(p.block_rv)
+            for c in consumers[:-1]:
+                sch.compute_inline(c.block_rv)
+        except Exception:  # noqa: BLE001 - a producer read twice, an opaque block: not this rule's kernel
+            return None
+        loops = sch.get_loops(main.block_rv)
+        # Tunable (a design space for MetaSchedule, tuning/search.py): the
+        # block size is a decision its MutateThreadBinding mutates.
+        threads = sch.sample_categorical(candidates=list(THREAD_CHOICES), probs=[1 / len(THREAD_CHOICES)] * len(
+            THREAD_CHOICES)) if tunable else THREADS
+        bx, tx = sch.split(sch.fuse(*loops[:n_s]), factors=[None, threads])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        writeback = sch.cache_write(main.block_rv, 0, "local")
+        sch.reverse_compute_at(writeback, tx, preserve_unit_loops=True)
+        if consumers:
+            sch.reverse_compute_inline(consumers[-1].block_rv)
+        for r in loops[n_s:]:
+            sch.unroll(r)
+        sch.decompose_reduction(main.block_rv, loops[n_s])
+        return sch
