@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 
+from .cpu_default import _vars_of
+
 MAX_TAPS = 64  # reduction steps per output: a 7x7 window is 49
 MIN_OUTPUTS = 4096  # below this, too few threads: DLight's reduction rules split the reduction instead
 THREADS = 256
@@ -82,16 +84,27 @@ class ShortReduction:
         block = sch.get(main.block_rv)
         if len(block.writes) != 1:
             return None
+        # Each thread's reads walk the reduction: not along a buffer's
+        # contiguous axis (a sum over the last axis stays with DLight, whose
+        # threads split it and read it coalesced).
+        reduce_vars = {it.var for it, e in zip(main.iters[n_s:], extents[n_s:]) if e > 1}
+        for r in block.reads:
+            if r.region and _vars_of(r.region[-1].min) & reduce_vars:
+                return None
         shape = [_int(d) for d in block.writes[0].source.shape]
         if consumers and [_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
             return None  # a broadcast epilogue: not one output per thread
         try:
-            for p in reversed(producers):  # the padding: computed where it is read
-                sch.compute_inline(p.block_rv)
-            for c in consumers[:-1]:
-                sch.compute_inline(c.block_rv)
-        except Exception:  # noqa: BLE001 - a producer read twice, an opaque block: not this rule's kernel
+            return self._schedule(sch, main, producers, consumers, n_s, tunable)
+        except Exception:  # noqa: BLE001 - a ScheduleError (a producer read twice, an output read again): not this rule's kernel
             return None
+
+    @staticmethod
+    def _schedule(sch, main, producers, consumers, n_s, tunable):
+        for p in reversed(producers):  # the padding: computed where it is read
+            sch.compute_inline(p.block_rv)
+        for c in consumers[:-1]:
+            sch.compute_inline(c.block_rv)
         loops = sch.get_loops(main.block_rv)
         # Tunable (a design space for MetaSchedule, tuning/search.py): the
         # block size is a decision its MutateThreadBinding mutates.

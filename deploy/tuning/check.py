@@ -59,34 +59,36 @@ def record_id(shash: str, rec: list) -> str:
     return hashlib.sha256(json.dumps(journal.identity(shash, rec)).encode()).hexdigest()[:24]
 
 
-def read(folder: Path) -> dict:
+def read(folder: Path, kind: str | None = None) -> dict:
     """The folder's check state. Made under another version of the target's
-    default chain (`schedule.DEFAULTS_VERSION`), which records were timed and
-    the default schedules' times are dropped, so the next check times each
-    best record against today's defaults. What stays: verdicts on what a
-    record computes (every default computes the same), and records a default
-    already beat (a new default is there because it is faster)."""
+    default chain (`schedule.DEFAULTS_VERSION`; `kind` the target kind, else
+    the one the folder's key.json names), its timings are dropped (which
+    records were timed, which a default beat, the defaults' times), so the
+    next check times each best record against today's defaults. Verdicts on
+    what a record computes stay: every default computes the same."""
     path = Path(folder) / CHECKS
     state = json.loads(path.read_text()) if path.is_file() else {}
-    version = _defaults_version(Path(folder))
-    if state and state.get("defaults", 1) != version:
-        for k in ("timed", "default_us"):
-            state.pop(k, None)
-    state["defaults"] = version
+    version = _defaults_version(Path(folder), kind)
+    if version is not None:
+        if state and state.get("defaults", 1) != version:
+            for k in ("timed", "default_faster", "default_us"):
+                state.pop(k, None)
+        state["defaults"] = version
     for k in ("passed", "rejected", "timed", "default_faster"):
         state.setdefault(k, [])
     return state
 
 
-def _defaults_version(folder: Path) -> int:
-    """The default chain's version for the target of the database in
-    `folder` (its key.json names the target kind)."""
+def _defaults_version(folder: Path, kind: str | None) -> int | None:
+    """The default chain's version for `kind`, or for the target the
+    folder's key.json names; None when neither says (nothing is dropped)."""
     from ..passes.schedule import DEFAULTS_VERSION
 
-    try:
-        kind = json.loads((folder / "key.json").read_text())["target"]["kind"]
-    except (OSError, ValueError, KeyError, TypeError):
-        kind = None
+    if kind is None:
+        try:
+            kind = json.loads((folder / "key.json").read_text())["target"]["kind"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
     return DEFAULTS_VERSION.get(kind, 1)
 
 
@@ -123,7 +125,7 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
     from . import database as dbs
 
     folder = Path(folder)
-    state = read(folder)
+    state = read(folder, target.kind)
     passed, timed = set(state["passed"]), set(state["timed"])
     counts = {"checked": 0, "passed": 0, "rejected": 0, "default_faster": 0}
     dev = target.device()
@@ -337,7 +339,7 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
     from .store import workload_hashes
 
     folder = Path(folder)
-    state = read(folder)
+    state = read(folder, target.kind)
     cached = state.setdefault("default_us", {})
     hashes = {t["name"]: next(iter(workload_hashes([t["mod"]]))) for t in tasks}
     todo = [t for t in tasks if hashes[t["name"]] not in cached]

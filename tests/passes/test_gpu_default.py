@@ -97,3 +97,36 @@ def test_a_small_pool_window_is_a_short_reduction(sm90):
                        sm90).values()
     assert ShortReduction().apply(func, sm90) is not None
     assert ShortReduction().apply(func, targets.resolve("llvm").tvm_target()) is None  # CUDA only
+
+
+def test_a_short_reduction_along_the_contiguous_axis_stays_with_dlight(sm90):
+    """A sum over a last axis of 32: one thread per row would read it
+    strided; DLight's reduction rules read it coalesced."""
+    kernels = _kernels(lambda bb, x: relax.op.sum(relax.op.reshape(x, [8 * 28 * 28 * 2, 32]), axis=[1]), sm90)
+    (func,) = [f for n, f in kernels.items() if "sum" in n]
+    assert ShortReduction().apply(func, sm90) is None
+    # (the same sum over the other axis is one thread per output)
+    (func,) = [f for n, f in _kernels(lambda bb, x: relax.op.sum(x, axis=[1]), sm90).items() if "sum" in n]
+    assert ShortReduction().apply(func, sm90) is not None
+
+
+def test_a_kernel_the_rule_cannot_schedule_is_declined_not_raised(sm90):
+    """A reduction whose result is also read after its consumer (an output
+    block the epilogue cannot be inlined into): the rule returns None."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True, s_tir=True)
+    def two_outputs(x: T.Buffer((64, 64, 4), "float32"), t: T.Buffer((64, 64), "float32"),
+                    y: T.Buffer((64, 64), "float32")):
+        for i, j, k in T.grid(64, 64, 4):
+            with T.sblock("t"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    t[vi, vj] = T.float32(0)
+                t[vi, vj] = t[vi, vj] + x[vi, vj, vk]
+        for i, j in T.grid(64, 64):
+            with T.sblock("y"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = t[vi, vj] + t[vj, vi]
+
+    assert ShortReduction().apply(two_outputs, sm90) is None

@@ -508,24 +508,30 @@ def test_untuned_kernels_are_timed_once_and_the_slowest_is_tuned_first(tmp_path,
 
 
 def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monkeypatch):
-    """check.read: a new version of a target's default schedules drops which
-    records were timed (and the defaults' times), so the next check times
-    them against the new defaults; verdicts on outputs and records a default
-    already beat stay. Another target's state is left as it is."""
+    """check.read: a new version of a target's default schedules drops the
+    timings (which records were timed, which a default beat, the defaults'
+    times), so the next check times them against the new defaults; verdicts
+    on outputs stay. Another target's state is left as it is; the kind comes
+    from the caller or the folder's key.json, and without either nothing is
+    dropped or stamped."""
     from deploy.passes import schedule
     from deploy.tuning import check as kernel_check
 
     old = {"passed": ["a"], "rejected": [{"record": "b"}], "timed": ["a"], "default_us": {"w": 3.0},
            "default_faster": [{"record": "c", "workload": "w", "record_secs": 1.0}]}
-    for kind in ("cuda", "llvm"):
+    for kind in ("cuda", "llvm", "nokey"):
         folder = tmp_path / kind
         folder.mkdir()
-        (folder / "key.json").write_text(json.dumps({"target": {"kind": kind}}))
+        if kind != "nokey":
+            (folder / "key.json").write_text(json.dumps({"target": {"kind": kind}}))
         (folder / kernel_check.CHECKS).write_text(json.dumps(old))  # written before versions: version 1
     monkeypatch.setattr(schedule, "DEFAULTS_VERSION", {"cuda": 2, "llvm": 1})
     cuda, llvm = kernel_check.read(tmp_path / "cuda"), kernel_check.read(tmp_path / "llvm")
-    assert cuda["timed"] == [] and "default_us" not in cuda and cuda["defaults"] == 2
-    assert cuda["passed"] == ["a"] and cuda["rejected"] == old["rejected"] and cuda["default_faster"] == old["default_faster"]
+    assert cuda["timed"] == [] and cuda["default_faster"] == [] and "default_us" not in cuda and cuda["defaults"] == 2
+    assert cuda["passed"] == ["a"] and cuda["rejected"] == old["rejected"]
     assert llvm["timed"] == ["a"] and llvm["default_us"] == {"w": 3.0} and llvm["defaults"] == 1
+    nokey = kernel_check.read(tmp_path / "nokey")
+    assert nokey["timed"] == ["a"] and "defaults" not in nokey
+    assert kernel_check.read(tmp_path / "nokey", "cuda")["timed"] == []  # the caller's kind
     (tmp_path / "cuda" / kernel_check.CHECKS).write_text(json.dumps({**old, "defaults": 2}))
     assert kernel_check.read(tmp_path / "cuda")["timed"] == ["a"]  # made under today's chain: kept
