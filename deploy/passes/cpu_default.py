@@ -52,16 +52,13 @@ from __future__ import annotations
 
 import math
 
+from .kernel_shape import single_reduction, static_int, vars_of
+
 LANES_BITS_FALLBACK = 128
 PARALLEL_MIN_ELEMENTS = 4096  # below this a parallel launch costs more than the loop (elements written)
 PARALLEL_MIN_WORK = 1 << 16  # multiply-adds: below this a parallel launch costs more than the kernel
 MAX_BLOCK = 8
 MAX_ACCUMULATORS = 16  # vector registers held by one tile's accumulators
-
-
-def _int(expr) -> int | None:
-    value = getattr(expr, "value", expr)
-    return value if isinstance(value, int) else None
 
 
 def _largest_divisor(n: int, limit: int) -> int:
@@ -76,39 +73,20 @@ def _block(n: int, limit: int) -> int:
     return limit if n > limit and 2 * d <= limit else d
 
 
-def _vars_of(expr) -> set:
-    from ..tvm_compat import tirx
-
-    return set(tirx.analysis.undefined_vars(expr))
-
-
 class ContractionTiling:
     """A DLight-style rule (`apply(func, target, tunable)` returns a
     schedule, or None where it does not apply)."""
 
     def apply(self, func, target, _tunable=False):
-        from ..tvm_compat import dlight, s_tir, target_codegen, tirx
+        from ..tvm_compat import s_tir, target_codegen, tirx
 
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
             return None
         sch = s_tir.Schedule(func)
-        infos = dlight.analysis.normalize_prim_func(sch)
-        if not infos:
+        found = single_reduction(sch)
+        if found is None:
             return None
-        reductions = [i for i, b in enumerate(infos) if b.is_reduction()]
-        if len(reductions) != 1:
-            return None
-        at = reductions[0]
-        main, producers, consumers = infos[at], infos[:at], infos[at + 1:]
-        if not all(b.is_injective() for b in producers + consumers):
-            return None
-        kinds = main.dom_kind()
-        n_s = len(kinds) - len(kinds.lstrip("S"))
-        if n_s == 0 or n_s == len(kinds) or kinds[n_s:].strip("R") or len(main.iters) != len(sch.get_loops(main.block_rv)):
-            return None
-        extents = [_int(it.dom) for it in main.iters]
-        if any(e is None for e in extents):
-            return None
+        main, producers, consumers, n_s, extents = found
         block = sch.get(main.block_rv)
         if len(block.writes) != 1 or len(block.reads) < 2:  # two operands: not a pooling
             return None
@@ -119,7 +97,7 @@ class ContractionTiling:
         # more than one element (an SE block's [1, C, 1, 1]: the channels).
         v = None
         for rg in reversed(write.region):
-            if _int(rg.extent) == 1 and not any(it.var.same_as(rg.min) and e > 1 for it, e in zip(spatial, extents)):
+            if static_int(rg.extent) == 1 and not any(it.var.same_as(rg.min) and e > 1 for it, e in zip(spatial, extents)):
                 continue
             v = next((i for i, it in enumerate(spatial) if it.var.same_as(rg.min)), None)
             break
@@ -134,8 +112,8 @@ class ContractionTiling:
         if vec < 2:
             return None
         # The blocked axis: not indexed by the operand read along the vector axis.
-        vloaded = [r for r in block.reads if any(spatial[v].var in _vars_of(rg.min) for rg in r.region)]
-        used = set().union(*(_vars_of(rg.min) for r in vloaded for rg in r.region)) if vloaded else set()
+        vloaded = [r for r in block.reads if any(spatial[v].var in vars_of(rg.min) for rg in r.region)]
+        used = set().union(*(vars_of(rg.min) for r in vloaded for rg in r.region)) if vloaded else set()
         registers = -(-vec // lanes)
         b, blk = None, 1
         for i in reversed(range(n_s)):
@@ -148,7 +126,7 @@ class ContractionTiling:
         # other operand then serves more accumulators.
         # (Not an axis the other operands index too, as a batch matmul's
         # batch: blocking it would reuse nothing.)
-        others = set().union(*(_vars_of(rg.min) for r in block.reads if r not in vloaded for rg in r.region))
+        others = set().union(*(vars_of(rg.min) for r in block.reads if r not in vloaded for rg in r.region))
         b2, blk2 = None, 1
         room = MAX_ACCUMULATORS // (registers * blk)
         if room >= 2:
@@ -184,7 +162,7 @@ class ContractionTiling:
         writeback = sch.cache_write(main.block_rv, 0, "local")
         sch.reverse_compute_at(writeback, tile, preserve_unit_loops=True)
         if out is not None:
-            if [_int(d) for d in sch.get(out).writes[0].source.shape] == [_int(d) for d in write.source.shape]:
+            if [static_int(d) for d in sch.get(out).writes[0].source.shape] == [static_int(d) for d in write.source.shape]:
                 sch.reverse_compute_inline(out)
             else:  # a broadcast epilogue (squeeze-excitation's multiply): after the tiles, in parallel
                 _parallel_at_root(sch, out)
@@ -204,7 +182,7 @@ def _parallel_at_root(sch, block) -> None:
     """An injective block left at the root: its outer loops fused and run in
     parallel, the innermost loop left to LLVM."""
     loops = sch.get_loops(block)
-    if math.prod(_int(sch.get(lp).extent) or PARALLEL_MIN_ELEMENTS for lp in loops) < PARALLEL_MIN_ELEMENTS:
+    if math.prod(static_int(sch.get(lp).extent) or PARALLEL_MIN_ELEMENTS for lp in loops) < PARALLEL_MIN_ELEMENTS:
         return
     if len(loops) > 1:
         sch.parallel(sch.fuse(*loops[:-1]))
@@ -235,7 +213,7 @@ class InjectiveParallel:
         bits = target_codegen.llvm_get_vector_width(target)
         for block in blocks:
             loops = sch.get_loops(block)
-            extents = [_int(sch.get(lp).extent) for lp in loops]
+            extents = [static_int(sch.get(lp).extent) for lp in loops]
             if not loops or any(e is None for e in extents):
                 return None
             dtype_bits = max(8, sch.get(block).writes[0].source.dtype.bits) if sch.get(block).writes else 32

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 
-from .cpu_default import _vars_of
+from .kernel_shape import single_reduction, static_int, vars_of
 
 MAX_TAPS = 64  # reduction steps per output: a 7x7 window is 49
 MIN_OUTPUTS = 4096  # below this, too few threads: DLight's reduction rules split the reduction instead
@@ -45,40 +45,20 @@ THREADS = 256
 THREAD_CHOICES = (64, 128, 256, 512, 1024)  # the block sizes tuning chooses among
 
 
-def _int(expr) -> int | None:
-    try:
-        return int(expr)
-    except (TypeError, ValueError):
-        return None
-
-
 class ShortReduction:
     """A DLight-style rule (`apply(func, target, tunable)` returns a
     schedule, or None where it does not apply)."""
 
     def apply(self, func, target, tunable=False):
-        from ..tvm_compat import dlight, s_tir, tirx
+        from ..tvm_compat import s_tir, tirx
 
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
             return None
         sch = s_tir.Schedule(func)
-        infos = dlight.analysis.normalize_prim_func(sch)
-        if not infos:
+        found = single_reduction(sch)
+        if found is None:
             return None
-        reductions = [i for i, b in enumerate(infos) if b.is_reduction()]
-        if len(reductions) != 1:
-            return None
-        at = reductions[0]
-        main, producers, consumers = infos[at], infos[:at], infos[at + 1:]
-        if not all(b.is_injective() for b in producers + consumers):
-            return None
-        kinds = main.dom_kind()
-        n_s = len(kinds) - len(kinds.lstrip("S"))
-        if n_s == 0 or n_s == len(kinds) or kinds[n_s:].strip("R") or len(main.iters) != len(sch.get_loops(main.block_rv)):
-            return None
-        extents = [_int(it.dom) for it in main.iters]
-        if any(e is None for e in extents):
-            return None
+        main, producers, consumers, n_s, extents = found
         if math.prod(extents[n_s:]) > MAX_TAPS or math.prod(extents[:n_s]) < MIN_OUTPUTS:
             return None
         block = sch.get(main.block_rv)
@@ -89,10 +69,10 @@ class ShortReduction:
         # threads split it and read it coalesced).
         reduce_vars = {it.var for it, e in zip(main.iters[n_s:], extents[n_s:]) if e > 1}
         for r in block.reads:
-            if r.region and _vars_of(r.region[-1].min) & reduce_vars:
+            if r.region and vars_of(r.region[-1].min) & reduce_vars:
                 return None
-        shape = [_int(d) for d in block.writes[0].source.shape]
-        if consumers and [_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
+        shape = [static_int(d) for d in block.writes[0].source.shape]
+        if consumers and [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
             return None  # a broadcast epilogue: not one output per thread
         try:
             return self._schedule(sch, main, producers, consumers, n_s, tunable)

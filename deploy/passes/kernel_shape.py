@@ -1,0 +1,43 @@
+"""What our default schedule rules (cpu_default.py, gpu_default.py) read off
+a kernel before they schedule it: its one reduction block, the injective
+blocks around it, and its loops' static extents."""
+
+from __future__ import annotations
+
+
+def static_int(expr) -> int | None:
+    value = getattr(expr, "value", expr)
+    return value if isinstance(value, int) else None
+
+
+def vars_of(expr) -> set:
+    from ..tvm_compat import tirx
+
+    return set(tirx.analysis.undefined_vars(expr))
+
+
+def single_reduction(sch):
+    """(main, producers, consumers, n_s, extents) for a kernel with exactly
+    one reduction block, only injective blocks besides, whose loops are its
+    n_s spatial axes then its reduction axes, all of static extent; else
+    None. `main`, `producers`, `consumers` are DLight block infos."""
+    from ..tvm_compat import dlight
+
+    infos = dlight.analysis.normalize_prim_func(sch)
+    if not infos:
+        return None
+    reductions = [i for i, b in enumerate(infos) if b.is_reduction()]
+    if len(reductions) != 1:
+        return None
+    at = reductions[0]
+    main, producers, consumers = infos[at], infos[:at], infos[at + 1:]
+    if not all(b.is_injective() for b in producers + consumers):
+        return None
+    kinds = main.dom_kind()
+    n_s = len(kinds) - len(kinds.lstrip("S"))
+    if n_s == 0 or n_s == len(kinds) or kinds[n_s:].strip("R") or len(main.iters) != len(sch.get_loops(main.block_rv)):
+        return None
+    extents = [static_int(it.dom) for it in main.iters]
+    if any(e is None for e in extents):
+        return None
+    return main, producers, consumers, n_s, extents
