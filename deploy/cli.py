@@ -142,6 +142,7 @@ def prepare(args):
         trials_per_task=args.trials_per_task,
         max_tasks=args.max_tasks,
         split_k=getattr(args, "split_k", None),
+        flat_gemm=getattr(args, "flat_gemm", None),
         budget=args.budget,
     )
     if _nonempty(getattr(args, "dim_buckets", None)):
@@ -491,6 +492,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tasks", type=int, help="tune only the N heaviest tasks (0: all)")
     p.add_argument("--split-k", type=int,
                    help="split the reduction of small-row NHWC convolutions in N parts (batched matmul + sum; 0: off)")
+    p.add_argument("--flat-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="1x1 NHWC convolutions and batched-row matmuls as 2-D GEMMs with their epilogues "
+                        "(candidates for the mma.sync tensor-core rule; changes the kernels to tune)")
     p.add_argument("--budget", help="wall-clock tuning budget, e.g. 10m; '' for none")
     p.add_argument("--input", action="append", help="NAME:3x224x224[:dtype] for ONNX models (repeatable)")
     p.add_argument("--checkpoint", help="PyTorch state_dict for a registry model")

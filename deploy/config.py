@@ -110,6 +110,11 @@ class Profile:
     # (passes.fast_math; relative error <= 4e-6 in fp32): on by default on the
     # CPU, where LLVM otherwise calls libm once per element.
     fast_math: bool = False
+    # 1x1 NHWC convolutions and batched-row matmuls as 2-D GEMMs with their
+    # epilogues (passes.flat_gemm): gives TVM's mma.sync tensor-core rule
+    # candidates it cannot draw for the 4-D forms. Changes the kernels, so a
+    # database tuned without it does not cover them.
+    flat_gemm: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +357,9 @@ def _check_values(obj, where: str) -> None:
                 raise ConfigError(f"invalid {where}.{name}", getattr(obj, name), "a positive integer")
         if obj.layout == "NCHWc" and where.split(".")[-1] == "cuda":
             raise ConfigError(f"invalid {where}.layout", "'NCHWc'", "NHWC or NCHW on CUDA (NCHWc is the CPU's layout)")
+        if obj.flat_gemm and obj.layout == "NCHWc":
+            raise ConfigError(f"invalid {where}.flat_gemm", "true with layout NCHWc",
+                              "layout = \"NHWC\" (1x1 convolutions are rewritten in NHWC only), or flat_gemm = false")
         if obj.split_k > 1 and obj.layout != "NHWC":
             raise ConfigError(f"{where}.split_k needs the NHWC layout", f"layout {obj.layout}", "layout = \"NHWC\", or split_k = 0 (--split-k 0)")
         if obj.search_population < obj.trials_per_iter:

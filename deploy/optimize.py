@@ -11,6 +11,9 @@ relax/backend/cuda/pipeline.py):
   fast_math         exp, sigmoid, tanh, erf, softmax as vectorizable approximations
                     (passes.fast_math; the CPU's default)
   mixed_precision   fp16 compute (when the profile asks for it)
+  split_k           small-row convolutions' reductions split (passes.split_k; asked for)
+  flat_gemm         1x1 convolutions and batched-row matmuls as 2-D GEMMs
+                    (passes.flat_gemm; asked for)
   fusion            legalize to TIR and fuse into kernels: the module that
                     tuning extracts tasks from and the build compiles
 A report records the operator counts after each phase; `dump_ir` writes the
@@ -32,6 +35,7 @@ from .passes import nchwc
 from .passes.clip import clip_kernels_to_ops
 from .passes.exact_power import power_to_multiply
 from .passes.fast_math import fast_math
+from .passes.flat_gemm import flat_gemm
 from .passes.layout import convert_to_nhwc
 from .passes.mixed_precision import to_mixed_precision
 from .passes.split_k import split_k_conv2d
@@ -83,6 +87,8 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
         out.append(("mixed_precision", [to_mixed_precision(acc), T.FoldConstant()]))
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), T.FoldConstant()]))
+    if profile.flat_gemm:
+        out.append(("flat_gemm", [flat_gemm(), T.FoldConstant()]))
     out.append(
         (
             "fusion",

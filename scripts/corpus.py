@@ -100,7 +100,7 @@ def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path
 def build_one(job) -> dict:
     """Export, import, optimize, build and validate one (model, precision),
     untuned, in `work`/<model>-<precision> (a process-pool entry)."""
-    name, precision, size, exporter, target_name, work, plain, layout = job
+    name, precision, size, exporter, target_name, work, plain, extra = job
     import models
     from deploy import artifacts, config, pipeline, targets
     from deploy.errors import DeployError
@@ -111,7 +111,7 @@ def build_one(job) -> dict:
     spec = models.get(name)
     entry = {"model": name, "kind": spec.kind, "expect": spec.expect, "precision": precision,
              "size": size, "exporter": exporter}
-    profile = {"buckets": [1], "tune_buckets": [], "trials": 0, "precision": precision, **({"layout": layout} if layout else {})}
+    profile = {"buckets": [1], "tune_buckets": [], "trials": 0, "precision": precision, **extra}
     cfg = config.from_dict({"model": {"source": name, "size": size, "exporter": exporter}, target.kind: profile})
     ws = work / f"{name}-{precision}"
     shutil.rmtree(ws, ignore_errors=True)
@@ -212,6 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="", help="comma list (default: fp32 on llvm, fp16 on cuda)")
     ap.add_argument("--models", default="", help="comma list (default: the whole registry)")
     ap.add_argument("--layout", default="", help="the convolutions' layout (default: the target's, see deploy/config.py)")
+    ap.add_argument("--flat-gemm", action="store_true", help="the profile's flat_gemm (passes/flat_gemm.py)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--baselines", action="store_true", help="time the alternatives in the same run")
@@ -229,6 +230,9 @@ def main(argv=None) -> int:
     from deploy.bench import report as bench_report
 
     target = targets.resolve(args.target)
+    if args.flat_gemm and target.kind == "llvm" and args.layout != "NHWC":
+        print("error: --flat-gemm on llvm needs --layout NHWC (the CPU's default layout is NCHWc)", file=sys.stderr)
+        return 2
     names = [n.strip() for n in args.models.split(",") if n.strip()] or models.names()
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()] or \
         (["fp16"] if target.kind == "cuda" else ["fp32"])
@@ -241,7 +245,7 @@ def main(argv=None) -> int:
     # A resumed run is several commands: each is kept, in order.
     commands = report.get("commands") or ([report["command"]] if "command" in report else [])
     report.update({"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
-                   "layout": args.layout or "default",
+                   "layout": args.layout or "default", "flat_gemm": args.flat_gemm,
                    "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
                    "commands": [*commands, command]})
     results = {(r["model"], r["precision"]): r for r in report["results"]}
@@ -252,7 +256,8 @@ def main(argv=None) -> int:
         report["results"] = list(results.values())
         artifacts.write_json_atomic(path, report)  # after every model: a killed run keeps what it did
 
-    jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, args.layout)
+    extra = {**({"layout": args.layout} if args.layout else {}), **({"flat_gemm": True} if args.flat_gemm else {})}
+    jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, extra)
             for n in names for p in precisions if args.force or (n, p) not in results]
     try:
         if jobs:

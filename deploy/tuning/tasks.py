@@ -137,10 +137,22 @@ def task_flops(task) -> float:
 
 
 def extract_tasks(mod, target):
-    from ..tvm_compat import ms
+    """MetaSchedule's tasks of the module, less those already scheduled and
+    pure reshapes: the build turns a reshape into a view of its input
+    (RewriteDataflowReshape), so its kernel never runs (passes/flat_gemm.py
+    leaves one on each side of a GEMM)."""
+    from ..tvm_compat import ms, relax
 
     tasks = ms.relax_integration.extract_tasks(mod, target)
-    return [t for t in tasks if not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False)]
+    return [t for t in tasks if (not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False))
+            and not _is_reshape(relax, t.dispatched[0]["main"])]
+
+
+def _is_reshape(relax, func) -> bool:
+    try:
+        return bool(relax.analysis.has_reshape_pattern(func))
+    except Exception:  # noqa: BLE001 - not analysable: tuned as any kernel
+        return False
 
 
 def order(p: dict) -> tuple:
@@ -207,6 +219,10 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
             if cache.get("rules") == deadline_search.SIMT_FALLBACK:
                 summary.setdefault("without_tensor_cores", {})[p["name"]] = cache["default_error"]
                 log.info("tune: %s: no tensor-core design space (%s); tuned with the rules without tensor cores",
+                         p["name"], cache["default_error"])
+            elif cache.get("rules") == deadline_search.OWN_RULES:
+                summary.setdefault("own_spaces_only", {})[p["name"]] = cache["default_error"]
+                log.info("tune: %s: no design space of MetaSchedule's rules (%s); tuned with ours alone",
                          p["name"], cache["default_error"])
         except Exception as e:  # TVM raises ScheduleError/TVMError subclasses
             reason = _first_line(str(e))

@@ -1,0 +1,186 @@
+"""1x1 convolutions and batched-row matmuls as 2-D GEMMs, epilogues included.
+
+Our own Relax pass (the profile's `flat_gemm`, for the mma.sync tensor-core
+rule; not a workaround of a defect, though it exists because of a limit):
+MetaSchedule's mma.sync tiling (m16n8k8 with ldmatrix and a cp.async
+pipeline) only takes a block with two spatial loops and one reduction loop,
+and declines the rest ("The MMA tensor core only supports SSR loops now",
+multi_level_tiling_tensor_core.cc). A fused NHWC 1x1 convolution has four
+spatial loops (N, H, W, O) and a transformer's dense layer three (batch,
+sequence, N): they only ever get WMMA candidates. The same GEMM written in
+two dimensions, epilogue included, gets mma.sync candidates that pass every
+postprocessor with our epilogue fix (passes/mma_epilogue.py): 14 of 200 draws
+for ResNet-50's 12544x256x1024 GEMM with bias and ReLU
+(`scripts/mma_probe.py --gemm 12544,256,1024 --epilogue bias-relu --fix-epilogue`).
+`tests/passes/test_flat_gemm.py` fails once TVM tiles the 4-D form with
+mma.sync.
+
+So `flat_gemm()` rewrites
+  - a 2-D convolution in NHWC/OHWI with a 1x1 kernel, stride 1, no padding,
+    groups 1, static shapes: `x[N,H,W,C]` -> `matmul(reshape(x, [N*H*W, C]),
+    W^T[C, O])`;
+  - a matmul of an N-D left side (rank >= 3) by a 2-D right side:
+    `x[..., K]` -> `reshape(x, [rows, K])`;
+and carries the elementwise operators that follow (unary ones, casts, and
+binary ones whose other side is the same shape or broadcasts along the last
+axis alone: a bias, a residual) in two dimensions, so that FuseOps puts the
+whole epilogue into the GEMM's kernel. The result is reshaped back where a
+consumer needs the original shape: a reshape of a contiguous tensor, which
+the build turns into a view (RewriteDataflowReshape), not a kernel.
+"""
+
+from __future__ import annotations
+
+from . import relax_function_pass
+
+UNARY = frozenset({
+    "relax.astype", "relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid",
+    "relax.tanh", "relax.exp", "relax.erf", "relax.sqrt", "relax.negative", "relax.clip", "relax.abs",
+    "relax.nn.leakyrelu", "relax.square",
+})
+BINARY = frozenset({
+    "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
+    "relax.power",
+})
+
+
+def _shape(expr) -> list[int] | None:
+    try:  # TVM 0.27: struct info is `.ty`; static shapes only
+        return [int(d) for d in expr.ty.shape]
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def flat_gemm():
+    """A pass: see the module's docstring."""
+    from ..tvm_compat import relax, tvm
+
+    op = relax.op
+    ops = {name: tvm.ir.Op.get(name) for name in UNARY | BINARY | {"relax.nn.conv2d", "relax.matmul", "relax.reshape"}}
+
+    @relax.expr_functor.mutator
+    class FlatGemm(relax.PyExprMutator):
+        def __init__(self, mod=None):
+            super().__init__(mod)
+            self.flat = set()  # the 2-D vars this pass emitted (GEMM results and their epilogues)
+
+        # A 2-D var is reused only inside the block that made it (a dataflow
+        # var must not leave its block): the set starts afresh with each.
+        def visit_dataflow_block_(self, block):
+            self.flat = set()
+            return super().visit_dataflow_block_(block)
+
+        def visit_binding_block_(self, block):
+            self.flat = set()
+            return super().visit_binding_block_(block)
+
+        def _flat_of(self, expr):
+            """The 2-D var behind `expr` when it is our reshape of one."""
+            if not isinstance(expr, relax.Var):
+                return None
+            value = self.lookup_binding(expr)
+            if isinstance(value, relax.Call) and value.op == ops["relax.reshape"] and value.args[0] in self.flat:
+                return value.args[0]
+            return None
+
+        def _rows(self, x, shape):
+            """`x` as a [rows, K] GEMM operand: the 2-D var behind it where it
+            is one of ours (a bottleneck's output feeding the next 1x1
+            convolution), else a reshape."""
+            flat = self._flat_of(x)
+            if flat is not None and _shape(flat) == shape:
+                return flat
+            return self.builder_.emit(op.reshape(x, shape))
+
+        def _emit_flat(self, call, shape):
+            flat = self.builder_.emit(call)
+            self.flat.add(flat)
+            return op.reshape(flat, shape)
+
+        def visit_call_(self, call):
+            call = self.builder_.normalize(super().visit_call_(call))
+            if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
+                return call
+            name = call.op.name
+            if name == "relax.nn.conv2d":
+                return self._conv1x1(call)
+            if name == "relax.matmul":
+                return self._matmul(call)
+            if name in UNARY:
+                src = self._flat_of(call.args[0])
+                if src is None:
+                    return call
+                return self._emit_flat(relax.Call(call.op, [src, *call.args[1:]], call.attrs), _shape(call))
+            if name in BINARY:
+                return self._binary(call)
+            return call
+
+        def _conv1x1(self, call):
+            a = call.attrs
+            if (a.data_layout, a.kernel_layout, str(a.out_layout or "NHWC")) != ("NHWC", "OHWI", "NHWC") \
+                    or int(a.groups) != 1 or [int(s) for s in a.strides] != [1, 1] \
+                    or [int(d) for d in a.dilation] != [1, 1] or any(int(p) for p in a.padding):
+                return call
+            x, w = call.args
+            xs, ws, ys = _shape(x), _shape(w), _shape(call)
+            if xs is None or ws is None or ys is None or ws[1:3] != [1, 1]:
+                return call
+            n, h, wd, c = xs
+            o = ws[0]
+            lhs = self._rows(x, [n * h * wd, c])
+            rhs = self.builder_.emit(op.permute_dims(op.reshape(w, [o, c]), [1, 0]))  # folded for constant weights
+            return self._emit_flat(op.matmul(lhs, rhs, out_dtype=a.out_dtype), ys)
+
+        def _matmul(self, call):
+            x, w = call.args
+            xs, ws, ys = _shape(x), _shape(w), _shape(call)
+            if xs is None or ws is None or ys is None or len(xs) < 3 or len(ws) != 2:
+                return call
+            rows = 1
+            for d in xs[:-1]:
+                rows *= d
+            lhs = self._rows(x, [rows, xs[-1]])
+            return self._emit_flat(op.matmul(lhs, w, out_dtype=call.attrs.out_dtype), ys)
+
+        def _binary(self, call):
+            lhs, rhs = call.args
+            ys = _shape(call)
+            flat_l, flat_r = self._flat_of(lhs), self._flat_of(rhs)
+            if ys is None or (flat_l is None and flat_r is None):
+                return call
+            rows, cols = _shape(flat_l if flat_l is not None else flat_r)
+            # Decide for both sides before emitting anything: a flat side the
+            # other broadcasts over (squeeze-excitation's [N,1,1,C] scale of a
+            # feature map) is not elementwise over the rows.
+            plan = []
+            for arg, flat in ((lhs, flat_l), (rhs, flat_r)):
+                s = _shape(arg)
+                if flat is not None:
+                    if s != ys:
+                        return call
+                    plan.append(("flat", flat))
+                elif s is None:
+                    return call
+                elif s == ys:  # a residual: viewed in 2-D as well
+                    plan.append(("rows", arg))
+                elif len(s) <= len(ys) and all(d == 1 for d in s[:-1]) and (not s or s[-1] in (1, cols)):
+                    plan.append(("bias", arg) if s else ("flat", arg))  # a bias; a scalar as it is
+                else:
+                    return call
+            args = [x if how == "flat" else self.builder_.emit(
+                op.reshape(x, [rows, cols] if how == "rows" else [1, _shape(x)[-1]])) for how, x in plan]
+            return self._emit_flat(relax.Call(call.op, args, call.attrs), ys)
+
+    rewrite = relax_function_pass("FlatGemm", FlatGemm)
+
+    @tvm.transform.module_pass(opt_level=0, name="FlatGemm")
+    def run(mod, _ctx):
+        # The 4-D views nothing reads any more go: a dead consumer of the GEMM
+        # would keep FuseOps from fusing its epilogue (no single post-dominator).
+        out = rewrite(mod)
+        for gv, func in list(out.functions.items()):
+            if isinstance(func, relax.Function):
+                out[gv] = relax.analysis.remove_all_unused(func)
+        return out
+
+    return run

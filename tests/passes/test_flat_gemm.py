@@ -1,0 +1,247 @@
+"""deploy/passes/flat_gemm.py: 1x1 convolutions and batched-row matmuls as
+2-D GEMMs with their epilogues. The rewrite computes the same, fuses into one
+GEMM kernel with its epilogue, is applied only where meant, and gives TVM's
+mma.sync rule design spaces the 4-D convolution does not get."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deploy import config
+from deploy.errors import ConfigError
+from deploy.optimize import phases
+from deploy.passes.flat_gemm import flat_gemm
+from deploy.tvm_compat import PassContext, VirtualMachine, relax, tensor, tirx, tvm
+
+
+def _parse(src: str):
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+    from tvm.script.parser import parse
+
+    return parse(src, extra_vars={"I": I, "R": R})
+
+
+def _bottleneck(n=2, h=7, w=5, c=64, o=32, k=1, stride=1):
+    """A 1x1 convolution (fp16 in, fp32 sum as after ToMixedPrecision), its
+    cast, bias, residual add and ReLU, then a 3x3 convolution of the result;
+    both results are outputs."""
+    ho, wo = (h - 1) // stride + 1, (w - 1) // stride + 1
+    return _parse(f"""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor(({n}, {h}, {w}, {c}), "float16"), wt: R.Tensor(({o}, {k}, {k}, {c}), "float16"),
+             b: R.Tensor((1, 1, 1, {o}), "float16"), r: R.Tensor(({n}, {ho}, {wo}, {o}), "float16"),
+             w2: R.Tensor((16, 3, 3, {o}), "float16")):
+        with R.dataflow():
+            y = R.nn.conv2d(x, wt, strides=[{stride}, {stride}], padding=[{k // 2}] * 4, data_layout="NHWC",
+                            kernel_layout="OHWI", out_layout="NHWC", out_dtype="float32")
+            y1 = R.astype(y, "float16")
+            y2 = R.add(y1, b)
+            y3 = R.add(r, y2)
+            y4 = R.nn.relu(y3)
+            z = R.nn.conv2d(y4, w2, padding=[1, 1, 1, 1], data_layout="NHWC", kernel_layout="OHWI",
+                            out_layout="NHWC", out_dtype="float16")
+            R.output(z, y4)
+        return (z, y4)
+""")
+
+
+def _dense():
+    """A transformer's dense layer: [batch, seq, K] @ [K, N] + bias, GELU."""
+    return _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 5, 64), "float16"), w: R.Tensor((64, 48), "float16"), b: R.Tensor((48,), "float16")):
+        with R.dataflow():
+            y = R.matmul(x, w, out_dtype="float16")
+            z = R.nn.gelu(R.add(y, b))
+            R.output(z)
+        return z
+""")
+
+
+def _run(mod, args):
+    ex = tvm.compile(relax.transform.LegalizeOps()(mod), target="llvm")
+    out = VirtualMachine(ex, tvm.cpu())["main"](*[tensor(a) for a in args])
+    return [o.numpy().astype("float32") for o in ([out] if hasattr(out, "numpy") else list(out))]
+
+
+def _fused(mod):
+    with PassContext(opt_level=3):
+        return tvm.ir.transform.Sequential([
+            relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(),
+            relax.transform.FuseTIR(), relax.transform.DeadCodeElimination()])(mod)
+
+
+def _kernels(mod):
+    return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+
+
+def _args(mod, seed=0):
+    rng = np.random.default_rng(seed)
+    params = mod["main"].params
+    return [rng.standard_normal([int(d) for d in p.ty.shape]).astype(str(p.ty.dtype)) for p in params]
+
+
+@pytest.mark.parametrize("make", [_bottleneck, _dense], ids=["conv1x1-bottleneck", "dense-gelu"])
+def test_the_rewrite_computes_the_same_in_one_gemm_kernel(make):
+    mod = make()
+    new = flat_gemm()(mod)
+    assert "R.nn.conv2d(x" not in new.script() and "R.matmul" in new.script()
+    assert "R.matmul(x" in mod.script() or "R.nn.conv2d(x" in mod.script()  # the input module is left as it was
+    args = _args(mod)
+    for ref, got in zip(_run(mod, args), _run(new, args)):
+        assert got.shape == ref.shape
+        assert np.abs(got - ref).max() <= 2e-3 * np.abs(ref).max()
+    # One 2-D kernel: the GEMM with its whole epilogue; besides it only
+    # reshapes (views once built) and the 3x3 convolution.
+    kernels = _kernels(_fused(new))
+    gemm = [n for n in kernels if n.startswith("fused_matmul")]
+    assert len(gemm) == 1, kernels.keys()
+    name = gemm[0]
+    assert all(op in name for op in (["cast", "add", "add1", "relu"] if make is _bottleneck else ["add"])), name
+    assert all(n.startswith(("fused_matmul", "reshape", "conv2d", "transpose", "fused_reshape")) or "gelu" in n
+               or "erf" in n or "multiply" in n for n in kernels), kernels.keys()
+    text = kernels[name].script()
+    assert text.count("T.Buffer((T.int64(70)" if make is _bottleneck else "T.Buffer((T.int64(10)") >= 2  # rows = N*H*W
+
+
+@pytest.mark.parametrize("why, kwargs", [
+    ("a 3x3 kernel", {"k": 3}),
+    ("stride 2", {"stride": 2}),
+])
+def test_other_convolutions_are_left_alone(why, kwargs):
+    new = flat_gemm()(_bottleneck(**kwargs))
+    assert "R.matmul" not in new.script(), why
+
+
+def test_a_broadcast_by_the_other_side_stops_the_epilogue():
+    """An [N,1,1,C] scale (squeeze-excitation) broadcasts over the rows: the
+    epilogue stays 4-D from there, and the result is the same."""
+    mod = _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 4, 4, 16), "float32"), w: R.Tensor((8, 1, 1, 16), "float32"),
+             s: R.Tensor((2, 1, 1, 8), "float32")):
+        with R.dataflow():
+            y = R.nn.conv2d(x, w, data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC")
+            z = R.multiply(R.nn.relu(y), s)
+            R.output(z)
+        return z
+""")
+    new = flat_gemm()(mod)
+    text = new.script()
+    assert "R.nn.relu(lv" in text and "R.multiply(" in text
+    args = _args(mod)
+    np.testing.assert_allclose(_run(new, args)[0], _run(mod, args)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_flat_gemm_phase_and_config():
+    cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"flat_gemm": True}})
+    assert [name for name, _ in phases(cfg.cuda)][-2:] == ["flat_gemm", "fusion"]
+    assert "flat_gemm" not in [name for name, _ in phases(config.from_dict({"model": {"source": "tiny_cnn"}}).cuda)]
+    with pytest.raises(ConfigError, match="invalid llvm.flat_gemm"):
+        config.from_dict({"model": {"source": "tiny_cnn"}, "llvm": {"flat_gemm": True}})  # NCHWc there
+    cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "llvm": {"flat_gemm": True, "layout": "NHWC"}})
+    assert "flat_gemm" in [name for name, _ in phases(cfg.llvm)]
+
+
+def test_the_mma_rule_draws_spaces_for_the_flat_gemm_and_not_the_4d_convolution():
+    """Why the pass exists: TVM 0.27's mma.sync tiling declines a fused NHWC
+    1x1 convolution ("The MMA tensor core only supports SSR loops now": four
+    spatial loops, not two), so its design spaces carry no mma.sync; the same
+    GEMM flattened to 2-D gets them. Fails once TVM tiles the 4-D
+    convolution with mma.sync as well (then the pass is no longer needed for it)."""
+    import tvm.s_tir.tensor_intrin  # noqa: F401 - the rules name TVM's tensor intrinsics
+
+    from deploy import targets
+    from deploy.tvm_compat import ms
+
+    mod = _bottleneck(n=4, h=56, w=56, c=64, o=256)
+    target = targets.resolve("cuda:sm_90").tvm_target()
+
+    def gemm_kernel(m):
+        kernels = _kernels(_fused(m))
+        (name,) = [n for n in kernels if n.startswith(("fused_conv2d", "fused_matmul"))]
+        return tvm.IRModule({"main": kernels[name].with_attr("global_symbol", "main")})
+
+    rules = ms.ScheduleRule.create("cuda-tensorcore")  # [custom, WMMA tiling, mma tiling, SIMT tiling, ...]
+    mma_only = [rules[0], rules[2], *rules[3:]]
+
+    def mma_spaces(kernel, seeds=3):
+        found = 0
+        for seed in range(1, seeds + 1):
+            ctx = ms.TuneContext(mod=kernel, target=target, rand_state=seed, space_generator=ms.space_generator.PostOrderApply(
+                sch_rules=mma_only, postprocs=[], mutator_probs={}))
+            try:
+                spaces = ctx.generate_design_space()
+            except Exception:  # noqa: BLE001 - a draw that fails gives no space
+                continue
+            found += sum("mma" in str(sch.trace) for sch in spaces)
+        return found
+
+    assert mma_spaces(gemm_kernel(mod)) == 0
+    assert mma_spaces(gemm_kernel(flat_gemm()(mod))) >= 2
+
+
+def test_a_2d_var_never_leaves_its_dataflow_block():
+    """A flat GEMM result made inside a dataflow block is not reused by an
+    operator after the block (a dataflow var outside its block is an invalid
+    module): there the 4-D output is read."""
+    mod = _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 5, 64), "float32"), w: R.Tensor((64, 48), "float32"), b: R.Tensor((48,), "float32")):
+        with R.dataflow():
+            y = R.matmul(x, w)
+            y2 = R.nn.relu(y)
+            R.output(y2)
+        z = R.add(y2, b)
+        return z
+""")
+    new = flat_gemm()(mod)
+    assert "R.add(y2, b)" in new.script()
+    assert relax.analysis.check_well_formed(new)
+    args = _args(mod)
+    np.testing.assert_allclose(_run(new, args)[0], _run(mod, args)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_feature_map_scaled_by_a_flat_result_is_left_4d():
+    """Squeeze-excitation: x[N,H,W,C] * sigmoid(conv1x1(s))[N,1,1,C], the
+    flat side first broadcast by the other (whichever operand it is)."""
+    for order in ("R.multiply(x, g)", "R.multiply(g, x)"):
+        mod = _parse(f"""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((1, 6, 6, 16), "float32"), s: R.Tensor((1, 1, 1, 8), "float32"),
+             w: R.Tensor((16, 1, 1, 8), "float32")):
+        with R.dataflow():
+            e = R.nn.conv2d(s, w, data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC")
+            g = R.sigmoid(e)
+            z = {order}
+            R.output(z)
+        return z
+""")
+        new = flat_gemm()(mod)
+        args = _args(mod)
+        np.testing.assert_allclose(_run(new, args)[0], _run(mod, args)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_reshapes_around_a_flat_gemm_are_not_tuning_tasks():
+    """The views the pass leaves become standalone reshape kernels after
+    fusion; the build turns them into views, so tuning leaves them out."""
+    from deploy import targets
+    from deploy.tuning import tasks
+
+    fused = _fused(flat_gemm()(_bottleneck()))
+    assert any(n.startswith("reshape") for n in _kernels(fused))
+    names = [t.task_name for t in tasks.extract_tasks(fused, targets.resolve("cuda:sm_90").tvm_target())]
+    assert names and not [n for n in names if n.startswith("reshape")], names
+    assert any(n.startswith("fused_matmul") for n in names)
