@@ -99,6 +99,10 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                 T.FuseOps(),
                 T.FuseTIR(),
                 T.DeadCodeElimination(),
+                # flat_gemm's reshapes: views of their input rather than
+                # kernels (as the build would make them), so that neither
+                # tuning nor the build's schedules see them.
+                *([T.RewriteDataflowReshape(), T.DeadCodeElimination()] if profile.flat_gemm else []),
             ],
         )
     )
