@@ -289,6 +289,7 @@ def format_summary(summary: dict) -> str:
                 f"tuning b{b}  {s['trials_after']} trials in database ({s['new_trials']} new, "
                 f"{'n/a' if vf is None else f'{vf:.0%}'} valid, {s['tasks_selected']}/{s['tasks_total']} tasks"
                 + (f", {len(s['without_tensor_cores'])} without tensor cores" if s.get("without_tensor_cores") else "")
+                + (f", {len(s['own_spaces'])} with our short-reduction space" if s.get("own_spaces") else "")
                 + (f", {len(s['unschedulable'])} left to default schedules (no design space)"
                    if s.get("unschedulable") else "") + ")"
                 + ("  stopped at the deadline" if s["stopped_by_deadline"] else "")

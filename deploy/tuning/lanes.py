@@ -20,6 +20,10 @@ from . import tasks as task_loop
 log = logging.getLogger(__name__)
 
 
+# The per-task lists of a lane's tune summary, merged over the lanes.
+SUMMARY_TASK_LISTS = ("unschedulable", "without_tensor_cores", "own_spaces", "own_spaces_only")
+
+
 def lanes(pool: RPCPool | None, n_servers: int) -> int:
     """Tuning processes for a run: one without a pool (a local GPU measures
     one candidate at a time); with a pool, `pool.lanes`, or one per server."""
@@ -180,7 +184,7 @@ def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -
                 times[k] += lane_times[k]
         for k, v in r["summary"].get("time_split_s", {}).items():
             split[k] = round(split.get(k, 0.0) + v, 2)
-        for k in ("unschedulable", "without_tensor_cores"):
+        for k in SUMMARY_TASK_LISTS:
             summary.setdefault(k, {}).update(r["summary"].get(k, {}))
         rpc = r["summary"].get("rpc")
         if rpc:
@@ -200,7 +204,7 @@ def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -
                                  "time_split_s": r["summary"].get("time_split_s", {}),
                                  "build": candidates.build_stats(lane_times) if lane_times else {},
                                  "cost_model_warm_start": r["summary"].get("cost_model_warm_start")})
-    for k in ("unschedulable", "without_tensor_cores"):
+    for k in SUMMARY_TASK_LISTS:
         if not summary.get(k):
             summary.pop(k, None)
     if split:

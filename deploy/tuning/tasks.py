@@ -220,7 +220,9 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
                 summary.setdefault("without_tensor_cores", {})[p["name"]] = cache["default_error"]
                 log.info("tune: %s: no tensor-core design space (%s); tuned with the rules without tensor cores",
                          p["name"], cache["default_error"])
-            elif cache.get("rules") == deadline_search.OWN_RULES:
+            if cache.get("own"):
+                summary.setdefault("own_spaces", {})[p["name"]] = "short-reduction"
+            if cache.get("rules") == deadline_search.OWN_RULES:
                 summary.setdefault("own_spaces_only", {})[p["name"]] = cache["default_error"]
                 log.info("tune: %s: no design space of MetaSchedule's rules (%s); tuned with ours alone",
                          p["name"], cache["default_error"])

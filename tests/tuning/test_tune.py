@@ -65,6 +65,9 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     text = pipeline.format_summary({"package": "p", "buckets": {}, "validation": None,
                                     "tuning": {"1": {**s1, "build": b0}}})
     assert "(2 failed, 1 timed out)" in text
+    text = pipeline.format_summary({"package": "p", "buckets": {}, "validation": None,
+                                    "tuning": {"1": {**s1, "own_spaces": {"fused_conv2d": "short-reduction"}}}})
+    assert ", 1 with our short-reduction space)" in text
     db_dir = a1.databases[1]
     key = json.loads((db_dir / "key.json").read_text())
     assert key["precision"] == "fp32" and key["inputs"][0]["shape"] == [1, 3, 16, 16]
@@ -535,3 +538,20 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
     assert kernel_check.read(tmp_path / "nokey", "cuda")["timed"] == []  # the caller's kind
     (tmp_path / "cuda" / kernel_check.CHECKS).write_text(json.dumps({**old, "defaults": 2}))
     assert kernel_check.read(tmp_path / "cuda")["timed"] == ["a"]  # made under today's chain: kept
+
+
+def test_the_lanes_merge_every_per_task_list_of_the_summary():
+    """Which tasks got our design spaces (or only ours) reaches the merged
+    summary of a run in lanes, as the tasks without tensor cores do; empty
+    lists are left out."""
+    from deploy.tuning import lanes
+
+    def lane(n, **lists):
+        return {"lane": n, "stats": {}, "seconds": 1.0, "summary": lists}
+
+    summary: dict = {}
+    lanes._combine_lanes([lane(0, own_spaces={"a": "short-reduction"}, without_tensor_cores={"b": "why"}),
+                          lane(1, own_spaces={"c": "short-reduction"})], summary, {}, 2)
+    assert summary["own_spaces"] == {"a": "short-reduction", "c": "short-reduction"}
+    assert summary["without_tensor_cores"] == {"b": "why"}
+    assert "own_spaces_only" not in summary and "unschedulable" not in summary
