@@ -31,6 +31,8 @@ the build turns into a view (RewriteDataflowReshape), not a kernel.
 
 from __future__ import annotations
 
+import math
+
 from . import relax_function_pass
 
 UNARY = frozenset({
@@ -56,7 +58,7 @@ def flat_gemm():
     from ..tvm_compat import relax, tvm
 
     op = relax.op
-    ops = {name: tvm.ir.Op.get(name) for name in UNARY | BINARY | {"relax.nn.conv2d", "relax.matmul", "relax.reshape"}}
+    reshape = tvm.ir.Op.get("relax.reshape")
 
     @relax.expr_functor.mutator
     class FlatGemm(relax.PyExprMutator):
@@ -79,7 +81,7 @@ def flat_gemm():
             if not isinstance(expr, relax.Var):
                 return None
             value = self.lookup_binding(expr)
-            if isinstance(value, relax.Call) and value.op == ops["relax.reshape"] and value.args[0] in self.flat:
+            if isinstance(value, relax.Call) and value.op == reshape and value.args[0] in self.flat:
                 return value.args[0]
             return None
 
@@ -136,10 +138,7 @@ def flat_gemm():
             xs, ws, ys = _shape(x), _shape(w), _shape(call)
             if xs is None or ws is None or ys is None or len(xs) < 3 or len(ws) != 2:
                 return call
-            rows = 1
-            for d in xs[:-1]:
-                rows *= d
-            lhs = self._rows(x, [rows, xs[-1]])
+            lhs = self._rows(x, [math.prod(xs[:-1]), xs[-1]])
             return self._emit_flat(op.matmul(lhs, w, out_dtype=call.attrs.out_dtype), ys)
 
         def _binary(self, call):
@@ -158,16 +157,16 @@ def flat_gemm():
                 if flat is not None:
                     if s != ys:
                         return call
-                    plan.append(("flat", flat))
+                    plan.append(("as is", flat))
                 elif s is None:
                     return call
                 elif s == ys:  # a residual: viewed in 2-D as well
                     plan.append(("rows", arg))
                 elif len(s) <= len(ys) and all(d == 1 for d in s[:-1]) and (not s or s[-1] in (1, cols)):
-                    plan.append(("bias", arg) if s else ("flat", arg))  # a bias; a scalar as it is
+                    plan.append(("bias", arg) if s else ("as is", arg))  # a bias; a scalar
                 else:
                     return call
-            args = [x if how == "flat" else self.builder_.emit(
+            args = [x if how == "as is" else self.builder_.emit(
                 op.reshape(x, [rows, cols] if how == "rows" else [1, _shape(x)[-1]])) for how, x in plan]
             return self._emit_flat(relax.Call(call.op, args, call.attrs), ys)
 

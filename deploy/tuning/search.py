@@ -92,16 +92,15 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
                 except Exception as e:  # ScheduleError / TVMError
                     error = e
             else:
-                if target.kind.name != "cuda" and not own:
-                    raise error
-                for extra in range(FALLBACK_ATTEMPTS if target.kind.name == "cuda" else 0):
-                    try:
-                        cache["spaces"] = generate(SIMT_FALLBACK, attempts + extra)
-                        cache["attempts"], cache["rules"] = attempts + extra + 1, SIMT_FALLBACK
-                        break
-                    except Exception:  # noqa: BLE001, S112 - the tensor-core error is the one to report
-                        continue
-                else:
+                if target.kind.name == "cuda":
+                    for extra in range(FALLBACK_ATTEMPTS):
+                        try:
+                            cache["spaces"] = generate(SIMT_FALLBACK, attempts + extra)
+                            cache["attempts"], cache["rules"] = attempts + extra + 1, SIMT_FALLBACK
+                            break
+                        except Exception:  # noqa: BLE001, S112 - the tensor-core error is the one to report
+                            continue
+                if "spaces" not in cache:  # (our spaces, where there are any, are the task's only ones)
                     if not own:
                         raise error
                     cache["spaces"], cache["attempts"], cache["rules"] = [], attempts, OWN_RULES

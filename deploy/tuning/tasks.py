@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ..config import Profile, RPCPool
+from ..passes.schedule import SHORT_REDUCTION
 from ..targets import TargetInfo
 from . import builder as candidates
 from . import journal as tuning_journal
@@ -139,16 +140,18 @@ def task_flops(task) -> float:
 def extract_tasks(mod, target):
     """MetaSchedule's tasks of the module, less those already scheduled and
     pure reshapes: the build turns a reshape into a view of its input
-    (RewriteDataflowReshape), so its kernel never runs (passes/flat_gemm.py
-    leaves one on each side of a GEMM)."""
-    from ..tvm_compat import ms, relax
+    (RewriteDataflowReshape), so its kernel never runs (a reshape left alone
+    after a reduction, say; flat_gemm's have gone at the optimize stage)."""
+    from ..tvm_compat import ms
 
     tasks = ms.relax_integration.extract_tasks(mod, target)
     return [t for t in tasks if (not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False))
-            and not _is_reshape(relax, t.dispatched[0]["main"])]
+            and not _is_reshape(t.dispatched[0]["main"])]
 
 
-def _is_reshape(relax, func) -> bool:
+def _is_reshape(func) -> bool:
+    from ..tvm_compat import relax
+
     try:
         return bool(relax.analysis.has_reshape_pattern(func))
     except Exception:  # noqa: BLE001 - not analysable: tuned as any kernel
@@ -221,7 +224,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
                 log.info("tune: %s: no tensor-core design space (%s); tuned with the rules without tensor cores",
                          p["name"], cache["default_error"])
             if cache.get("own"):
-                summary.setdefault("own_spaces", {})[p["name"]] = "short-reduction"
+                summary.setdefault("own_spaces", {})[p["name"]] = SHORT_REDUCTION
             if cache.get("rules") == deadline_search.OWN_RULES:
                 summary.setdefault("own_spaces_only", {})[p["name"]] = cache["default_error"]
                 log.info("tune: %s: no design space of MetaSchedule's rules (%s); tuned with ours alone",
