@@ -52,6 +52,7 @@ TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-3, "float64": 1e-6
 ROUNDS = 3  # a workload whose best records keep failing: at most this many checked per run
 TIMING_REPEATS = 5  # the tuned and the default kernel: median of this many repeats,
 TIMING_REPEAT_MS = 20  # each calling it for at least this long
+SAVE_EVERY = 16  # records built, judged and saved together (two rounds of 8 build processes)
 
 
 def record_id(shash: str, rec: list) -> str:
@@ -143,41 +144,52 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
         if not todo:
             break
         tried.update(t[3] for t in todo)
-        for (wl_line, rec, shash, rid), built in zip(todo, _build_all(todo, passed, target)):
-            counts["checked"] += 1
-            try:
-                if built is None:  # (built here, one record at a time)
-                    err = compare(wl_line, rec, target, dev, check_outputs=rid not in passed)
-                elif "error" in built:
-                    raise RuntimeError(built["error"])
-                else:
-                    err = judge(built, target, dev, check_outputs=rid not in passed)
-            except Exception as e:  # noqa: BLE001 - a record that cannot be built or run alone is left unjudged
-                log.warning("check: workload %s: not checked (%s)", shash,
-                            (str(e).strip().splitlines() or [type(e).__name__])[0][:200])
-                counts["unchecked"] = counts.get("unchecked", 0) + 1
-                continue  # (not listed: the next run tries again)
-            if err["ok"]:
-                if rid not in passed:
-                    passed.add(rid)
-                    counts["passed"] += 1
-                timed.add(rid)
-                if err["default_us"] is not None and err["tuned_us"] is not None and err["default_us"] < err["tuned_us"]:
-                    state["default_faster"].append({"record": rid, "workload": shash, "record_secs": dbs._mean_secs(rec),
-                                                    "tuned_us": err["tuned_us"], "default_us": err["default_us"]})
-                    counts["default_faster"] += 1
-                    log.info("check: workload %s: its default schedule is faster than the best tuned kernel "
-                             "(%.1f us against %.1f us); the build keeps the default", shash, err["default_us"],
-                             err["tuned_us"])
-            else:
-                state["rejected"].append({"record": rid, "workload": shash, **err})
-                counts["rejected"] += 1
-                log.warning("check: workload %s: the tuned kernel computes something else than its default "
-                            "schedule (rel_l2 %.2e on %s); rejected, the next-best record is used",
-                            shash, err["rel_l2"], err["output"])
-        state["passed"], state["timed"] = sorted(passed), sorted(timed)
-        artifacts.write_json_atomic(folder / CHECKS, state)
+        # (in batches, each saved once judged: a run stopped mid-check, e.g. at a device
+        # chunk's time limit, keeps the verdicts and timings of the batches done)
+        for start in range(0, len(todo), SAVE_EVERY):
+            batch = todo[start:start + SAVE_EVERY]
+            for (wl_line, rec, shash, rid), built in zip(batch, _build_all(batch, passed, target)):
+                _judge_one(state, counts, passed, timed, wl_line, rec, shash, rid, built, target, dev)
+            state["passed"], state["timed"] = sorted(passed), sorted(timed)
+            artifacts.write_json_atomic(folder / CHECKS, state)
     return counts
+
+
+def _judge_one(state, counts, passed, timed, wl_line, rec, shash, rid, built, target, dev) -> None:
+    """One record checked and timed against its default (built here when
+    `built` is None); `state`, `counts` and the sets updated in place."""
+    from . import database as dbs
+
+    counts["checked"] += 1
+    try:
+        if built is None:
+            err = compare(wl_line, rec, target, dev, check_outputs=rid not in passed)
+        elif "error" in built:
+            raise RuntimeError(built["error"])
+        else:
+            err = judge(built, target, dev, check_outputs=rid not in passed)
+    except Exception as e:  # noqa: BLE001 - a record that cannot be built or run alone is left unjudged
+        log.warning("check: workload %s: not checked (%s)", shash,
+                    (str(e).strip().splitlines() or [type(e).__name__])[0][:200])
+        counts["unchecked"] = counts.get("unchecked", 0) + 1
+        return  # (not listed: the next run tries again)
+    if not err["ok"]:
+        state["rejected"].append({"record": rid, "workload": shash, **err})
+        counts["rejected"] += 1
+        log.warning("check: workload %s: the tuned kernel computes something else than its default "
+                    "schedule (rel_l2 %.2e on %s); rejected, the next-best record is used",
+                    shash, err["rel_l2"], err["output"])
+        return
+    if rid not in passed:
+        passed.add(rid)
+        counts["passed"] += 1
+    timed.add(rid)
+    if err["default_us"] is not None and err["tuned_us"] is not None and err["default_us"] < err["tuned_us"]:
+        state["default_faster"].append({"record": rid, "workload": shash, "record_secs": dbs._mean_secs(rec),
+                                        "tuned_us": err["tuned_us"], "default_us": err["default_us"]})
+        counts["default_faster"] += 1
+        log.info("check: workload %s: its default schedule is faster than the best tuned kernel "
+                 "(%.1f us against %.1f us); the build keeps the default", shash, err["default_us"], err["tuned_us"])
 
 
 def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: bool = True) -> dict:

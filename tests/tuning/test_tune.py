@@ -426,6 +426,36 @@ def test_many_kernels_to_check_are_built_in_parallel_processes(tmp_path, llvm_ta
     assert tune.check_databases([db_dir], llvm_target, tmp_path / "db") == {}
 
 
+def test_a_check_stopped_midway_keeps_the_batches_it_judged(tmp_path, llvm_target, tiny_opt, monkeypatch):
+    """check.py: records are built, judged and saved in batches of SAVE_EVERY;
+    a run stopped in the second batch (a device chunk at its time limit) keeps
+    the first batch's verdicts and timings, and the next run checks the rest."""
+    from deploy.tuning import check as kernel_check
+
+    exported, opt = tiny_opt
+    cfg = make_config(trials=4, trials_per_task=2, trials_per_iter=2, max_tasks=2)
+    _, a = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
+    db_dir = a.databases[1]
+    (db_dir / kernel_check.CHECKS).unlink(missing_ok=True)
+    monkeypatch.setattr(kernel_check, "SAVE_EVERY", 1)
+    real, calls = kernel_check._judge_one, []
+
+    def judge_then_stop(*args):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(args)
+        real(*args)
+
+    monkeypatch.setattr(kernel_check, "_judge_one", judge_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        kernel_check.check_database(db_dir, llvm_target)
+    state = kernel_check.read(db_dir)
+    assert len(state["passed"]) == 1 and state["timed"] == state["passed"]
+    monkeypatch.setattr(kernel_check, "_judge_one", real)
+    assert kernel_check.check_database(db_dir, llvm_target)["checked"] == 1
+    assert len(kernel_check.read(db_dir)["timed"]) == 2
+
+
 def test_a_tuned_kernel_slower_than_its_default_schedule_is_left_out_of_builds(tmp_path, llvm_target, tiny_opt,
                                                                                 monkeypatch):
     """check.py: where the default schedule beats the best record, builds and
