@@ -114,6 +114,9 @@ def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: 
     return keys, dirs
 
 
+SUMMARY_BUCKET_KEYS = ("tuned_kernels", "kernels", "compile_seconds", "schedules", "fallbacks", "store")
+
+
 def run(
     cfg: Config,
     target: TargetInfo,
@@ -166,14 +169,35 @@ def run(
         timed("check", tune.check_databases, sorted(set(existing.values())), target, db_root)
     package = timed("build", build.run, profile, target, exported, opt, existing, keys, ws.package, cfg.model.name,
                     db_root)
+    report = latency = None
+
+    def save(finished: bool) -> dict:
+        # (after each stage from the build on: a run stopped later, e.g. a device chunk at its
+        # time limit while torch.compile compiles an alternative, keeps what it measured)
+        summary = {
+            "package": str(ws.package),
+            "model": cfg.model.name,
+            "target": target.key(),
+            "profile": to_dict(profile),
+            "buckets": {b: {k: v for k, v in m.items() if k in SUMMARY_BUCKET_KEYS}
+                        for b, m in package.manifest["buckets"].items()},
+            "validation": None if report is None else {"passed": report["passed"], "worst_rel_l2": report["worst_rel_l2"]},
+            "latency": latency,
+            "tuning": tune_summary,
+            "stage_seconds": timings,
+            "finished": finished,
+        }
+        artifacts.write_json_atomic(ws.root / "summary.json", summary)
+        return summary
+
+    save(False)
     tol = getattr(cfg.tolerance, profile.precision)
-    report = None
     if target.has_device:
         report = timed("validate", validate.run, cfg, tol, ws.package, exported, cfg.model.seed)
+        save(False)
     else:
         log.warning("validate: skipped, no %s device here to run the package on", target.kind)
 
-    latency = None
     if target.has_device:
         any_tuned = any(m["tuned_kernels"] for m in package.manifest["buckets"].values())
         latency = timed("latency", measure_before_after, cfg, profile, target, exported, opt, package, ws,
@@ -181,24 +205,12 @@ def run(
         if alternatives:
             from .bench import latency as bench_latency
 
+            save(False)
             alt = timed("alternatives", bench_latency.alternatives, cfg, profile, target.kind, exported,
                         exported.buckets(profile), alternatives)
             for b, row in alt.items():
                 latency[b]["alternatives"] = row
-    summary = {
-        "package": str(ws.package),
-        "model": cfg.model.name,
-        "target": target.key(),
-        "profile": to_dict(profile),
-        "buckets": {b: {k: v for k, v in m.items() if k in ("tuned_kernels", "kernels", "compile_seconds", "schedules", "fallbacks", "store")}
-                    for b, m in package.manifest["buckets"].items()},
-        "validation": None if report is None else {"passed": report["passed"], "worst_rel_l2": report["worst_rel_l2"]},
-        "latency": latency,
-        "tuning": tune_summary,
-        "stage_seconds": timings,
-    }
-    artifacts.write_json_atomic(ws.root / "summary.json", summary)
-    return summary
+    return save(True)
 
 
 def measure_before_after(cfg, profile, target, exported, opt, package, ws: Workspace, compare_untuned: bool | None) -> dict:

@@ -298,6 +298,25 @@ def test_the_users_alternatives_are_timed_beside_the_package(capsys, tmp_path):
     alt = summary["latency"]["1"]["alternatives"]
     assert set(alt) == {"torch-eager", "onnxruntime-cpu"} and all(a["median_ms"] > 0 for a in alt.values())
     assert "torch-eager " in out and "on the same inputs: the package is" in out
+    assert summary["finished"] is True
+
+    # stopped while an alternative compiles (a device chunk at its time limit): the package's own
+    # latency, measured before, is in the summary already
+    from deploy.bench import latency as bench_latency
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    real, bench_latency.alternatives = bench_latency.alternatives, stopped
+    try:
+        rc, _, _ = run_cli(capsys, "run", "-m", "tiny_cnn", "--target", "llvm", "--buckets", "1", "--trials", "0",
+                           "--workdir", ws, "--db-root", tmp_path / "db", "--alternatives", "torch-eager")
+    finally:
+        bench_latency.alternatives = real
+    assert rc != 0
+    summary = json.loads((ws / "summary.json").read_text())
+    assert summary["finished"] is False and summary["latency"]["1"]["tuned"]["median_ms"] > 0
+    assert "alternatives" not in summary["latency"]["1"] and summary["validation"]["passed"]
 
     onnx = tmp_path / "net.onnx"
     export_tiny(onnx)
