@@ -10,10 +10,13 @@ relax/backend/cuda/pipeline.py):
                     after passes.clip), when the profile asks for it
   fast_math         exp, sigmoid, tanh, erf, softmax as vectorizable approximations
                     (passes.fast_math; the CPU's default)
-  mixed_precision   fp16 compute (when the profile asks for it)
+  mixed_precision   fp16 compute (when the profile asks for it); the casts it puts
+                    before data movement moved after it (passes.movement)
   split_k           small-row convolutions' reductions split (passes.split_k; asked for)
   flat_gemm         1x1 convolutions and batched-row matmuls as 2-D GEMMs
                     (passes.flat_gemm; asked for)
+  epilogues         otherwise: a 2-D matmul's elementwise epilogue carried in 2-D
+                    where its output is reshaped to more dimensions (passes.flat_gemm)
   fusion            legalize to TIR and fuse into kernels: the module that
                     tuning extracts tasks from and the build compiles
 A report records the operator counts after each phase; `dump_ir` writes the
@@ -35,9 +38,10 @@ from .passes import nchwc
 from .passes.clip import clip_kernels_to_ops
 from .passes.exact_power import power_to_multiply
 from .passes.fast_math import fast_math
-from .passes.flat_gemm import flat_gemm
+from .passes.flat_gemm import flat_epilogues, flat_gemm
 from .passes.layout import convert_to_nhwc
 from .passes.mixed_precision import to_mixed_precision
+from .passes.movement import tidy_movement
 from .passes.split_k import split_k_conv2d
 from .shapes import Bucket, as_bucket, parse
 
@@ -84,11 +88,15 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
         out.append(("fast_math", [fast_math()]))
     if profile.precision == "fp16":
         acc = "float16" if profile.accumulate == "fp16" else "float32"
-        out.append(("mixed_precision", [to_mixed_precision(acc), T.FoldConstant()]))
+        # (tidy_movement: the casts mixed precision put before data movement go after it; passes/movement.py)
+        out.append(("mixed_precision", [to_mixed_precision(acc), tidy_movement(), T.CanonicalizeBindings(),
+                                        T.DeadCodeElimination(), T.FoldConstant()]))
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), T.FoldConstant()]))
     if profile.flat_gemm:
         out.append(("flat_gemm", [flat_gemm(), T.FoldConstant()]))
+    else:
+        out.append(("epilogues", [flat_epilogues(), T.CanonicalizeBindings(), T.FoldConstant()]))
     out.append(
         (
             "fusion",
@@ -99,10 +107,12 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                 T.FuseOps(),
                 T.FuseTIR(),
                 T.DeadCodeElimination(),
-                # flat_gemm's reshapes: views of their input rather than
+                # Reshapes left alone by FuseOps (flat_gemm's and the
+                # epilogues' among them): views of their input rather than
                 # kernels (as the build would make them), so that neither
                 # tuning nor the build's schedules see them.
-                *([T.RewriteDataflowReshape(), T.DeadCodeElimination()] if profile.flat_gemm else []),
+                T.RewriteDataflowReshape(),
+                T.DeadCodeElimination(),
             ],
         )
     )

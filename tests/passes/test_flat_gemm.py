@@ -247,3 +247,48 @@ def test_the_reshapes_around_a_flat_gemm_are_not_tuning_tasks():
     names = [t.task_name for t in tasks.extract_tasks(fused, targets.resolve("cuda:sm_90").tvm_target())]
     assert names and not [n for n in names if n.startswith("reshape")], names
     assert any(n.startswith("fused_matmul") for n in names)
+
+
+def _dense_2d():
+    """A transformer block's MLP as TVM's importer gives it: 2-D dense layers
+    over batch x sequence rows, the output reshaped to [batch, seq, N] for
+    GELU and back to 2-D for the next layer, whose output gets the 3-D
+    residual."""
+    return _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((10, 16), "float32"), w1: R.Tensor((16, 32), "float32"), b1: R.Tensor((32,), "float32"),
+             w2: R.Tensor((32, 16), "float32"), r: R.Tensor((2, 5, 16), "float32")):
+        with R.dataflow():
+            h = R.add(R.matmul(x, w1), b1)
+            h3 = R.reshape(h, R.shape([2, 5, 32]))
+            g = R.multiply(R.multiply(h3, R.const(0.5, "float32")),
+                           R.add(R.erf(R.divide(h3, R.const(1.4142135, "float32"))), R.const(1.0, "float32")))
+            g2 = R.reshape(g, R.shape([10, 32]))
+            y = R.reshape(R.matmul(g2, w2), R.shape([2, 5, 16]))
+            z = R.add(r, y)
+            R.output(z)
+        return z
+""")
+
+
+def test_a_dense_layers_epilogue_is_carried_in_2d_into_its_gemm_kernel():
+    """flat_epilogues() (on by default): GELU between the reshapes and the
+    residual add after the second dense layer join their GEMMs' kernels;
+    nothing else is rewritten, and the result is the same."""
+    from deploy.passes.flat_gemm import flat_epilogues
+
+    mod = _dense_2d()
+    new = relax.transform.CanonicalizeBindings()(flat_epilogues()(mod))
+    assert relax.analysis.check_well_formed(new)
+    args = _args(mod)
+    np.testing.assert_allclose(_run(new, args)[0], _run(mod, args)[0], rtol=1e-5, atol=1e-5)
+    kernels = _kernels(_fused(new))
+    gemms = sorted(n for n in kernels if n.startswith("fused_matmul"))
+    assert len(gemms) == 2 and {"erf" in n for n in gemms} == {True, False}, kernels.keys()
+    assert all("add" in n for n in gemms) and set(kernels) - set(gemms) <= {"reshape", "reshape1"}, kernels.keys()
+    assert not [n for n in kernels if "erf" in n and "matmul" not in n], kernels.keys()
+    before = _kernels(_fused(mod))
+    assert [n for n in before if "erf" in n and "matmul" not in n], before.keys()  # what it was: GELU alone
+    assert "epilogues" in [name for name, _ in phases(config.from_dict({"model": {"source": "tiny_cnn"}}).cuda)]

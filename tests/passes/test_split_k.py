@@ -83,7 +83,7 @@ def test_other_convolutions_are_left_alone(why, kwargs, build):
 
 def test_split_k_phase_and_config():
     cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"split_k": 4}})
-    assert [name for name, _ in phases(cfg.cuda)][-2:] == ["split_k", "fusion"]
+    assert [name for name, _ in phases(cfg.cuda)][-3:] == ["split_k", "epilogues", "fusion"]
     assert "split_k" not in [name for name, _ in phases(cfg.llvm)]  # off by default, and NCHW there
     with pytest.raises(ConfigError, match="invalid cuda.split_k"):
         config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"split_k": -1}})
