@@ -1,5 +1,8 @@
-"""The default CUDA schedule of a kernel whose reduction is short: a depthwise
-convolution (3x3 to 7x7 taps), a small pooling window.
+"""Default CUDA schedules of ours for two kinds of kernel DLight's chain
+schedules badly: a short reduction (`ShortReduction`: a depthwise
+convolution, 3x3 to 7x7 taps; a small pooling window), and a contraction
+with few outputs and a long contiguous reduction (`FewOutputs`: the
+squeeze-excitation convolutions at a large batch).
 
 Why our own: DLight's Matmul rule cannot take a grouped convolution
 (`auto_inline_consumer_chain: AssertionError`), so a depthwise convolution
@@ -101,3 +104,46 @@ class ShortReduction:
             sch.unroll(r)
         sch.decompose_reduction(main.block_rv, loops[n_s])
         return sch
+
+
+MAX_FEW_OUTPUTS = 16384  # DLight's Matmul tiles 32 x 64 outputs a block: at most 8 blocks
+MIN_LONG_TAPS = 32
+
+
+class FewOutputs:
+    """A contraction with few outputs (at most MAX_FEW_OUTPUTS) and a
+    reduction of at least MIN_LONG_TAPS steps along its inputs' contiguous
+    axis, not GEMV-shaped: DLight's GeneralReduction (a thread block per
+    output, its threads splitting the reduction, reads coalesced) instead of
+    DLight's Matmul, which tiles it into a handful of thread blocks on a
+    132-SM GPU. EfficientNet-B0's squeeze-excitation convolutions at batch 32
+    (e.g. 32 x 672 -> 28: 896 outputs, 672 steps) got one block each under
+    Matmul, 17-45 us a call, 0.57 of the 4.18 ms its kernels took on the H200
+    (results/h200/2026-12-03/efficientnet_b0-fp16-b32-short-reduction/
+    profile.md). It comes first in the chain, before Matmul; a GEMV-shaped
+    kernel (batch 1) is left to DLight's GEMV rule, a reduction read strided
+    (a classifier's [K, N] weight) to Matmul."""
+
+    def apply(self, func, target, tunable=False):
+        from ..tvm_compat import dlight, s_tir, tirx
+
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        sch = s_tir.Schedule(func)
+        found = single_reduction(sch)
+        if found is None:
+            return None
+        main, _producers, _consumers, n_s, extents = found
+        if math.prod(extents[:n_s]) > MAX_FEW_OUTPUTS or math.prod(extents[n_s:]) < MIN_LONG_TAPS:
+            return None
+        block = sch.get(main.block_rv)
+        reduce_vars = {it.var for it, e in zip(main.iters[n_s:], extents[n_s:]) if e > 1}
+        walked = [r for r in block.reads if r.region and any(vars_of(d.min) & reduce_vars for d in r.region)]
+        if not walked or any(not vars_of(r.region[-1].min) & reduce_vars for r in walked):
+            return None  # (a reduction read strided somewhere)
+        try:
+            if dlight.gpu.GEMV().apply(func, target, False) is not None:
+                return None
+            return dlight.gpu.GeneralReduction().apply(func, target, tunable)
+        except Exception:  # noqa: BLE001 - a rule that cannot take it: left to the chain
+            return None

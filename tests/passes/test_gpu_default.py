@@ -130,3 +130,71 @@ def test_a_kernel_the_rule_cannot_schedule_is_declined_not_raised(sm90):
                 y[vi, vj] = t[vi, vj] + t[vj, vi]
 
     assert ShortReduction().apply(two_outputs, sm90) is None
+
+
+def _se_reduce(batch, c=672, o=28):
+    """A squeeze-excitation 'reduce' convolution: [batch, 1, 1, c] -> o, SiLU."""
+    def build(bb, x):
+        rng = np.random.default_rng(0)
+        pooled = bb.emit(relax.op.mean(x, axis=[1, 2], keepdims=True))
+        w = relax.const(rng.standard_normal((o, 1, 1, c)).astype("float16"))
+        y = bb.emit(relax.op.nn.conv2d(pooled, w, data_layout="NHWC", kernel_layout="OHWI", out_dtype="float32"))
+        y = bb.emit(relax.op.astype(y, "float16"))
+        return relax.op.multiply(y, relax.op.sigmoid(y))
+    return build
+
+
+def _few_kernels(batch, build):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((batch, 7, 7, 672), "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(build(bb, x))
+        bb.emit_func_output(out)
+    target = targets.resolve("cuda:sm_90").tvm_target()
+    with target, PassContext(opt_level=3):
+        mod = relax.transform.LegalizeOps()(bb.get())
+        mod = relax.transform.AnnotateTIROpPattern()(mod)
+        mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(mod))
+    return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+
+
+def test_a_contraction_with_few_outputs_gets_a_block_per_output_and_builds(sm90):
+    """FewOutputs: the squeeze-excitation convolution at batch 32 (896
+    outputs, 672 steps) is split over many thread blocks, where DLight's
+    Matmul gave it one; at batch 1 it stays GEMV's."""
+    (func,) = [f for n, f in _few_kernels(32, _se_reduce(32)).items() if "conv2d" in n]
+    source, scheduled = _first_source(func, sm90)
+    assert source == schedule.FEW_OUTPUTS
+    assert 'T.thread_binding(T.int64(896), thread="blockIdx.x")' in scheduled.script()
+    lib = build_kernel("se", scheduled, targets.resolve("cuda:sm_90"))  # compiled for sm_90 (raises if not)
+    assert "se_kernel" in lib.imports[0].inspect_source()
+    (func,) = [f for n, f in _few_kernels(1, _se_reduce(1)).items() if "conv2d" in n]
+    assert _first_source(func, sm90)[0] == "dlight.GEMV"
+
+
+def test_dlight_alone_gives_a_contraction_with_few_outputs_one_block(sm90):
+    """Why the rule exists: DLight's Matmul tiles the squeeze-excitation
+    convolution at batch 32 into a single thread block. Fails once it uses
+    more; then look again at whether FewOutputs is still needed."""
+    from deploy.tvm_compat import dlight
+
+    (func,) = [f for n, f in _few_kernels(32, _se_reduce(32)).items() if "conv2d" in n]
+    with sm90:
+        mod = dlight.ApplyDefaultSchedule(dlight.gpu.Matmul())(tvm.IRModule({"main": func}))
+    text = mod["main"].script()
+    assert 'T.thread_binding(T.int64(1), thread="blockIdx.x")' in text
+    assert 'T.thread_binding(T.int64(1), thread="blockIdx.y")' in text
+
+
+def test_a_contraction_read_strided_or_with_many_outputs_stays_with_matmul(sm90):
+    from deploy.passes.gpu_default import FewOutputs
+
+    def classifier(bb, x):  # [32, 672] @ [672, 1000]: the reduction walks the weight's rows
+        pooled = bb.emit(relax.op.reshape(relax.op.mean(x, axis=[1, 2]), [32, 672]))
+        return relax.op.matmul(pooled, relax.const(np.ones((672, 1000), "float16")))
+
+    (func,) = [f for n, f in _few_kernels(32, classifier).items() if "matmul" in n]
+    assert FewOutputs().apply(func, sm90) is None
+    (func,) = [f for n, f in _few_kernels(32, _se_reduce(32, o=1024)).items() if "conv2d" in n]  # 32768 outputs
+    assert FewOutputs().apply(func, sm90) is None
