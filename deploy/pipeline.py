@@ -140,6 +140,7 @@ def run(
     budget_s = parse_duration(budget)
     ws = Workspace(Path(workdir))
     timings = {}
+    (ws.root / "summary.json").unlink(missing_ok=True)  # (an earlier run's: this run writes its own as it goes)
 
     def timed(name, fn, *a, **kw):
         t0 = time.time()

@@ -44,8 +44,9 @@ def rows(folder: Path) -> list[dict]:
     from deploy.tvm_compat import ms, register_tensor_intrinsics
 
     register_tensor_intrinsics()  # (traces name TVM's tensor intrinsics)
-    checks_file = folder / "database_checks.json"
-    default_us = json.loads(checks_file.read_text()).get("default_us", {}) if checks_file.is_file() else {}
+    from deploy.tuning import check
+
+    default_us = check.read(folder).get("default_us", {})  # (dropped when timed under another default chain)
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
         for name in ("database_workload.json", "database_tuning_record.json"):

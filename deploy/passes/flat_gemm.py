@@ -174,8 +174,8 @@ def flat_gemm(gemms: bool = True):
             for arg, flat in ((lhs, flat_l), (rhs, flat_r)):
                 s = _shape(arg)
                 if flat is not None:
-                    if s != ys:
-                        return call
+                    if s != ys or _shape(flat) != [rows, cols]:
+                        return call  # (two views of different 2-D shapes: left as they are)
                     plan.append(("as is", flat))
                 elif s is None:
                     return call

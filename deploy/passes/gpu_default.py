@@ -111,9 +111,9 @@ MIN_LONG_TAPS = 32
 
 
 class FewOutputs:
-    """A contraction with few outputs (at most MAX_FEW_OUTPUTS) and a
-    reduction of at least MIN_LONG_TAPS steps along its inputs' contiguous
-    axis, not GEMV-shaped: DLight's GeneralReduction (a thread block per
+    """A contraction with few outputs (at most MAX_FEW_OUTPUTS) whose
+    innermost reduction loop runs at least MIN_LONG_TAPS steps along both
+    operands' contiguous axis, not GEMV-shaped: DLight's GeneralReduction (a thread block per
     output, its threads splitting the reduction, reads coalesced) instead of
     DLight's Matmul, which tiles it into a handful of thread blocks on a
     132-SM GPU. EfficientNet-B0's squeeze-excitation convolutions at batch 32
@@ -134,13 +134,17 @@ class FewOutputs:
         if found is None:
             return None
         main, _producers, _consumers, n_s, extents = found
-        if math.prod(extents[:n_s]) > MAX_FEW_OUTPUTS or math.prod(extents[n_s:]) < MIN_LONG_TAPS:
+        reduce = [(it.var, e) for it, e in zip(main.iters[n_s:], extents[n_s:]) if e > 1]
+        if math.prod(extents[:n_s]) > MAX_FEW_OUTPUTS or not reduce or reduce[-1][1] < MIN_LONG_TAPS:
             return None
         block = sch.get(main.block_rv)
-        reduce_vars = {it.var for it, e in zip(main.iters[n_s:], extents[n_s:]) if e > 1}
+        reduce_vars, inner = {v for v, _ in reduce}, reduce[-1][0]
         walked = [r for r in block.reads if r.region and any(vars_of(d.min) & reduce_vars for d in r.region)]
-        if not walked or any(not vars_of(r.region[-1].min) & reduce_vars for r in walked):
-            return None  # (a reduction read strided somewhere)
+        # A contraction (two operands walked: a sum or a mean stays with
+        # DLight's Reduction), its innermost reduction loop along every
+        # walked operand's contiguous axis (else most of it is read strided).
+        if len(walked) < 2 or any(inner not in vars_of(r.region[-1].min) for r in walked):
+            return None
         try:
             if dlight.gpu.GEMV().apply(func, target, False) is not None:
                 return None

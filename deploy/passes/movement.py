@@ -84,9 +84,11 @@ def tidy_movement():
             extent = int(x.ty.shape[axis])
         except (TypeError, ValueError):
             return None
-        if not -extent <= i < extent:
-            return None  # (out of bounds: left for TVM to report as it does)
-        return i % extent, axis
+        if 0 <= i < extent:
+            return i, axis
+        if str(call.attrs.mode) == "wrap":
+            return i % extent, axis
+        return None  # (out of bounds under 'fast', 'clip' or 'nan': left to TVM's take, as it was)
 
     def as_slice(builder, call):
         """A `take` of one constant index as squeeze(strided_slice(...)), else None."""

@@ -292,3 +292,25 @@ def test_a_dense_layers_epilogue_is_carried_in_2d_into_its_gemm_kernel():
     before = _kernels(_fused(mod))
     assert [n for n in before if "erf" in n and "matmul" not in n], before.keys()  # what it was: GELU alone
     assert "epilogues" in [name for name, _ in phases(config.from_dict({"model": {"source": "tiny_cnn"}}).cuda)]
+
+
+def test_views_of_two_different_2d_shapes_are_added_as_they_are():
+    """Two 2-D tensors of other shapes viewed as the same 3-D shape: the add
+    stays 3-D (it cannot be carried in either 2-D shape)."""
+    from deploy.passes.flat_gemm import flat_epilogues
+
+    mod = _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(m1: R.Tensor((6, 4), "float32"), m2: R.Tensor((12, 2), "float32")):
+        with R.dataflow():
+            v = R.reshape(m2, R.shape([2, 6, 2]))
+            z = R.add(R.reshape(m1, R.shape([2, 3, 4])), R.reshape(m2, R.shape([2, 3, 4])))
+            R.output(z, v)
+        return (z, v)
+""")
+    new = flat_epilogues()(mod)
+    args = _args(mod)
+    for ref, got in zip(_run(mod, args), _run(new, args)):
+        np.testing.assert_array_equal(got, ref)

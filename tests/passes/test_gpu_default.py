@@ -198,3 +198,7 @@ def test_a_contraction_read_strided_or_with_many_outputs_stays_with_matmul(sm90)
     assert FewOutputs().apply(func, sm90) is None
     (func,) = [f for n, f in _few_kernels(32, _se_reduce(32, o=1024)).items() if "conv2d" in n]  # 32768 outputs
     assert FewOutputs().apply(func, sm90) is None
+    # not a contraction: a row sum (49 rows of 672, contiguous) stays DLight's Reduction
+    row_sum = _few_kernels(1, lambda bb, x: relax.op.sum(relax.op.reshape(x, [49, 672]), axis=[1]))
+    (func,) = [f for n, f in row_sum.items() if "sum" in n]
+    assert FewOutputs().apply(func, sm90) is None and _first_source(func, sm90)[0] != schedule.FEW_OUTPUTS

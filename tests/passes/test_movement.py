@@ -124,3 +124,24 @@ class Mod:
     whole = 'R.Tensor((3, 6, 8), dtype="float32") = R.astype('
     assert mixed.script().count(whole) >= 2, mixed.script()
     assert tidy_movement()(mixed).script().count(whole) == 0
+
+
+def test_a_negative_index_is_a_slice_only_where_take_wraps():
+    """mode='wrap' takes row -1 as the last row: a slice, bit-exact; under
+    'clip' (row 0) or 'fast' (out of bounds) the take is left as it was."""
+    mod = _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((4, 3), "float32")):
+        with R.dataflow():
+            a = R.take(x, R.const(-1, "int64"), axis=0, mode="wrap")
+            b = R.take(x, R.const(-1, "int64"), axis=0, mode="clip")
+            R.output(a, b)
+        return (a, b)
+""")
+    new = tidy_movement()(mod)
+    assert new.script().count("R.take") == 1 and 'mode="clip"' in new.script()
+    args = _args(mod)
+    for ref, got in zip(_run(mod, args), _run(new, args)):
+        np.testing.assert_array_equal(got, ref)
