@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 
-from .kernel_shape import single_reduction, static_int, vars_of
+from .kernel_shape import rule_kernel, static_int, vars_of
 
 LANES_BITS_FALLBACK = 128
 PARALLEL_MIN_ELEMENTS = 4096  # below this a parallel launch costs more than the loop (elements written)
@@ -78,15 +78,12 @@ class ContractionTiling:
     schedule, or None where it does not apply)."""
 
     def apply(self, func, target, _tunable=False):
-        from ..tvm_compat import s_tir, target_codegen, tirx
+        from ..tvm_compat import target_codegen
 
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+        got = rule_kernel(func, target, "llvm")
+        if got is None:
             return None
-        sch = s_tir.Schedule(func)
-        found = single_reduction(sch)
-        if found is None:
-            return None
-        main, producers, consumers, n_s, extents = found
+        sch, (main, producers, consumers, n_s, extents) = got
         block = sch.get(main.block_rv)
         if len(block.writes) != 1 or len(block.reads) < 2:  # two operands: not a pooling
             return None

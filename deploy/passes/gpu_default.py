@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 
-from .kernel_shape import single_reduction, static_int, vars_of
+from .kernel_shape import rule_kernel, static_int, vars_of
 
 MAX_TAPS = 64  # reduction steps per output: a 7x7 window is 49
 MIN_OUTPUTS = 4096  # below this, too few threads: DLight's reduction rules split the reduction instead
@@ -53,15 +53,10 @@ class ShortReduction:
     schedule, or None where it does not apply)."""
 
     def apply(self, func, target, tunable=False):
-        from ..tvm_compat import s_tir, tirx
-
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+        got = rule_kernel(func, target, "cuda")
+        if got is None:
             return None
-        sch = s_tir.Schedule(func)
-        found = single_reduction(sch)
-        if found is None:
-            return None
-        main, producers, consumers, n_s, extents = found
+        sch, (main, producers, consumers, n_s, extents) = got
         if math.prod(extents[n_s:]) > MAX_TAPS or math.prod(extents[:n_s]) < MIN_OUTPUTS:
             return None
         block = sch.get(main.block_rv)
@@ -125,15 +120,12 @@ class FewOutputs:
     (a classifier's [K, N] weight) to Matmul."""
 
     def apply(self, func, target, tunable=False):
-        from ..tvm_compat import dlight, s_tir, tirx
+        from ..tvm_compat import dlight
 
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+        got = rule_kernel(func, target, "cuda")
+        if got is None:
             return None
-        sch = s_tir.Schedule(func)
-        found = single_reduction(sch)
-        if found is None:
-            return None
-        main, _producers, _consumers, n_s, extents = found
+        sch, (main, _producers, _consumers, n_s, extents) = got
         reduce = [(it.var, e) for it, e in zip(main.iters[n_s:], extents[n_s:]) if e > 1]
         if math.prod(extents[:n_s]) > MAX_FEW_OUTPUTS or not reduce or reduce[-1][1] < MIN_LONG_TAPS:
             return None

@@ -41,3 +41,16 @@ def single_reduction(sch):
     if any(e is None for e in extents):
         return None
     return main, producers, consumers, n_s, extents
+
+
+def rule_kernel(func, target, kind: str):
+    """(schedule, single_reduction(schedule)) of a PrimFunc for a rule of
+    target kind `kind` ("cuda", "llvm"); None where the function is not a
+    PrimFunc, the target another kind, or the kernel not one reduction."""
+    from ..tvm_compat import s_tir, tirx
+
+    if not isinstance(func, tirx.PrimFunc) or target.kind.name != kind:
+        return None
+    sch = s_tir.Schedule(func)
+    found = single_reduction(sch)
+    return None if found is None else (sch, found)

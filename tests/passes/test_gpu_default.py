@@ -19,10 +19,10 @@ def sm90():
     return targets.resolve("cuda:sm_90").tvm_target()
 
 
-def _kernels(build, target):
+def _kernels(build, target, shape=(8, 28, 28, 64)):
     """The fused PrimFuncs of a one-function Relax module built by `build(bb, x)`."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((8, 28, 28, 64), "float16"))
+    x = relax.Var("x", relax.TensorType(shape, "float16"))
     with bb.function("main", [x]):
         with bb.dataflow():
             out = bb.emit_output(build(bb, x))
@@ -145,18 +145,7 @@ def _se_reduce(batch, c=672, o=28):
 
 
 def _few_kernels(batch, build):
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((batch, 7, 7, 672), "float16"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(build(bb, x))
-        bb.emit_func_output(out)
-    target = targets.resolve("cuda:sm_90").tvm_target()
-    with target, PassContext(opt_level=3):
-        mod = relax.transform.LegalizeOps()(bb.get())
-        mod = relax.transform.AnnotateTIROpPattern()(mod)
-        mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(mod))
-    return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    return _kernels(build, targets.resolve("cuda:sm_90").tvm_target(), (batch, 7, 7, 672))
 
 
 def test_a_contraction_with_few_outputs_gets_a_block_per_output_and_builds(sm90):

@@ -387,10 +387,8 @@ def test_a_tuned_kernel_that_computes_something_else_is_rejected(tmp_path, llvm_
                                                                 "default_faster": 0}
 
 
-def test_many_kernels_to_check_are_built_in_parallel_processes(tmp_path, llvm_target, tiny_opt, monkeypatch):
-    """check.py: from PARALLEL_FROM records on, the tuned and default kernels
-    are built in other processes and judged here, with the outcome of the
-    one-process path; a record whose build fails there is left unchecked."""
+def _two_records_unchecked(tmp_path, llvm_target, tiny_opt):
+    """A database of two tuned kernels whose check has not run."""
     from deploy.tuning import check as kernel_check
 
     exported, opt = tiny_opt
@@ -398,6 +396,16 @@ def test_many_kernels_to_check_are_built_in_parallel_processes(tmp_path, llvm_ta
     _, a = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
     db_dir = a.databases[1]
     (db_dir / kernel_check.CHECKS).unlink(missing_ok=True)
+    return db_dir
+
+
+def test_many_kernels_to_check_are_built_in_parallel_processes(tmp_path, llvm_target, tiny_opt, monkeypatch):
+    """check.py: from PARALLEL_FROM records on, the tuned and default kernels
+    are built in other processes and judged here, with the outcome of the
+    one-process path; a record whose build fails there is left unchecked."""
+    from deploy.tuning import check as kernel_check
+
+    db_dir = _two_records_unchecked(tmp_path, llvm_target, tiny_opt)
     monkeypatch.setattr(kernel_check, "PARALLEL_FROM", 2)
     monkeypatch.setattr(kernel_check, "PARALLEL_BUILDS", 2)
     monkeypatch.setattr("deploy.tuning.builder.usable_cpus", lambda: 2)
@@ -432,11 +440,7 @@ def test_a_check_stopped_midway_keeps_the_batches_it_judged(tmp_path, llvm_targe
     the first batch's verdicts and timings, and the next run checks the rest."""
     from deploy.tuning import check as kernel_check
 
-    exported, opt = tiny_opt
-    cfg = make_config(trials=4, trials_per_task=2, trials_per_iter=2, max_tasks=2)
-    _, a = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
-    db_dir = a.databases[1]
-    (db_dir / kernel_check.CHECKS).unlink(missing_ok=True)
+    db_dir = _two_records_unchecked(tmp_path, llvm_target, tiny_opt)
     monkeypatch.setattr(kernel_check, "SAVE_EVERY", 1)
     real, calls = kernel_check._judge_one, []
 
