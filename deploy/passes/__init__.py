@@ -47,3 +47,19 @@ def call_rewrite_pass(name: str, rewrite):
         return mutator.builder_.get()
 
     return run
+
+
+def pruned(name: str, rewrite):
+    """A module pass: `rewrite` (a module pass), then from every Relax
+    function the bindings nothing reads any more (what a rewrite replaced)."""
+    from ..tvm_compat import relax, tvm
+
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def run(mod, _ctx):
+        out = rewrite(mod)
+        for gv, func in list(out.functions.items()):
+            if isinstance(func, relax.Function):
+                out[gv] = relax.analysis.remove_all_unused(func)
+        return out
+
+    return run

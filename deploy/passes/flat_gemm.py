@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from . import relax_function_pass
+from . import pruned, relax_function_pass
 
 UNARY = frozenset({
     "relax.astype", "relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid",
@@ -189,19 +189,9 @@ def flat_gemm(gemms: bool = True):
                 op.reshape(x, [rows, cols] if how == "rows" else [1, _shape(x)[-1]])) for how, x in plan]
             return self._emit_flat(relax.Call(call.op, args, call.attrs), ys)
 
-    rewrite = relax_function_pass("FlatGemm", FlatGemm)
-
-    @tvm.transform.module_pass(opt_level=0, name="FlatGemm")
-    def run(mod, _ctx):
-        # The 4-D views nothing reads any more go: a dead consumer of the GEMM
-        # would keep FuseOps from fusing its epilogue (no single post-dominator).
-        out = rewrite(mod)
-        for gv, func in list(out.functions.items()):
-            if isinstance(func, relax.Function):
-                out[gv] = relax.analysis.remove_all_unused(func)
-        return out
-
-    return run
+    # The 4-D views nothing reads any more go: a dead consumer of the GEMM
+    # would keep FuseOps from fusing its epilogue (no single post-dominator).
+    return pruned("FlatGemm", relax_function_pass("FlatGemm", FlatGemm))
 
 
 def flat_epilogues():

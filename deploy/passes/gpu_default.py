@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 
-from .kernel_shape import rule_kernel, static_int, vars_of
+from .kernel_shape import reduction_loops, rule_kernel, static_int, vars_of
 
 MAX_TAPS = 64  # reduction steps per output: a 7x7 window is 49
 MIN_OUTPUTS = 4096  # below this, too few threads: DLight's reduction rules split the reduction instead
@@ -65,7 +65,7 @@ class ShortReduction:
         # Each thread's reads walk the reduction: not along a buffer's
         # contiguous axis (a sum over the last axis stays with DLight, whose
         # threads split it and read it coalesced).
-        reduce_vars = {it.var for it, e in zip(main.iters[n_s:], extents[n_s:]) if e > 1}
+        reduce_vars = {v for v, _ in reduction_loops(main, n_s, extents)}
         for r in block.reads:
             if r.region and vars_of(r.region[-1].min) & reduce_vars:
                 return None
@@ -126,7 +126,7 @@ class FewOutputs:
         if got is None:
             return None
         sch, (main, _producers, _consumers, n_s, extents) = got
-        reduce = [(it.var, e) for it, e in zip(main.iters[n_s:], extents[n_s:]) if e > 1]
+        reduce = reduction_loops(main, n_s, extents)
         if math.prod(extents[:n_s]) > MAX_FEW_OUTPUTS or not reduce or reduce[-1][1] < MIN_LONG_TAPS:
             return None
         block = sch.get(main.block_rv)

@@ -43,6 +43,12 @@ def single_reduction(sch):
     return main, producers, consumers, n_s, extents
 
 
+def reduction_loops(main, n_s: int, extents: list[int]) -> list[tuple]:
+    """(var, extent) of the main block's reduction loops that run more than
+    one step, outermost first."""
+    return [(it.var, e) for it, e in zip(main.iters[n_s:], extents[n_s:]) if e > 1]
+
+
 def rule_kernel(func, target, kind: str):
     """(schedule, single_reduction(schedule)) of a PrimFunc for a rule of
     target kind `kind` ("cuda", "llvm"); None where the function is not a

@@ -26,7 +26,7 @@ Each leaves every value bit for bit as it was (tests/passes/test_movement.py).
 
 from __future__ import annotations
 
-from . import call_rewrite_pass
+from . import call_rewrite_pass, pruned
 
 MOVES = frozenset({
     "relax.take", "relax.permute_dims", "relax.reshape", "relax.squeeze", "relax.expand_dims",
@@ -112,14 +112,5 @@ def tidy_movement():
                 return src
         return as_slice(builder, call)
 
-    tidy = call_rewrite_pass("TidyMovement", rewrite)
-
-    @tvm.transform.module_pass(opt_level=0, name="TidyMovement")
-    def run(mod, _ctx):
-        out = tidy(mod)  # (then the casts and copies nothing reads any more go)
-        for gv, func in list(out.functions.items()):
-            if isinstance(func, relax.Function):
-                out[gv] = relax.analysis.remove_all_unused(func)
-        return out
-
-    return run
+    # (then the casts and copies nothing reads any more go)
+    return pruned("TidyMovement", call_rewrite_pass("TidyMovement", rewrite))
