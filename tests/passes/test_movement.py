@@ -19,6 +19,15 @@ def _run(mod, args):
     return [o.numpy() for o in ([out] if hasattr(out, "numpy") else list(out))]
 
 
+def _assert_bit_exact(mod, new):
+    """Both modules on the same seeded inputs: every output of the same
+    dtype, shape and bits."""
+    args = _args(mod)
+    for ref, got in zip(_run(mod, args), _run(new, args)):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        np.testing.assert_array_equal(got, ref)
+
+
 def _qkv():
     """ViT's attention inputs as ToMixedPrecision leaves them: the fp16 QKV
     tensor cast to fp32 once for each `take`, q scaled in fp32, k transposed
@@ -52,10 +61,7 @@ def test_the_qkv_split_casts_only_what_it_scales_and_is_bit_exact():
     assert 'R.Tensor((3, 2, 4, 5, 8), dtype="float32")' not in text
     assert text.count("R.astype") == 2, text
     assert "R.astype(x" in mod.script()  # the input module is left as it was
-    args = _args(mod)
-    for ref, got in zip(_run(mod, args), _run(new, args)):
-        assert got.dtype == ref.dtype and got.shape == ref.shape
-        np.testing.assert_array_equal(got, ref)
+    _assert_bit_exact(mod, new)
     # each slice is fused into the kernel that consumes it: three kernels, no take
     kernels = _kernels(_fused(relax.transform.DeadCodeElimination()(new)))
     assert len(kernels) == 3 and not [n for n in kernels if "take" in n], kernels.keys()
@@ -76,9 +82,7 @@ class Mod:
 """)
     new = tidy_movement()(mod)
     assert new.script().count("R.astype") == 2  # b's two casts; a is x
-    args = _args(mod)
-    for ref, got in zip(_run(mod, args), _run(new, args)):
-        np.testing.assert_array_equal(got, ref)
+    _assert_bit_exact(mod, new)
 
 
 def test_a_take_of_an_index_tensor_or_without_an_axis_is_left_alone():
@@ -142,6 +146,4 @@ class Mod:
 """)
     new = tidy_movement()(mod)
     assert new.script().count("R.take") == 1 and 'mode="clip"' in new.script()
-    args = _args(mod)
-    for ref, got in zip(_run(mod, args), _run(new, args)):
-        np.testing.assert_array_equal(got, ref)
+    _assert_bit_exact(mod, new)
