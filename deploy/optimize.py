@@ -17,8 +17,9 @@ relax/backend/cuda/pipeline.py):
                     (passes.flat_gemm; asked for)
   epilogues         otherwise: a 2-D matmul's elementwise epilogue carried in 2-D
                     where its output is reshaped to more dimensions (passes.flat_gemm)
-  fusion            legalize to TIR and fuse into kernels: the module that
-                    tuning extracts tasks from and the build compiles
+  fusion            legalize to TIR and fuse into kernels (an fp32 cast before a
+                    mean inside the mean's kernel: passes.mean_cast): the module
+                    that tuning extracts tasks from and the build compiles
 A report records the operator counts after each phase; `dump_ir` writes the
 IR after each phase.
 """
@@ -40,6 +41,7 @@ from .passes.exact_power import power_to_multiply
 from .passes.fast_math import fast_math
 from .passes.flat_gemm import flat_epilogues, flat_gemm
 from .passes.layout import convert_to_nhwc
+from .passes.mean_cast import fuse_mean_casts
 from .passes.mixed_precision import to_mixed_precision
 from .passes.movement import tidy_movement
 from .passes.split_k import split_k_conv2d
@@ -101,6 +103,7 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
         (
             "fusion",
             [
+                fuse_mean_casts(),
                 T.LegalizeOps(customize_legalize_map={"relax.nn.conv2d": nchwc.legalize_conv2d}),
                 T.AnnotateTIROpPattern(),
                 T.FoldConstant(),

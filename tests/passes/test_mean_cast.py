@@ -1,0 +1,73 @@
+"""deploy/passes/mean_cast.py: the fp32 cast mixed precision puts before a
+mean runs inside the mean's kernel, with the same arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deploy.passes.mean_cast import fuse_mean_casts
+from deploy.tvm_compat import VirtualMachine, relax, tensor, tvm
+
+from .test_flat_gemm import _args, _fused, _kernels, _parse
+
+SE = """
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 6, 5, 16), "float16"), w: R.Tensor((4, 1, 1, 16), "float16")):
+        with R.dataflow():
+            a = R.astype(x, "float32")
+            m = R.mean(a, axis=[1, 2], keepdims=True)
+            s = R.astype(m, "float16")
+            y = R.nn.conv2d(s, w, data_layout="NHWC", kernel_layout="OHWI")
+            R.output(y)
+        return y
+"""
+
+
+def _run(mod, args):
+    ex = tvm.compile(mod, target="llvm")
+    out = VirtualMachine(ex, tvm.cpu())["main"](*[tensor(a) for a in args])
+    return out.numpy()
+
+
+def _cast_kernels(mod):
+    return sorted(n for n in _kernels(mod) if n.startswith("cast"))
+
+
+def test_fuse_ops_alone_leaves_the_cast_before_a_mean_as_a_kernel_of_its_own():
+    # The workaround's reason: once this fails, TVM fuses the cast itself.
+    assert _cast_kernels(_fused(_parse(SE))) == ["cast"]
+
+
+def test_the_squeeze_excitation_mean_reads_fp16_in_one_kernel_with_the_same_result():
+    mod = _parse(SE)
+    plain, grouped = _fused(mod), _fused(fuse_mean_casts()(mod))
+    assert _cast_kernels(grouped) == []
+    means = [n for n in _kernels(grouped) if "mean" in n]
+    assert len(means) == 1
+    kernel = _kernels(grouped)[means[0]]
+    assert [str(p.dtype) for p in kernel.params] == ["float16", "float16"]  # (reads fp16, writes fp16)
+    args = _args(mod)
+    np.testing.assert_array_equal(_run(grouped, args), _run(plain, args))
+
+
+def test_a_mean_without_a_cast_after_it_is_grouped_too():
+    mod = _parse(SE.replace('s = R.astype(m, "float16")\n            y = R.nn.conv2d(s, w, data_layout="NHWC", '
+                            'kernel_layout="OHWI")', "y = R.multiply(m, R.const(2.0, \"float32\"))"))
+    assert "R.nn.conv2d" not in mod.script()
+    grouped = _fused(fuse_mean_casts()(mod))
+    assert _cast_kernels(grouped) == []
+    args = _args(mod)
+    np.testing.assert_array_equal(_run(grouped, args), _run(_fused(mod), args))
+
+
+def test_a_widened_copy_read_elsewhere_and_a_narrowing_cast_are_left_alone():
+    shared = _parse(SE.replace("R.output(y)\n        return y", "z = R.multiply(a, R.const(2.0, \"float32\"))\n"
+                               "            R.output(y, z)\n        return (y, z)"))
+    assert fuse_mean_casts()(shared).script() == shared.script()
+    narrowing = _parse(SE.replace('"float16"), w', '"float32"), w').replace('R.astype(x, "float32")',
+                                                                          'R.astype(x, "float16")')
+                       .replace('R.astype(m, "float16")', 'R.astype(m, "float32")')
+                       .replace('w: R.Tensor((4, 1, 1, 16), "float16")', 'w: R.Tensor((4, 1, 1, 16), "float32")'))
+    assert fuse_mean_casts()(narrowing).script() == narrowing.script()
