@@ -1,8 +1,10 @@
-"""Default CUDA schedules of ours for two kinds of kernel DLight's chain
+"""Default CUDA schedules of ours for three kinds of kernel DLight's chain
 schedules badly: a short reduction (`ShortReduction`: a depthwise
-convolution, 3x3 to 7x7 taps; a small pooling window), and a contraction
+convolution, 3x3 to 7x7 taps; a small pooling window), a contraction
 with few outputs and a long contiguous reduction (`FewOutputs`: the
-squeeze-excitation convolutions at a large batch).
+squeeze-excitation convolutions at a large batch), and a small reduction
+broadcast into a larger tensor (`BroadcastEpilogue`: the squeeze-excitation
+"excite" kernel, see its docstring).
 
 Why our own: DLight's Matmul rule cannot take a grouped convolution
 (`auto_inline_consumer_chain: AssertionError`), so a depthwise convolution
@@ -143,3 +145,72 @@ class FewOutputs:
             return dlight.gpu.GeneralReduction().apply(func, target, tunable)
         except Exception:  # noqa: BLE001 - a rule that cannot take it: left to the chain
             return None
+
+
+MAX_EXCITE_TAPS = 512  # reduction steps per output, each a thread's serial loop
+MIN_BROADCAST = 4  # the epilogue writes at least this many times the reduction's outputs
+VECTOR = (8, 4, 2)  # elements per thread in the epilogue: 16 bytes of fp16 at most
+
+
+class BroadcastEpilogue:
+    """A small reduction whose epilogue broadcasts it over a larger tensor:
+    the squeeze-excitation "excite" kernel, a 1x1 convolution of the squeezed
+    channels, bias and sigmoid, multiplied into the whole feature map
+    (out[n, h, w, c] = x[n, h, w, c] * sigmoid(conv(s)[n, c] + b[c])).
+
+    DLight's Matmul rule raises on it (the broadcast consumer cannot be
+    inlined into its cache-write stage) and its reductions decline it, so it
+    fell to `Fallback`: one thread per element and scalar fp16 loads. On the
+    H200 at batch 32 EfficientNet-B0's ten such kernels ran at 4-18% of their
+    memory roofline, 0.59 ms of 4.18 in kernels
+    (results/h200/2026-12-03/efficientnet_b0-fp16-b32-short-reduction/profile.md).
+
+    Ours: two kernels in one function, as Fallback's, the reduction a thread
+    per output (its few steps a serial loop, the sum in a register) and the
+    epilogue, with the activation computed inline, fused over every axis with
+    VECTOR elements per thread, so that the feature map is read and written
+    16 bytes at a time. It is last in the chain before Fallback
+    (passes/schedule.py): it changes only kernels DLight leaves to Fallback.
+    """
+
+    def apply(self, func, target, tunable=False):
+        got = rule_kernel(func, target, "cuda")
+        if got is None:
+            return None
+        sch, (main, producers, consumers, n_s, extents) = got
+        if not consumers or math.prod(extents[n_s:]) > MAX_EXCITE_TAPS:
+            return None
+        block = sch.get(main.block_rv)
+        if len(block.writes) != 1:
+            return None
+        out = [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape]
+        if None in out or math.prod(out) < MIN_BROADCAST * math.prod(extents[:n_s]):
+            return None
+        vector = next((v for v in VECTOR if out[-1] % v == 0), 1)
+        try:
+            return self._schedule(sch, main, producers, consumers, n_s, vector)
+        except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
+            return None
+
+    @staticmethod
+    def _schedule(sch, main, producers, consumers, n_s, vector):
+        for p in reversed(producers):
+            sch.compute_inline(p.block_rv)
+        for c in consumers[:-1]:  # (the activation: recomputed per element, from the reduction's output)
+            sch.compute_inline(c.block_rv)
+        loops = sch.get_loops(main.block_rv)
+        bx, tx = sch.split(sch.fuse(*loops[:n_s]), factors=[None, THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        acc = sch.cache_write(main.block_rv, 0, "local")
+        sch.reverse_compute_at(acc, tx, preserve_unit_loops=True)
+        sch.decompose_reduction(main.block_rv, loops[n_s])
+        epilogue = consumers[-1].block_rv
+        # (split the vector off first: the bounds check of the last block then
+        # does not involve the vectorized loop)
+        rest, lanes = sch.split(sch.fuse(*sch.get_loops(epilogue)), factors=[None, vector])
+        bx, tx = sch.split(rest, factors=[None, THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        sch.vectorize(lanes)
+        return sch

@@ -33,12 +33,14 @@ CONTRACTION = "contraction"  # our CPU schedule of convolutions and matmuls (pas
 INJECTIVE = "injective"  # our CPU schedule of kernels without a reduction (passes/cpu_default.py)
 SHORT_REDUCTION = "short-reduction"  # our CUDA schedule of depthwise convolutions and pools (passes/gpu_default.py)
 FEW_OUTPUTS = "few-outputs"  # DLight's GeneralReduction for contractions with few outputs (passes/gpu_default.py)
+BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excitation "excite" kernels (passes/gpu_default.py)
 # The version of each target kind's default chain (`rules`): bumped when a
 # change gives kernels other default schedules, so the kernel check
 # (tuning/check.py) times tuned kernels against the new defaults again.
 # cuda 2: ShortReduction (depthwise convolutions, small pools).
 # cuda 3: FewOutputs (contractions with few outputs, e.g. squeeze-excitation at batch 32).
-DEFAULTS_VERSION = {"cuda": 3, "llvm": 1}
+# cuda 4: BroadcastEpilogue (a small reduction broadcast into a larger tensor, before Fallback).
+DEFAULTS_VERSION = {"cuda": 4, "llvm": 1}
 
 
 @dataclasses.dataclass
@@ -61,17 +63,18 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
     from ..tvm_compat import dlight
 
     if target_kind == "cuda":
-        from .gpu_default import FewOutputs, ShortReduction
+        from .gpu_default import BroadcastEpilogue, FewOutputs, ShortReduction
 
         g = dlight.gpu
         # Our FewOutputs before DLight's Matmul: it gives a contraction with
         # few outputs a handful of thread blocks. Our ShortReduction before
         # DLight's reduction rules: they give a depthwise convolution one
-        # thread block per output (gpu_default.py).
+        # thread block per output. Our BroadcastEpilogue just before
+        # Fallback: it takes only kernels the rest leave to it (gpu_default.py).
         return [(FEW_OUTPUTS, FewOutputs()), ("dlight.Matmul", g.Matmul()), ("dlight.GEMV", g.GEMV()),
                 (SHORT_REDUCTION, ShortReduction()),
                 ("dlight.Reduction", g.Reduction()), ("dlight.GeneralReduction", g.GeneralReduction()),
-                ("dlight.Fallback", g.Fallback())]
+                (BROADCAST_EPILOGUE, BroadcastEpilogue()), ("dlight.Fallback", g.Fallback())]
     from .cpu_default import ContractionTiling, InjectiveParallel
 
     c = dlight.cpu

@@ -191,3 +191,55 @@ def test_a_contraction_read_strided_or_with_many_outputs_stays_with_matmul(sm90)
     row_sum = _few_kernels(1, lambda bb, x: relax.op.sum(relax.op.reshape(x, [49, 672]), axis=[1]))
     (func,) = [f for n, f in row_sum.items() if "sum" in n]
     assert FewOutputs().apply(func, sm90) is None and _first_source(func, sm90)[0] != schedule.FEW_OUTPUTS
+
+
+def _se_excite(batch, c=144, squeezed=6):
+    """The squeeze-excitation "excite" kernel: a 1x1 convolution of the
+    squeezed channels, bias, sigmoid, multiplied into the feature map."""
+    def build(bb, x):
+        rng = np.random.default_rng(2)
+        s = bb.emit(relax.op.astype(relax.op.mean(relax.op.strided_slice(x, [3], [0], [squeezed]), axis=[1, 2],
+                                                  keepdims=True), "float16"))
+        w = relax.const(rng.standard_normal((c, 1, 1, squeezed)).astype("float16"))
+        b = relax.const(rng.standard_normal((1, 1, 1, c)).astype("float16"))
+        y = bb.emit(relax.op.nn.conv2d(s, w, data_layout="NHWC", kernel_layout="OHWI", out_dtype="float32"))
+        y = bb.emit(relax.op.add(relax.op.astype(y, "float16"), b))
+        return relax.op.multiply(x, relax.op.sigmoid(y))
+    return build
+
+
+def test_the_excite_kernel_reads_and_writes_its_feature_map_16_bytes_at_a_time(sm90, batch=32):
+    """BroadcastEpilogue: where DLight leaves the excite kernel to Fallback
+    (scalar loads, a thread per element), the broadcast multiply gets 8 fp16
+    elements per thread; compiled for sm_90. At batch 1 DLight's GEMV takes
+    it before."""
+    kernels = _kernels(_se_excite(batch), sm90, (batch, 14, 14, 144))
+    (func,) = [f for n, f in kernels.items() if "conv2d" in n and "multiply" in n]
+    source, scheduled = _first_source(func, sm90)
+    assert source == schedule.BROADCAST_EPILOGUE
+    elements = batch * 14 * 14 * 144
+    assert f'T.thread_binding(T.int64({elements // 8 // 256 + (elements // 8 % 256 > 0)}), thread="blockIdx.x")' in \
+        scheduled.script()
+    src = build_kernel("excite", scheduled, targets.resolve("cuda:sm_90")).imports[0].inspect_source()
+    loads = [ln for ln in src.splitlines() if "uint4" in ln and "x_ptr +" in ln]  # (the feature map's parameter is x)
+    assert loads, "the feature map is not read as 16-byte vectors"
+    (func,) = [f for n, f in _kernels(_se_excite(1), sm90, (1, 14, 14, 144)).items() if "conv2d" in n and "multiply" in n]
+    assert _first_source(func, sm90)[0] == "dlight.GEMV"
+
+
+def test_dlight_leaves_the_excite_kernel_to_fallback(sm90):
+    """Why the rule exists: every DLight rule before Fallback declines or
+    fails on the excite kernel. Fails once one of them takes it; then look
+    again at whether BroadcastEpilogue is still needed."""
+    kernels = _kernels(_se_excite(32), sm90, (32, 14, 14, 144))
+    (func,) = [f for n, f in kernels.items() if "conv2d" in n and "multiply" in n]
+    gv = tvm.ir.GlobalVar("main")
+    chain = [name for name, got in schedule._sources(gv, func, None, sm90, "cuda") if not isinstance(got, Exception)]
+    assert chain[:2] == [schedule.BROADCAST_EPILOGUE, "dlight.Fallback"]
+
+
+def test_an_epilogue_of_the_reductions_own_shape_is_not_a_broadcast(sm90):
+    from deploy.passes.gpu_default import BroadcastEpilogue
+
+    (func,) = [f for n, f in _kernels(lambda bb, x: _depthwise_silu(bb, x, 3), sm90).items() if "conv2d" in n]
+    assert BroadcastEpilogue().apply(func, sm90) is None
