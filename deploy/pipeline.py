@@ -306,6 +306,8 @@ def format_summary(summary: dict) -> str:
                 + (f", {len(s['unschedulable'])} left to default schedules (no design space)"
                    if s.get("unschedulable") else "") + ")"
                 + ("  stopped at the deadline" if s["stopped_by_deadline"] else "")
+                + (f"  no search: timing the default schedules took {s['budget_spent_timing_defaults_s']:.0f} s of the "
+                   "budget (once per database)" if s.get("budget_spent_timing_defaults_s") else "")
                 + (f"  {s['kernel_check']['checked']} kernel(s) checked, {s['kernel_check']['rejected']} "
                    "rejected (computed something else than their default schedule)"
                    + (f", {s['kernel_check']['default_faster']} slower than their default schedule (the build keeps "

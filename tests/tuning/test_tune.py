@@ -589,3 +589,27 @@ def test_the_lanes_merge_every_per_task_list_of_the_summary():
     assert summary["own_spaces"] == {"a": "short-reduction", "c": "short-reduction"}
     assert summary["without_tensor_cores"] == {"b": "why"}
     assert "own_spaces_only" not in summary and "unschedulable" not in summary
+
+
+def test_a_budget_spent_on_timing_the_defaults_starts_no_search(tmp_path, llvm_target, tiny_opt, monkeypatch, caplog):
+    """The first run of a database times every kernel's default schedule
+    once; where that leaves less than MIN_SEARCH_S of the budget, no search
+    starts (two lanes on the H200 started for 7 s and tuned nothing) and the
+    summary says why."""
+    import time as time_mod
+
+    from deploy.tuning import check as kernel_check
+
+    exported, opt = tiny_opt
+    cfg = make_config(trials=64, trials_per_task=32, trials_per_iter=2)
+
+    def slow_defaults(folder, tasks, target):
+        time_mod.sleep(1.0)
+        return {}
+
+    monkeypatch.setattr(kernel_check, "time_defaults", slow_defaults)
+    monkeypatch.setattr(tune, "MIN_SEARCH_S", 60.0)
+    with caplog.at_level("WARNING"):
+        s, _ = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t", budget_s=20.0)
+    assert s["new_trials"] == 0 and s["budget_spent_timing_defaults_s"] >= 1.0
+    assert any("the budget is spent" in r.getMessage() for r in caplog.records)
