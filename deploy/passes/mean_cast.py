@@ -10,15 +10,17 @@ map in fp32, twice the bytes it read, and the mean read it back: EfficientNet-B0
 at batch 32 on the H200 had 16 of those casts before its squeeze-excitation
 means, 0.45 ms of its 4.18 ms in kernels
 (results/h200/2026-12-03/efficientnet_b0-fp16-b32-short-reduction/profile.md:
-cast2, cast13, cast39, ...); every global average pool of an fp16 model has one.
+cast2, cast13, cast39, ...), one before each squeeze-excitation block.
 
 This pass groups `astype(mean(astype(x, fp32)), ...)` (and `mean(astype(x,
 fp32))` where no cast follows) into one fused function: FuseTIR makes it one
 kernel whose reduction reads fp16 and accumulates in fp32, exactly the
-arithmetic it replaces. Only where the widened copy and the fp32 mean have no
-other reader, only a widening cast (fp16 or bf16 to fp32), and only where no
-elementwise op reads the result: FuseOps fused that one into the mean's
-kernel (a group norm's `x - mean`), and a group of ours would keep it out.
+arithmetic it replaces. Only a widening cast (fp16 or bf16 to fp32) with no
+other reader, and only where it is a kernel of its own: the fp16 map has
+another reader too (a squeeze-excitation's multiply), else FuseOps fused the
+cast into the kernel that makes the map. Only where the result's readers
+are kernels of their own or views: one FuseOps fused into the mean's
+kernel (a group norm's `x - mean`) would be kept out of a group of ours.
 
 tests/passes/test_mean_cast.py also fails once FuseOps fuses the cast into
 the mean by itself; the pass can go then.
@@ -58,6 +60,15 @@ def fuse_mean_casts():
             m = ctx.annotated_expr
             inner, source = m["widen"], m["x"]
             if (_dtype(source), _dtype(inner)) not in WIDENING or not single_use(ctx, inner):
+                return False
+            # The cast is a kernel of its own only where the fp16 map has
+            # another reader (a squeeze-excitation's multiply) or comes in as
+            # a parameter; a sole reader's cast is fused into the producer's
+            # epilogue already, in kernels that may be tuned (a classifier's
+            # last convolution): left alone, their records still apply.
+            var = source if isinstance(source, relax.Var) else ctx.value_to_bound_var.get(source)
+            uses = None if var is None else ctx.var_usages.get(var)
+            if uses is not None and len(uses) < 2:
                 return False
             if "narrow" in m and not single_use(ctx, m["mean"]):
                 return False
