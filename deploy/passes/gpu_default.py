@@ -149,7 +149,7 @@ class FewOutputs:
 
 MAX_EXCITE_TAPS = 512  # reduction steps per output, each a thread's serial loop
 MIN_BROADCAST = 4  # the epilogue writes at least this many times the reduction's outputs
-VECTOR = (8, 4, 2)  # elements per thread in the epilogue: 16 bytes of fp16 at most
+VECTOR = (8, 4, 2)  # elements per thread in the epilogue: 16 bytes of the output at most
 
 
 class BroadcastEpilogue:
@@ -168,8 +168,10 @@ class BroadcastEpilogue:
     Ours: two kernels in one function, as Fallback's, the reduction a thread
     per output (its few steps a serial loop, the sum in a register) and the
     epilogue, with the activation computed inline, fused over every axis with
-    VECTOR elements per thread, so that the feature map is read and written
-    16 bytes at a time. It is last in the chain before Fallback
+    up to VECTOR elements per thread, so that the feature map is read and
+    written 16 bytes at a time. It declines kernels with other than
+    floating-point buffers. `tunable` is ignored: tuning has no design space
+    of it (MetaSchedule's own spaces apply). It is last in the chain before Fallback
     (passes/schedule.py): it changes only kernels DLight leaves to Fallback.
     """
 
@@ -183,10 +185,18 @@ class BroadcastEpilogue:
         block = sch.get(main.block_rv)
         if len(block.writes) != 1:
             return None
-        out = [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape]
+        written = sch.get(consumers[-1].block_rv).writes[0].source
+        out = [static_int(d) for d in written.shape]
         if None in out or math.prod(out) < MIN_BROADCAST * math.prod(extents[:n_s]):
             return None
-        vector = next((v for v in VECTOR if out[-1] % v == 0), 1)
+        # Floating-point buffers only (CUDA's codegen prints no 8-lane bool,
+        # int64 or float64 vector), and at most 16 bytes of the output a thread.
+        dtypes = {str(b.dtype) for blk in [main] + producers + consumers
+                  for r in (sch.get(blk.block_rv).reads + sch.get(blk.block_rv).writes) for b in [r.source]}
+        if not dtypes <= {"float16", "bfloat16", "float32"}:
+            return None
+        widest = 16 // (2 if str(written.dtype) in ("float16", "bfloat16") else 4)
+        vector = next((v for v in VECTOR if v <= widest and out[-1] % v == 0), 1)
         try:
             return self._schedule(sch, main, producers, consumers, n_s, vector)
         except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel

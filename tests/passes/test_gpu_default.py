@@ -193,7 +193,7 @@ def test_a_contraction_read_strided_or_with_many_outputs_stays_with_matmul(sm90)
     assert FewOutputs().apply(func, sm90) is None and _first_source(func, sm90)[0] != schedule.FEW_OUTPUTS
 
 
-def _se_excite(batch, c=144, squeezed=6):
+def _se_excite(c=144, squeezed=6):
     """The squeeze-excitation "excite" kernel: a 1x1 convolution of the
     squeezed channels, bias, sigmoid, multiplied into the feature map."""
     def build(bb, x):
@@ -208,34 +208,45 @@ def _se_excite(batch, c=144, squeezed=6):
     return build
 
 
-def test_the_excite_kernel_reads_and_writes_its_feature_map_16_bytes_at_a_time(sm90, batch=32):
-    """BroadcastEpilogue: where DLight leaves the excite kernel to Fallback
-    (scalar loads, a thread per element), the broadcast multiply gets 8 fp16
-    elements per thread; compiled for sm_90. At batch 1 DLight's GEMV takes
-    it before."""
-    kernels = _kernels(_se_excite(batch), sm90, (batch, 14, 14, 144))
+def _excite_kernel(batch, c, target):
+    kernels = _kernels(_se_excite(c), target, (batch, 14, 14, c))
     (func,) = [f for n, f in kernels.items() if "conv2d" in n and "multiply" in n]
-    source, scheduled = _first_source(func, sm90)
+    return func
+
+
+@pytest.mark.parametrize("batch,c,lanes,vector_type", [(32, 144, 8, "uint4"), (5, 36, 4, "half4")],
+                         ids=["b32-8-lanes", "b5-4-lanes-bounds-checked"])
+def test_the_excite_kernel_reads_and_writes_its_feature_map_in_vectors(sm90, batch, c, lanes, vector_type):
+    """BroadcastEpilogue: where DLight leaves the excite kernel to Fallback
+    (scalar loads, a thread per element), the broadcast multiply gets up to 8
+    fp16 elements per thread (4 where the channels are not a multiple of 8;
+    a last block checked against the bounds where the threads do not divide
+    the elements); compiled for sm_90."""
+    source, scheduled = _first_source(_excite_kernel(batch, c, sm90), sm90)
     assert source == schedule.BROADCAST_EPILOGUE
-    elements = batch * 14 * 14 * 144
-    assert f'T.thread_binding(T.int64({elements // 8 // 256 + (elements // 8 % 256 > 0)}), thread="blockIdx.x")' in \
-        scheduled.script()
+    threads = batch * 14 * 14 * c // lanes
+    text = scheduled.script()
+    assert f'T.thread_binding(T.int64({-(-threads // 256)}), thread="blockIdx.x")' in text
+    assert ("T.where" in text) == (threads % 256 != 0)
     src = build_kernel("excite", scheduled, targets.resolve("cuda:sm_90")).imports[0].inspect_source()
-    loads = [ln for ln in src.splitlines() if "uint4" in ln and "x_ptr +" in ln]  # (the feature map's parameter is x)
-    assert loads, "the feature map is not read as 16-byte vectors"
-    (func,) = [f for n, f in _kernels(_se_excite(1), sm90, (1, 14, 14, 144)).items() if "conv2d" in n and "multiply" in n]
-    assert _first_source(func, sm90)[0] == "dlight.GEMV"
+    lines = src.splitlines()
+    assert any(f"*({vector_type}*)(x_ptr +" in ln for ln in lines), "the feature map is not read in vectors"
+    assert any(f"*({vector_type}*)(T_multiply_intermediate_ptr +" in ln and " = " in ln for ln in lines), \
+        "the output is not written in vectors"
+
+
+def test_at_batch_1_dlights_gemv_keeps_the_excite_kernel(sm90):
+    assert _first_source(_excite_kernel(1, 144, sm90), sm90)[0] == "dlight.GEMV"
 
 
 def test_dlight_leaves_the_excite_kernel_to_fallback(sm90):
     """Why the rule exists: every DLight rule before Fallback declines or
     fails on the excite kernel. Fails once one of them takes it; then look
     again at whether BroadcastEpilogue is still needed."""
-    kernels = _kernels(_se_excite(32), sm90, (32, 14, 14, 144))
-    (func,) = [f for n, f in kernels.items() if "conv2d" in n and "multiply" in n]
+    func = _excite_kernel(32, 144, sm90)
     gv = tvm.ir.GlobalVar("main")
     chain = [name for name, got in schedule._sources(gv, func, None, sm90, "cuda") if not isinstance(got, Exception)]
-    assert chain[:2] == [schedule.BROADCAST_EPILOGUE, "dlight.Fallback"]
+    assert [n for n in chain if n != schedule.BROADCAST_EPILOGUE] == ["dlight.Fallback"]
 
 
 def test_an_epilogue_of_the_reductions_own_shape_is_not_a_broadcast(sm90):
