@@ -111,6 +111,28 @@ def _is_scheduled(func) -> bool:
     return bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
 
 
+OPAQUE = 8  # OpPatternKind::kOpaque: FuseOps fuses nothing into or out of such a kernel
+
+
+def final(func):
+    """A chosen kernel, marked opaque to fusion: compiled as it is.
+
+    Workaround: TVM's default build pipelines (relax/backend/cuda/pipeline.py
+    and relax/pipeline.py, which `tvm.compile` runs) apply
+    AnnotateTIROpPattern, FuseOps and FuseTIR once more to the module they
+    compile. A kernel that FuseTIR made carries no `op_pattern`, gets one from
+    its scheduled body, and FuseOps then merges it with a neighbour into a new,
+    unscheduled function, which DLight's default rules schedule over our
+    schedules and tuning records, or raise on (half of it is scheduled). At
+    batch 32 MobileNetV3's 1x1 convolutions were merged with the hardswish
+    kernel after each (its transposes cancel, so the analysis calls it
+    elementwise) and the whole build failed (`ReIndex: Check failed:
+    (outer->body.get() == inner)`). AnnotateTIROpPattern keeps a nonzero
+    `op_pattern`. tests/passes/test_final_kernels.py fails once TVM's pipeline
+    leaves scheduled kernels alone."""
+    return func.with_attr("op_pattern", OPAQUE)
+
+
 def build(plain_mod, tuned_mod, target, target_kind: str, compile_fn: Callable, kernel_builds: Callable):
     """Schedule each PrimFunc of `plain_mod` (tuning records applied in
     `tuned_mod`, same functions) and compile; returns (compiled, kernels).
@@ -133,7 +155,7 @@ def build(plain_mod, tuned_mod, target, target_kind: str, compile_fn: Callable, 
     while True:
         mod = plain_mod.clone() if hasattr(plain_mod, "clone") else plain_mod
         for gv, func in chosen.items():
-            mod[gv] = func
+            mod[gv] = final(func)
         try:
             compiled = compile_fn(mod)
             break
