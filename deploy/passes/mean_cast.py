@@ -40,8 +40,9 @@ def _dtype(expr) -> str | None:
 
 def fuse_mean_casts():
     """A pass: see the module's docstring."""
-    from ..tvm_compat import relax, tvm
     from tvm.relax.dpl import is_op, wildcard
+
+    from ..tvm_compat import relax, tvm
 
     x = wildcard()
     widen = is_op("relax.astype")(x)

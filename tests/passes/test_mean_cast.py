@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from deploy.passes.mean_cast import fuse_mean_casts
-from deploy.tvm_compat import VirtualMachine, relax, tensor, tvm
+from deploy.tvm_compat import VirtualMachine, tensor, tvm
 
 from .test_flat_gemm import _args, _fused, _kernels, _parse
 
