@@ -40,10 +40,9 @@ def _dtype(expr) -> str | None:
 
 def fuse_mean_casts():
     """A pass: see the module's docstring."""
-    from tvm.relax.dpl import is_op, wildcard
-
     from ..tvm_compat import relax, tvm
 
+    is_op, wildcard = relax.dpl.is_op, relax.dpl.wildcard
     x = wildcard()
     widen = is_op("relax.astype")(x)
     mean = is_op("relax.mean")(widen)
@@ -76,7 +75,7 @@ def fuse_mean_casts():
             # A reader FuseOps fused into the mean's kernel (a norm's
             # subtraction, a scale) could not join the group: left alone.
             out = ctx.value_to_bound_var.get(m.get("narrow", m["mean"]))
-            return out is not None and not any(_elementwise(op) for op in users.get(out, ()))
+            return out is not None and not any(_may_join_mean_kernel(op) for op in users.get(out, ()))
 
         # (the pattern with the trailing cast first: the longer match wins)
         return relax.transform.FuseOpsByPattern(
@@ -101,9 +100,10 @@ def _user_ops(mod) -> dict:
                 value = getattr(binding, "value", None)
                 if isinstance(value, relax.Call):
                     name = value.op.name if isinstance(value.op, tvm.ir.Op) else ""
-                    for arg in value.args:
-                        if isinstance(arg, relax.Var):
-                            out.setdefault(arg, []).append(name)
+                    for arg in value.args:  # (a tuple's fields too: concat's, call_tir's arguments)
+                        for v in (arg.fields if isinstance(arg, relax.Tuple) else [arg]):
+                            if isinstance(v, relax.Var):
+                                out.setdefault(v, []).append(name)
     return out
 
 
@@ -115,7 +115,7 @@ KERNEL_OF_ITS_OWN = frozenset({
 })
 
 
-def _elementwise(op_name: str) -> bool:
+def _may_join_mean_kernel(op_name: str) -> bool:
     """Whether FuseOps may have fused a reader with this operator into the
     mean's kernel: any but those in KERNEL_OF_ITS_OWN."""
     return op_name not in KERNEL_OF_ITS_OWN
