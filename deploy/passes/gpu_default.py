@@ -81,26 +81,41 @@ class ShortReduction:
 
     @staticmethod
     def _schedule(sch, main, producers, consumers, n_s, tunable):
-        for p in reversed(producers):  # the padding: computed where it is read
-            sch.compute_inline(p.block_rv)
-        for c in consumers[:-1]:
-            sch.compute_inline(c.block_rv)
-        loops = sch.get_loops(main.block_rv)
+        _inline_around(sch, producers, consumers)  # (the padding: computed where it is read)
         # Tunable (a design space for MetaSchedule, tuning/search.py): the
         # block size is a decision its MutateThreadBinding mutates.
         threads = sch.sample_categorical(candidates=list(THREAD_CHOICES), probs=[1 / len(THREAD_CHOICES)] * len(
             THREAD_CHOICES)) if tunable else THREADS
-        bx, tx = sch.split(sch.fuse(*loops[:n_s]), factors=[None, threads])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
-        writeback = sch.cache_write(main.block_rv, 0, "local")
-        sch.reverse_compute_at(writeback, tx, preserve_unit_loops=True)
+        loops = _thread_per_output(sch, main, n_s, threads)
         if consumers:
             sch.reverse_compute_inline(consumers[-1].block_rv)
         for r in loops[n_s:]:
             sch.unroll(r)
         sch.decompose_reduction(main.block_rv, loops[n_s])
         return sch
+
+
+def _inline_around(sch, producers, consumers) -> None:
+    """The reduction's producers (padding) and every consumer but the last
+    inlined: computed where they are read."""
+    for p in reversed(producers):
+        sch.compute_inline(p.block_rv)
+    for c in consumers[:-1]:
+        sch.compute_inline(c.block_rv)
+
+
+def _thread_per_output(sch, main, n_s: int, threads) -> list:
+    """The reduction's spatial loops fused and bound to blocks of `threads`
+    (an int, or a sampled decision), one thread per output, its sum kept in
+    a register and written back by that thread; returns the block's loops
+    (its reduction loops from `n_s` on)."""
+    loops = sch.get_loops(main.block_rv)
+    bx, tx = sch.split(sch.fuse(*loops[:n_s]), factors=[None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    writeback = sch.cache_write(main.block_rv, 0, "local")
+    sch.reverse_compute_at(writeback, tx, preserve_unit_loops=True)
+    return loops
 
 
 MAX_FEW_OUTPUTS = 16384  # DLight's Matmul tiles 32 x 64 outputs a block: at most 8 blocks
@@ -204,16 +219,8 @@ class BroadcastEpilogue:
 
     @staticmethod
     def _schedule(sch, main, producers, consumers, n_s, vector):
-        for p in reversed(producers):
-            sch.compute_inline(p.block_rv)
-        for c in consumers[:-1]:  # (the activation: recomputed per element, from the reduction's output)
-            sch.compute_inline(c.block_rv)
-        loops = sch.get_loops(main.block_rv)
-        bx, tx = sch.split(sch.fuse(*loops[:n_s]), factors=[None, THREADS])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
-        acc = sch.cache_write(main.block_rv, 0, "local")
-        sch.reverse_compute_at(acc, tx, preserve_unit_loops=True)
+        _inline_around(sch, producers, consumers)  # (the activation: recomputed per element, from the reduction's output)
+        loops = _thread_per_output(sch, main, n_s, THREADS)
         sch.decompose_reduction(main.block_rv, loops[n_s])
         epilogue = consumers[-1].block_rv
         # (split the vector off first: the bounds check of the last block then
