@@ -8,6 +8,14 @@ that fails once TVM no longer needs it.
 from __future__ import annotations
 
 
+def tensor_dtype(expr) -> str | None:
+    """A Relax expression's tensor dtype ("float16", ...), None where it has none."""
+    try:  # TVM 0.27: struct info is `.ty`
+        return str(expr.ty.dtype)
+    except AttributeError:
+        return None
+
+
 def relax_function_pass(name: str, make_mutator):
     """A module pass that runs a fresh `make_mutator()` (a Relax
     PyExprMutator) over every Relax function of a copy of the module."""

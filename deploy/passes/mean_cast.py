@@ -28,14 +28,9 @@ the mean by itself; the pass can go then.
 
 from __future__ import annotations
 
+from . import tensor_dtype
+
 WIDENING = {("float16", "float32"), ("bfloat16", "float32")}
-
-
-def _dtype(expr) -> str | None:
-    try:  # TVM 0.27: struct info is `.ty`
-        return str(expr.ty.dtype)
-    except AttributeError:
-        return None
 
 
 def fuse_mean_casts():
@@ -59,7 +54,7 @@ def fuse_mean_casts():
         def check(ctx) -> bool:
             m = ctx.annotated_expr
             inner, source = m["widen"], m["x"]
-            if (_dtype(source), _dtype(inner)) not in WIDENING or not single_use(ctx, inner):
+            if (tensor_dtype(source), tensor_dtype(inner)) not in WIDENING or not single_use(ctx, inner):
                 return False
             # The cast is a kernel of its own only where the fp16 map has
             # another reader (a squeeze-excitation's multiply) or comes in as

@@ -26,7 +26,7 @@ Each leaves every value bit for bit as it was (tests/passes/test_movement.py).
 
 from __future__ import annotations
 
-from . import call_rewrite_pass, pruned
+from . import call_rewrite_pass, pruned, tensor_dtype
 
 MOVES = frozenset({
     "relax.take", "relax.permute_dims", "relax.reshape", "relax.squeeze", "relax.expand_dims",
@@ -36,13 +36,6 @@ EXACT_WIDENING = {
     ("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"),
     ("float32", "float64"),
 }
-
-
-def _dtype(expr) -> str | None:
-    try:  # TVM 0.27: struct info is `.ty`
-        return str(expr.ty.dtype)
-    except AttributeError:
-        return None
 
 
 def _ndim(expr) -> int | None:
@@ -107,8 +100,9 @@ def tidy_movement():
             if call.op.name in MOVES:
                 moved = relax.Call(call.op, [src, *call.args[1:]], call.attrs)
                 sliced = as_slice(builder, moved)
-                return op.astype(builder.emit(moved if sliced is None else sliced), _dtype(inner))
-            if call.op == astype and _dtype(src) == _dtype(call) and (_dtype(src), _dtype(inner)) in EXACT_WIDENING:
+                return op.astype(builder.emit(moved if sliced is None else sliced), tensor_dtype(inner))
+            if call.op == astype and tensor_dtype(src) == tensor_dtype(call) \
+                    and (tensor_dtype(src), tensor_dtype(inner)) in EXACT_WIDENING:
                 return src
         return as_slice(builder, call)
 
