@@ -3,12 +3,10 @@ mean runs inside the mean's kernel, with the same arithmetic."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from deploy.passes.mean_cast import fuse_mean_casts
-from deploy.tvm_compat import VirtualMachine, tensor, tvm
 
-from .test_flat_gemm import _args, _fused, _kernels, _parse
+from .test_flat_gemm import _fused, _kernels, _parse
+from .test_movement import _assert_bit_exact
 
 SE = """
 @I.ir_module
@@ -24,12 +22,6 @@ class Mod:
             R.output(y, z)
         return (y, z)
 """
-
-
-def _run(mod, args):
-    ex = tvm.compile(mod, target="llvm")
-    out = VirtualMachine(ex, tvm.cpu())["main"](*[tensor(a) for a in args])
-    return np.concatenate([o.numpy().ravel() for o in out])
 
 
 def _cast_kernels(mod):
@@ -49,8 +41,7 @@ def test_the_squeeze_excitation_mean_reads_fp16_in_one_kernel_with_the_same_resu
     assert len(means) == 1
     kernel = _kernels(grouped)[means[0]]
     assert [str(p.dtype) for p in kernel.params] == ["float16", "float16"]  # (reads fp16, writes fp16)
-    args = _args(mod)
-    np.testing.assert_array_equal(_run(grouped, args), _run(plain, args))
+    _assert_bit_exact(plain, grouped)
 
 
 def test_a_global_pool_without_a_cast_after_it_is_grouped_too():
@@ -60,8 +51,7 @@ def test_a_global_pool_without_a_cast_after_it_is_grouped_too():
     assert "R.nn.conv2d" not in mod.script()
     grouped = _fused(fuse_mean_casts()(mod))
     assert _cast_kernels(grouped) == []
-    args = _args(mod)
-    np.testing.assert_array_equal(_run(grouped, args), _run(_fused(mod), args))
+    _assert_bit_exact(_fused(mod), grouped)
 
 
 def test_a_mean_read_by_an_elementwise_op_keeps_it_in_its_kernel():
