@@ -34,13 +34,15 @@ INJECTIVE = "injective"  # our CPU schedule of kernels without a reduction (pass
 SHORT_REDUCTION = "short-reduction"  # our CUDA schedule of depthwise convolutions and pools (passes/gpu_default.py)
 FEW_OUTPUTS = "few-outputs"  # DLight's GeneralReduction for contractions with few outputs (passes/gpu_default.py)
 BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excitation "excite" kernels (passes/gpu_default.py)
-# The version of each target kind's default chain (`rules`): bumped when a
-# change gives kernels other default schedules, so the kernel check
-# (tuning/check.py) times tuned kernels against the new defaults again.
-# cuda 2: ShortReduction (depthwise convolutions, small pools).
-# cuda 3: FewOutputs (contractions with few outputs, e.g. squeeze-excitation at batch 32).
-# cuda 4: BroadcastEpilogue (a small reduction broadcast into a larger tensor, before Fallback).
-DEFAULTS_VERSION = {"cuda": 4, "llvm": 1}
+# The version of each of our own default rules: bumped when a change gives
+# kernels another schedule under that rule. The kernel check
+# (tuning/check.py) keeps a tuned kernel's timing against its default schedule
+# while the chain (`default_chain`) up to and including the source that made
+# that default is unchanged, so a new or changed rule re-times only the kernels
+# it could have taken, and DLight's rules (fixed for a TVM release) need no
+# number. (Before rules had versions the whole chain had one: CUDA 4 is today's
+# chain with every rule at 1.)
+RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 1, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1}
 
 
 @dataclasses.dataclass
@@ -84,6 +86,14 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
     # passes/cpu_default.py), and a compile that never ends is not a failure
     # the chain can fall back from. Ours takes the GEMV-shaped kernels.
     return [(CONTRACTION, ContractionTiling()), ("dlight.Reduction", c.Reduction()), (INJECTIVE, InjectiveParallel())]
+
+
+def default_chain(target_kind: str) -> list[str]:
+    """The sources a kernel's default schedule can come from, in order, each
+    of ours with its version (`RULE_VERSIONS`): e.g. ['few-outputs@1',
+    'dlight.Matmul', ..., 'dlight.Fallback', 'default']."""
+    return [f"{name}@{RULE_VERSIONS[name]}" if name in RULE_VERSIONS else name
+            for name, _ in rules(target_kind)] + [DEFAULT]
 
 
 def _sources(gv, plain, tuned, target, target_kind):

@@ -61,36 +61,81 @@ def record_id(shash: str, rec: list) -> str:
 
 
 def read(folder: Path, kind: str | None = None) -> dict:
-    """The folder's check state. Made under another version of the target's
-    default chain (`schedule.DEFAULTS_VERSION`; `kind` the target kind, else
-    the one the folder's key.json names), its timings are dropped (which
-    records were timed, which a default beat, the defaults' times), so the
-    next check times each best record against today's defaults. Verdicts on
-    what a record computes stay: every default computes the same."""
+    """The folder's check state. Timings stay valid while the default chain
+    (`schedule.default_chain` of `kind`, the target kind, else of the one the
+    folder's key.json names) is the same up to and including the source that
+    made the workload's default schedule ("default_rule"); those of the
+    other workloads are dropped (which records were timed, which a default
+    beat, the defaults' times), so the next check times them against today's
+    defaults: a new rule before DLight's Fallback re-times only the kernels
+    that went to the rules after it. Verdicts on what a record computes stay:
+    every default computes the same."""
     path = Path(folder) / CHECKS
     state = json.loads(path.read_text()) if path.is_file() else {}
-    version = _defaults_version(Path(folder), kind)
-    if version is not None:
-        if state and state.get("defaults", 1) != version:
-            for k in ("timed", "default_faster", "default_us"):
-                state.pop(k, None)
-        state["defaults"] = version
-    for k in ("passed", "rejected", "timed", "default_faster"):
+    if isinstance(state.get("timed"), list):  # (written before timings named their workload)
+        state["timed"] = dict.fromkeys(state["timed"])
+    for k in ("passed", "rejected", "default_faster"):
         state.setdefault(k, [])
+    for k in ("timed", "default_rule"):
+        state.setdefault(k, {})
+    chain = _default_chain(Path(folder), kind)
+    if chain is not None:
+        old = state.pop("chain", None)
+        if old is None:  # (one number for the whole chain, 1 where none was written)
+            old = _LEGACY_CHAINS.get((kind or _kind(Path(folder)), state.get("defaults", 1)))
+        state.pop("defaults", None)
+        if old != chain:
+            _drop_stale(state, old or [], chain)
+        state["chain"] = chain
     return state
 
 
-def _defaults_version(folder: Path, kind: str | None) -> int | None:
-    """The default chain's version for `kind`, or for the target the
-    folder's key.json names; None when neither says (nothing is dropped)."""
-    from ..passes.schedule import DEFAULTS_VERSION
+# The chains of databases checked when a target kind's whole chain had one
+# version number: CUDA 4 and llvm 1 (no CPU rule has changed its kernels'
+# schedules since) are today's chains at RULE_VERSIONS 1; timings made under
+# older CUDA numbers are dropped.
+_LEGACY_CHAINS = {
+    ("cuda", 4): ["few-outputs@1", "dlight.Matmul", "dlight.GEMV", "short-reduction@1", "dlight.Reduction",
+                  "dlight.GeneralReduction", "broadcast-epilogue@1", "dlight.Fallback", "default"],
+    ("llvm", 1): ["contraction@1", "dlight.Reduction", "injective@1", "default"],
+}
 
-    if kind is None:
-        try:
-            kind = json.loads((folder / "key.json").read_text())["target"]["kind"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-    return DEFAULTS_VERSION.get(kind, 1)
+
+def _drop_stale(state: dict, old: list[str], new: list[str]) -> None:
+    """Timings of the workloads whose default might now come from another
+    source (or another version of it) dropped from `state`, in place."""
+    rules = state["default_rule"]
+
+    def valid(shash) -> bool:
+        names = [c.split("@")[0] for c in old]
+        rule = rules.get(shash)
+        if rule not in names:
+            return False
+        i = names.index(rule) + 1
+        return old[:i] == new[:i]
+
+    keep = {w for w in rules if valid(w)}
+    state["default_rule"] = {w: r for w, r in rules.items() if w in keep}
+    state["timed"] = {r: w for r, w in state["timed"].items() if w in keep}
+    state["default_faster"] = [e for e in state["default_faster"] if e.get("workload") in keep]
+    if "default_us" in state:
+        state["default_us"] = {w: us for w, us in state["default_us"].items() if w in keep}
+
+
+def _kind(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "key.json").read_text())["target"]["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _default_chain(folder: Path, kind: str | None) -> list[str] | None:
+    """Today's default chain for `kind`, or for the target the folder's
+    key.json names; None when neither says (nothing is dropped)."""
+    from ..passes.schedule import default_chain
+
+    kind = kind or _kind(folder)
+    return default_chain(kind) if kind is not None else None
 
 
 def drop_rejected(folder: Path, workloads: list[str], records: list[str], slower_than_default: bool = False
@@ -127,7 +172,7 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
 
     folder = Path(folder)
     state = read(folder, target.kind)
-    passed, timed = set(state["passed"]), set(state["timed"])
+    passed, timed = set(state["passed"]), state["timed"]
     counts = {"checked": 0, "passed": 0, "rejected": 0, "default_faster": 0}
     dev = target.device()
     tried: set[str] = set()
@@ -150,7 +195,7 @@ def check_database(folder: Path, target: TargetInfo) -> dict:
             batch = todo[start:start + SAVE_EVERY]
             for (wl_line, rec, shash, rid), built in zip(batch, _build_all(batch, passed, target)):
                 _judge_one(state, counts, passed, timed, wl_line, rec, shash, rid, built, target, dev)
-            state["passed"], state["timed"] = sorted(passed), sorted(timed)
+            state["passed"], state["timed"] = sorted(passed), dict(sorted(timed.items()))
             artifacts.write_json_atomic(folder / CHECKS, state)
     return counts
 
@@ -183,7 +228,9 @@ def _judge_one(state, counts, passed, timed, wl_line, rec, shash, rid, built, ta
     if rid not in passed:
         passed.add(rid)
         counts["passed"] += 1
-    timed.add(rid)
+    timed[rid] = shash
+    if err.get("default_rule"):
+        state["default_rule"][shash] = err["default_rule"]
     if err["default_us"] is not None and err["tuned_us"] is not None and err["default_us"] < err["tuned_us"]:
         state["default_faster"].append({"record": rid, "workload": shash, "record_secs": dbs._mean_secs(rec),
                                         "tuned_us": err["tuned_us"], "default_us": err["default_us"]})
@@ -207,6 +254,7 @@ def compare(wl_line: str, rec: list, target: TargetInfo, dev, check_outputs: boo
 def build_libs(wl_line: str, rec: list, target: TargetInfo, check_outputs: bool = True) -> dict:
     """compare()'s builds: {"buffers": the arguments, "tuned": the record's
     kernel, "default": the default schedule's (absent when none builds),
+    "default_rule": the source of the schedule chain that made it,
     "reference": what the outputs are compared with (absent when not
     checked or none builds)}."""
     from ..build import build_kernel
@@ -223,7 +271,7 @@ def build_libs(wl_line: str, rec: list, target: TargetInfo, check_outputs: bool 
     libs = {"buffers": [(f"argument {k}", str(a[1]), [int(d) for d in a[2]]) for k, a in enumerate(rec[3])]}
     with target.tvm_target():
         libs["tuned"] = build_kernel("main", tuned, target)
-        default, plain = _default_lib(func, target)
+        default, plain, libs["default_rule"] = _default_lib(func, target)
         if default is not None:
             libs["default"] = default
         # The reference of the outputs: on the CPU, TVM's own lowering of the kernel (plain loops: slow, but
@@ -254,7 +302,8 @@ def judge(libs: dict, target: TargetInfo, dev, check_outputs: bool = True) -> di
         worst = _worst(buffers, *outs)
         if not worst["ok"]:
             return {**worst, "tuned_us": None, "default_us": None}
-    return {**worst, "tuned_us": _time_us(libs["tuned"], [tensor(a, dev) for a in args], dev),
+    return {**worst, "default_rule": libs.get("default_rule"),
+            "tuned_us": _time_us(libs["tuned"], [tensor(a, dev) for a in args], dev),
             "default_us": _time_us(libs["default"], [tensor(a, dev) for a in args], dev)
             if "default" in libs else None}
 
@@ -284,8 +333,9 @@ def _build_all(todo, passed: set, target: TargetInfo) -> list[dict | None]:
         out = []
         for b in built:
             try:  # (loaded, the files can go: the modules stay in memory)
-                out.append(b if "error" in b else {**{k: load_module(v) for k, v in b.items() if k != "buffers"},
-                                                   "buffers": b["buffers"]})
+                out.append(b if "error" in b else {
+                    **{k: load_module(v) for k, v in b.items() if k not in ("buffers", "default_rule")},
+                    "buffers": b["buffers"], "default_rule": b["default_rule"]})
             except Exception as e:  # noqa: BLE001
                 out.append({"error": error_line(e, 200)})
         return out
@@ -297,7 +347,7 @@ def _build_exported(job) -> dict:
     wl_line, rec, target, check_outputs, stem = job
     try:
         libs = build_libs(wl_line, rec, target, check_outputs)
-        out = {"buffers": libs.pop("buffers")}
+        out = {"buffers": libs.pop("buffers"), "default_rule": libs.pop("default_rule")}
         for name, lib in libs.items():
             same = next((k for k, v in libs.items() if v is lib and k in out), None)
             if same is not None:
@@ -312,19 +362,20 @@ def _build_exported(job) -> dict:
 
 def _default_lib(func, target: TargetInfo):
     """The kernel built with its default schedule (the first source of the
-    schedule chain that builds, as a build would take it), and whether that
-    source is the unscheduled function itself; (None, False) if none builds."""
+    schedule chain that builds, as a build would take it), whether that
+    source is the unscheduled function itself, and the source's name;
+    (None, False, None) if none builds."""
     from ..build import build_kernel
     from ..passes import schedule
 
-    for _name, f in schedule._sources(None, func, None, target.tvm_target(), target.kind):
+    for name, f in schedule._sources(None, func, None, target.tvm_target(), target.kind):
         if isinstance(f, Exception):
             continue
         try:
-            return build_kernel("main", f, target), f is func
+            return build_kernel("main", f, target), f is func, name
         except Exception:  # noqa: BLE001 - as the build does: the next source
             continue
-    return None, False
+    return None, False, None
 
 
 def _seeded_args(buffers) -> list[np.ndarray]:
@@ -361,8 +412,10 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
         with tempfile.TemporaryDirectory(prefix="tvm-deploy-defaults-") as tmp:
             jobs = [(tvm.ir.save_json(t["mod"]), target, str(Path(tmp) / f"{k}.so")) for k, t in enumerate(todo)]
             built = run_in_processes(_build_default, jobs, workers)
-            for t, path in zip(todo, built):
+            for t, (path, rule) in zip(todo, built):
                 us = None  # (kept as None: not built again next run; ranked by its FLOPs instead)
+                if rule is not None:
+                    state["default_rule"][hashes[t["name"]]] = rule
                 if path is not None:
                     try:
                         args = _seeded_args(_buffers(t["mod"]["main"]))
@@ -392,22 +445,23 @@ def _buffers(func) -> list[tuple[str, str, list[int]]]:
             for k, a in enumerate(ms.arg_info.ArgInfo.from_prim_func(func))]
 
 
-def _build_default(job) -> str | None:
+def _build_default(job) -> tuple[str | None, str | None]:
     """Build-process entry: the task module (JSON) built with its default
-    schedule and exported to `path`; None where no default builds."""
+    schedule and exported to `path`; (path, the schedule's source), (None,
+    None) where no default builds."""
     mod_json, target, path = job
     from ..tvm_compat import tvm
 
     try:
         with target.tvm_target():
-            lib, _ = _default_lib(tvm.ir.load_json(mod_json)["main"], target)
+            lib, _, rule = _default_lib(tvm.ir.load_json(mod_json)["main"], target)
         if lib is None:
-            return None
+            return None, None
         lib.export_library(path)
-        return path
+        return path, rule
     except Exception as e:  # noqa: BLE001 - untimed: ranked by its FLOPs instead
         log.debug("check: default schedule not built (%s)", e)
-        return None
+        return None, None
 
 
 def _worst(buffers, got_all, want_all) -> dict:

@@ -30,15 +30,15 @@ def folder(tmp_path):
     return out
 
 
-def _checks(folder, defaults, workload, default_us):
+def _checks(folder, chain, workload, default_us):
     (folder / "database_checks.json").write_text(json.dumps({
-        "passed": [], "rejected": [], "timed": [], "defaults": defaults,
+        "passed": [], "rejected": [], "timed": {}, "chain": chain, "default_rule": {workload: "dlight.Matmul"},
         "default_faster": [{"record": "r", "workload": workload, "record_secs": 9e-5, "tuned_us": 90.0,
                             "default_us": default_us}]}))
 
 
 def test_rows_name_shapes_tensor_cores_and_the_checks_default_time(folder):
-    from deploy.passes.schedule import DEFAULTS_VERSION
+    from deploy.passes.schedule import default_chain
 
     mod = _script()
     first = mod.rows(folder)
@@ -48,10 +48,10 @@ def test_rows_name_shapes_tensor_cores_and_the_checks_default_time(folder):
     w = first[0]["workload"]
     assert len(first[0]["shapes"]) >= 3 and all(s.replace(",", "").isdigit() for s in first[0]["shapes"])
 
-    _checks(folder, DEFAULTS_VERSION["cuda"], w, 12.5)
+    _checks(folder, default_chain("cuda"), w, 12.5)
     assert {r["workload"]: r["default_us"] for r in mod.rows(folder)}[w] == 12.5
     # timed under an earlier default chain: the time is stale, not shown
-    _checks(folder, DEFAULTS_VERSION["cuda"] - 1, w, 12.5)
+    _checks(folder, ["dlight.Matmul", "dlight.Fallback", "default"], w, 12.5)
     assert all(r["default_us"] is None for r in mod.rows(folder))
 
 

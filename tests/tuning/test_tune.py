@@ -413,7 +413,7 @@ def test_many_kernels_to_check_are_built_in_parallel_processes(tmp_path, llvm_ta
     counts = kernel_check.check_database(db_dir, llvm_target)
     assert counts["checked"] == 2 and counts["passed"] == 2 and counts["rejected"] == 0, counts
     state = kernel_check.read(db_dir)
-    assert len(state["passed"]) == 2 and state["passed"] == state["timed"]
+    assert len(state["passed"]) == 2 and state["passed"] == sorted(state["timed"])
     # a build that fails in a build process: its one line comes back; the record is not checked, not
     # listed, and tried again next run
     failed = kernel_check._build_exported(("not json", [], llvm_target, True, str(tmp_path / "k")))
@@ -454,7 +454,7 @@ def test_a_check_stopped_midway_keeps_the_batches_it_judged(tmp_path, llvm_targe
     with pytest.raises(KeyboardInterrupt):
         kernel_check.check_database(db_dir, llvm_target)
     state = kernel_check.read(db_dir)
-    assert len(state["passed"]) == 1 and state["timed"] == state["passed"]
+    assert len(state["passed"]) == 1 and sorted(state["timed"]) == state["passed"]
     monkeypatch.setattr(kernel_check, "_judge_one", real)
     assert kernel_check.check_database(db_dir, llvm_target)["checked"] == 1
     assert len(kernel_check.read(db_dir)["timed"]) == 2
@@ -519,7 +519,7 @@ def test_untuned_kernels_are_timed_once_and_the_slowest_is_tuned_first(tmp_path,
     assert kernel_check.time_defaults(tmp_path / "db", plan, llvm_target) == times
     # a kernel whose default does not build is remembered as such, not built on every run
     monkeypatch.setattr(kernel_check, "PARALLEL_FROM", 100)
-    monkeypatch.setattr(kernel_check, "_default_lib", lambda *a: (None, False))
+    monkeypatch.setattr(kernel_check, "_default_lib", lambda *a: (None, False, None))
     assert kernel_check.time_defaults(tmp_path / "db3", plan, llvm_target) == {}
     assert set(json.loads((tmp_path / "db3" / "database_checks.json").read_text())["default_us"].values()) == {None}
     monkeypatch.setattr(kernel_check, "_default_lib", lambda *a: pytest.fail("built again"))
@@ -545,33 +545,75 @@ def test_untuned_kernels_are_timed_once_and_the_slowest_is_tuned_first(tmp_path,
 
 
 def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monkeypatch):
-    """check.read: a new version of a target's default schedules drops the
-    timings (which records were timed, which a default beat, the defaults'
-    times), so the next check times them against the new defaults; verdicts
-    on outputs stay. Another target's state is left as it is; the kind comes
-    from the caller or the folder's key.json, and without either nothing is
-    dropped or stamped."""
+    """check.read: where the default chain changed before or at the source
+    that made a workload's default schedule, that workload's timings are
+    dropped (which records were timed, which a default beat, the default's
+    time), so the next check times it against the new default; the others
+    stay, and verdicts on outputs always stay. The kind comes from the caller
+    or the folder's key.json; without either nothing is dropped or stamped.
+    States from before rules had versions: CUDA 4 is today's chain, older
+    CUDA numbers drop every timing."""
     from deploy.passes import schedule
     from deploy.tuning import check as kernel_check
 
-    old = {"passed": ["a"], "rejected": [{"record": "b"}], "timed": ["a"], "default_us": {"w": 3.0},
-           "default_faster": [{"record": "c", "workload": "w", "record_secs": 1.0}]}
-    for kind in ("cuda", "llvm", "nokey"):
-        folder = tmp_path / kind
+    today = schedule.default_chain("cuda")
+    assert today[-2:] == ["dlight.Fallback", "default"] and "dlight.Matmul" in today
+    state = {"passed": ["a", "b"], "rejected": [{"record": "x"}], "chain": today,
+             "timed": {"a": "w_mm", "b": "w_fb", "c": None},
+             "default_rule": {"w_mm": "dlight.Matmul", "w_fb": "dlight.Fallback", "w_sr": "short-reduction"},
+             "default_us": {"w_mm": 3.0, "w_fb": 4.0, "w_sr": 5.0},
+             "default_faster": [{"record": "a", "workload": "w_mm", "record_secs": 1.0},
+                                {"record": "b", "workload": "w_fb", "record_secs": 1.0}]}
+
+    def read(folder_state, kind="cuda", key=True):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
         folder.mkdir()
-        if kind != "nokey":
+        if key:
             (folder / "key.json").write_text(json.dumps({"target": {"kind": kind}}))
-        (folder / kernel_check.CHECKS).write_text(json.dumps(old))  # written before versions: version 1
-    monkeypatch.setattr(schedule, "DEFAULTS_VERSION", {"cuda": 2, "llvm": 1})
-    cuda, llvm = kernel_check.read(tmp_path / "cuda"), kernel_check.read(tmp_path / "llvm")
-    assert cuda["timed"] == [] and cuda["default_faster"] == [] and "default_us" not in cuda and cuda["defaults"] == 2
-    assert cuda["passed"] == ["a"] and cuda["rejected"] == old["rejected"]
-    assert llvm["timed"] == ["a"] and llvm["default_us"] == {"w": 3.0} and llvm["defaults"] == 1
-    nokey = kernel_check.read(tmp_path / "nokey")
-    assert nokey["timed"] == ["a"] and "defaults" not in nokey
-    assert kernel_check.read(tmp_path / "nokey", "cuda")["timed"] == []  # the caller's kind
-    (tmp_path / "cuda" / kernel_check.CHECKS).write_text(json.dumps({**old, "defaults": 2}))
-    assert kernel_check.read(tmp_path / "cuda")["timed"] == ["a"]  # made under today's chain: kept
+        (folder / kernel_check.CHECKS).write_text(json.dumps(folder_state))
+        return kernel_check.read(folder)
+
+    assert read(state) == state  # made under today's chain: kept as it is
+    # a new rule just before Fallback: only the workload Fallback scheduled is timed again
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**schedule.RULE_VERSIONS, schedule.BROADCAST_EPILOGUE: 2})
+    got = read(state)
+    assert got["timed"] == {"a": "w_mm"} and got["default_rule"] == {"w_mm": "dlight.Matmul", "w_sr": "short-reduction"}
+    assert got["default_us"] == {"w_mm": 3.0, "w_sr": 5.0} and [e["workload"] for e in got["default_faster"]] == ["w_mm"]
+    assert got["passed"] == ["a", "b"] and got["rejected"] == state["rejected"] and got["chain"] != today
+    # a change of the first rule: every workload after it too
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**schedule.RULE_VERSIONS, schedule.FEW_OUTPUTS: 2})
+    got = read(state)
+    assert got["timed"] == {} and got["default_faster"] == [] and got["default_us"] == {}
+    monkeypatch.undo()
+    # before rules had versions: CUDA 4 is today's chain (its timings name no workload and no rule, so the
+    # next change of the chain drops them all); CUDA 3 and older are dropped now; another kind is its own
+    legacy = {"passed": ["a"], "rejected": [], "timed": ["a"], "defaults": 4, "default_us": {"w": 3.0},
+              "default_faster": [{"record": "a", "workload": "w", "record_secs": 1.0}]}
+    got = read(legacy)
+    assert got["timed"] == {"a": None} and got["default_us"] == {"w": 3.0} and got["chain"] == today
+    assert "defaults" not in got
+    got = read({**legacy, "defaults": 3})
+    assert got["timed"] == {} and got["default_faster"] == [] and got["default_us"] == {} and got["passed"] == ["a"]
+    assert read({**legacy, "defaults": 1}, kind="llvm")["timed"] == {"a": None}
+    nokey = read({**legacy, "defaults": 3}, key=False)
+    assert nokey["timed"] == {"a": None} and "chain" not in nokey
+    last = max(tmp_path.iterdir(), key=lambda f: int(f.name))  # (the folder without key.json)
+    assert kernel_check.read(last, "cuda")["timed"] == {}  # the caller's kind
+
+
+def test_a_check_names_the_rule_of_each_default_it_timed(tmp_path, llvm_target, tiny_opt):
+    """The check and time_defaults record which source of the chain made
+    each workload's default schedule: what check.read needs to keep a
+    timing when a rule is added or changed elsewhere in the chain."""
+    from deploy.passes import schedule
+    from deploy.tuning import check as kernel_check
+
+    db_dir = _two_records_unchecked(tmp_path, llvm_target, tiny_opt)
+    kernel_check.check_database(db_dir, llvm_target)
+    state = kernel_check.read(db_dir)
+    names = {c.split("@")[0] for c in schedule.default_chain("llvm")}
+    assert len(state["timed"]) == 2 and set(state["timed"].values()) <= set(state["default_rule"])
+    assert set(state["default_rule"].values()) <= names and state["chain"] == schedule.default_chain("llvm")
 
 
 def test_the_lanes_merge_every_per_task_list_of_the_summary():
