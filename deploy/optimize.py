@@ -37,6 +37,7 @@ from .errors import StaleArtifactError, run_in_processes
 from .frontend import FrontendArtifact, parallel_workers
 from .passes import nchwc
 from .passes.clip import clip_kernels_to_ops
+from .passes.depthwise_layout import depthwise_channels_last
 from .passes.exact_power import power_to_multiply
 from .passes.fast_math import fast_math
 from .passes.flat_gemm import flat_epilogues, flat_gemm
@@ -83,7 +84,7 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                               power_to_multiply()]),
     ]
     if profile.layout == "NHWC":
-        out.append(("layout", [convert_to_nhwc(), T.FoldConstant()]))
+        out.append(("layout", [convert_to_nhwc(), depthwise_channels_last(), T.FoldConstant()]))
     elif profile.layout == "NCHWc":
         out.append(("layout", [clip_kernels_to_ops(), nchwc.convert(), T.FoldConstant()]))
     if profile.fast_math:
