@@ -93,9 +93,62 @@ from tvm.support.popen_pool import PopenPoolExecutor, PopenWorker, StatusKind  #
 
 
 def register_tensor_intrinsics() -> None:
-    """Register TVM's tensor intrinsics (wmma, mma, ...): parsing them takes
-    20 to 70 s, so this is done only where needed, once per process."""
-    import tvm.s_tir.tensor_intrin  # noqa: F401
+    """Register TVM's tensor intrinsics (wmma, mma, ...), once per process,
+    only where needed: their module parses ~250 TVMScript functions.
+
+    Workaround (TVM 0.27): TVMScript's `prim_func` calls `inspect.stack()`
+    for every function it parses, and `inspect` finds each frame's source
+    line through `getmodule()`, a scan of `sys.modules` per frame: the import
+    took 20 s on the CPU machine (2026-12-04, with 1.2 s of it parsing) and
+    20 to 70 s per process elsewhere, paid again in every build process of
+    the kernel check and the build stage. While importing, `inspect.stack`
+    and `inspect.getouterframes` take each frame's line from `linecache`
+    instead (what they return otherwise, for one line of context).
+    tests/test_tvm_compat.py checks that the intrinsics come out the same,
+    and fails once TVMScript no longer calls `inspect.stack()`."""
+    import sys
+
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
+        return
+    with _frames_from_linecache():
+        import tvm.s_tir.tensor_intrin  # noqa: F401
+
+
+def _frames_from_linecache():
+    """A context in which inspect.stack()/getouterframes() read each frame's
+    current line from linecache (see register_tensor_intrinsics)."""
+    import contextlib
+    import inspect
+    import linecache
+    import sys
+
+    slow_stack, slow_outer = inspect.stack, inspect.getouterframes
+
+    def infos(frame, context):
+        out = []
+        while frame is not None:
+            code, lineno = frame.f_code, frame.f_lineno
+            line = linecache.getline(code.co_filename, lineno, frame.f_globals)
+            out.append(inspect.FrameInfo(frame, code.co_filename, lineno, code.co_name,
+                                         [line] if line else None, 0 if line else None))
+            frame = frame.f_back
+        return out
+
+    def stack(context=1):
+        return infos(sys._getframe(1), context) if context == 1 else slow_stack(context)
+
+    def getouterframes(frame, context=1):
+        return infos(frame, context) if context == 1 else slow_outer(frame, context)
+
+    @contextlib.contextmanager
+    def patched():
+        inspect.stack, inspect.getouterframes = stack, getouterframes
+        try:
+            yield
+        finally:
+            inspect.stack, inspect.getouterframes = slow_stack, slow_outer
+
+    return patched()
 
 
 # TVM's TIR lowering pipeline (what tvm.compile/tvm.tirx.build run on each

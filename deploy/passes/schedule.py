@@ -62,9 +62,11 @@ class UnbuildableKernelError(Exception):
 
 
 def rules(target_kind: str) -> list[tuple[str, object]]:
-    from ..tvm_compat import dlight
+    from ..tvm_compat import dlight, register_tensor_intrinsics
 
     if target_kind == "cuda":
+        # (DLight's Matmul imports TVM's tensor intrinsics for fp16 GEMMs, slowly: tvm_compat says why)
+        register_tensor_intrinsics()
         from .gpu_default import BroadcastEpilogue, FewOutputs, ShortReduction
 
         g = dlight.gpu

@@ -72,8 +72,9 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
     output row), which left 17 of its 73 kernels untuned. `cache["rules"]`
     says which rules the space came from; a task that fails both ways
     raises the first error and is left to the default schedules."""
-    from ..tvm_compat import ms
+    from ..tvm_compat import ms, register_tensor_intrinsics
 
+    register_tensor_intrinsics()  # (a TuneContext imports them, slowly: tvm_compat says why)
     cache: dict = {}
 
     def generate(rules, attempt: int):
