@@ -428,6 +428,23 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
     return {t["name"]: cached[hashes[t["name"]]] for t in tasks if cached.get(hashes[t["name"]]) is not None}
 
 
+def cached_default_us(folder: Path, tasks, kind: str) -> dict[str, float]:
+    """time_defaults()' times of these tasks (MetaSchedule's extracted
+    tasks) that the folder already keeps, {task name: us}; nothing is built
+    or timed."""
+    from .store import workload_hashes
+
+    cached = read(Path(folder), kind).get("default_us") or {}
+    if not cached:
+        return {}
+    out = {}
+    for t in tasks:
+        us = cached.get(next(iter(workload_hashes([t.dispatched[0]]))))
+        if us is not None:
+            out[t.task_name] = us
+    return out
+
+
 PARALLEL_BUILDS = 8  # build processes for time_defaults and check_database, from PARALLEL_FROM kernels on
 PARALLEL_FROM = 8
 

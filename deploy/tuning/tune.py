@@ -87,7 +87,10 @@ def tune_bucket(
     if dbs.has_records(db_dir):
         dbs.check_key(db_dir, key)
         dbs.pack(db_dir)  # what a killed run left (working copy, journal, lanes) counts towards the plan
-    plan, global_left = _plan(all_tasks, db_dir, profile)
+    # (with MAX_TASKS, the times a previous run kept choose as it chose: a run that finds the tasks it tuned
+    # done tunes nothing and reports those tasks, not the heaviest in FLOPs)
+    cached = kernel_check.cached_default_us(db_dir, all_tasks, target.kind) if profile.max_tasks else None
+    plan, global_left = _plan(all_tasks, db_dir, profile, cached)
     default_us = None  # {task: us}, once timed
     timed_s = 0.0
     if global_left > 0 and 0 < profile.max_tasks < len(all_tasks) and target.has_device \

@@ -544,6 +544,36 @@ def test_untuned_kernels_are_timed_once_and_the_slowest_is_tuned_first(tmp_path,
     assert heaviest["name"] == by_flops[-1]["name"] != by_flops[0]["name"]
 
 
+def test_a_done_run_reports_the_tasks_max_tasks_chose_by_time(tmp_path, llvm_target, tiny_opt, monkeypatch):
+    """With MAX_TASKS, a run whose chosen tasks are done plans from the
+    default times the database keeps, not by FLOPs: it times nothing, tunes
+    nothing and reports the tasks it tuned. (Under load the timed order and
+    the FLOPs order can differ, and a done run reported an untuned task.)"""
+    from deploy import artifacts
+    from deploy.tuning import check as kernel_check
+    from deploy.tuning.store import workload_hashes
+
+    exported, opt = tiny_opt
+    tasks = tune_tasks.extract_tasks(opt.load_module(1), llvm_target.tvm_target())
+    by_flops = sorted(tasks, key=lambda t: tune_tasks.task_flops(t) * t.weight)
+    slow = {t.task_name: (k + 1) * 1e3 / t.weight for k, t in enumerate(reversed(by_flops))}  # the lightest: slowest
+
+    def time_defaults(folder, plan, target):
+        state = kernel_check.read(folder, target.kind)
+        state["default_us"] = {next(iter(workload_hashes([t.dispatched[0]]))): slow[t.task_name] for t in tasks}
+        folder.mkdir(parents=True, exist_ok=True)
+        artifacts.write_json_atomic(folder / kernel_check.CHECKS, state)
+        return {p["name"]: slow[p["name"]] for p in plan}
+
+    monkeypatch.setattr(kernel_check, "time_defaults", time_defaults)
+    cfg = make_config(trials=2, trials_per_task=2, trials_per_iter=2, max_tasks=1)
+    s1, _ = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t1")
+    assert list(s1["tasks"]) == [by_flops[0].task_name] != [by_flops[-1].task_name] and s1["trials_after"] == 2
+    monkeypatch.setattr(kernel_check, "time_defaults", lambda *a: pytest.fail("timed again"))
+    s2, _ = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t2")
+    assert list(s2["tasks"]) == list(s1["tasks"]) and s2["new_trials"] == 0 and s2["trials_after"] == 2
+
+
 def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monkeypatch):
     """check.read: where the default chain changed before or at the source
     that made a workload's default schedule, that workload's timings are
