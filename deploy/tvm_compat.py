@@ -11,6 +11,9 @@ hence the imports below the top of the file.
 
 from __future__ import annotations
 
+import inspect as _inspect
+import threading as _threading
+
 from .passes import cpu_threads
 
 # Before TVM starts its CPU thread pool: all the physical cores, not half.
@@ -103,15 +106,21 @@ def register_tensor_intrinsics() -> None:
     20 to 70 s per process elsewhere, paid again in every build process of
     the kernel check and the build stage. While importing, `inspect.stack`
     and `inspect.getouterframes` take each frame's line from `linecache`
-    instead (what they return otherwise, for one line of context).
-    tests/test_tvm_compat.py checks that the intrinsics come out the same,
-    and fails once TVMScript no longer calls `inspect.stack()`."""
-    import sys
+    instead (what they return otherwise, for one line of context, but for
+    `positions`, None). tests/test_tvm_compat.py checks that the intrinsics
+    come out the same, and fails once TVMScript no longer calls
+    `inspect.stack()`. Under a lock: a second thread waits for the first's
+    import (the module is in sys.modules as soon as it starts)."""
+    with _INTRINSICS_LOCK:
+        if _INTRINSICS_DONE:
+            return
+        with _frames_from_linecache():
+            import tvm.s_tir.tensor_intrin  # noqa: F401
+        _INTRINSICS_DONE.append(True)
 
-    if "tvm.s_tir.tensor_intrin" in sys.modules:
-        return
-    with _frames_from_linecache():
-        import tvm.s_tir.tensor_intrin  # noqa: F401
+
+_INTRINSICS_LOCK = _threading.Lock()
+_INTRINSICS_DONE: list = []
 
 
 def _frames_from_linecache():
@@ -122,7 +131,7 @@ def _frames_from_linecache():
     import linecache
     import sys
 
-    slow_stack, slow_outer = inspect.stack, inspect.getouterframes
+    slow_stack, slow_outer = _INSPECT_STACK, _INSPECT_OUTER
 
     def infos(frame, context):
         out = []
@@ -149,6 +158,9 @@ def _frames_from_linecache():
             inspect.stack, inspect.getouterframes = slow_stack, slow_outer
 
     return patched()
+
+
+_INSPECT_STACK, _INSPECT_OUTER = _inspect.stack, _inspect.getouterframes  # (the originals, saved once)
 
 
 # TVM's TIR lowering pipeline (what tvm.compile/tvm.tirx.build run on each

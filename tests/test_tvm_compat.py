@@ -41,6 +41,7 @@ def test_tensor_intrinsics_register_the_same_with_frames_from_linecache():
     ours, plain = _register("ours"), _register("plain")
     assert len(plain["intrinsics"]) > 100
     assert ours["intrinsics"] == plain["intrinsics"]
+    assert ours["seconds"] < plain["seconds"] / 3  # (the fast path was taken: 1.6 against 20 s on the CPU machine)
 
 
 def test_tvmscript_still_inspects_the_stack_for_every_prim_func():

@@ -61,46 +61,61 @@ class UnbuildableKernelError(Exception):
         super().__init__(f"kernel '{kernel}': no schedule builds (last, {reasons[-1]['source'] if reasons else '-'}: {last})")
 
 
-def rules(target_kind: str) -> list[tuple[str, object]]:
-    from ..tvm_compat import dlight, register_tensor_intrinsics
+# Each target kind's default rules, in the order a kernel tries them (`rules`
+# makes them). CUDA: our FewOutputs before DLight's Matmul: it gives a
+# contraction with few outputs a handful of thread blocks. Our ShortReduction
+# before DLight's reduction rules: they give a depthwise convolution one thread
+# block per output. Our BroadcastEpilogue just before Fallback: it takes only
+# kernels the rest leave to it (gpu_default.py). CPU: DLight's GEMV rule is
+# left out: its schedule of a squeeze-excitation kernel (1x1 convolution to
+# 1152 channels, sigmoid, broadcast multiply) does not finish compiling
+# (EfficientNet-B0's build took 19 minutes; see passes/cpu_default.py), and a
+# compile that never ends is not a failure the chain can fall back from. Ours
+# takes the GEMV-shaped kernels.
+CHAINS = {
+    "cuda": [FEW_OUTPUTS, "dlight.Matmul", "dlight.GEMV", SHORT_REDUCTION, "dlight.Reduction",
+             "dlight.GeneralReduction", BROADCAST_EPILOGUE, "dlight.Fallback"],
+    "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
+}
 
-    if target_kind == "cuda":
-        # (DLight's Matmul imports TVM's tensor intrinsics for fp16 GEMMs, slowly: tvm_compat says why)
-        register_tensor_intrinsics()
+
+def _chain_kind(target_kind: str) -> str:
+    return "cuda" if target_kind == "cuda" else "llvm"
+
+
+def rules(target_kind: str) -> list[tuple[str, object]]:
+    from ..tvm_compat import dlight
+
+    if _chain_kind(target_kind) == "cuda":
         from .gpu_default import BroadcastEpilogue, FewOutputs, ShortReduction
 
         g = dlight.gpu
-        # Our FewOutputs before DLight's Matmul: it gives a contraction with
-        # few outputs a handful of thread blocks. Our ShortReduction before
-        # DLight's reduction rules: they give a depthwise convolution one
-        # thread block per output. Our BroadcastEpilogue just before
-        # Fallback: it takes only kernels the rest leave to it (gpu_default.py).
-        return [(FEW_OUTPUTS, FewOutputs()), ("dlight.Matmul", g.Matmul()), ("dlight.GEMV", g.GEMV()),
-                (SHORT_REDUCTION, ShortReduction()),
-                ("dlight.Reduction", g.Reduction()), ("dlight.GeneralReduction", g.GeneralReduction()),
-                (BROADCAST_EPILOGUE, BroadcastEpilogue()), ("dlight.Fallback", g.Fallback())]
-    from .cpu_default import ContractionTiling, InjectiveParallel
+        make = {FEW_OUTPUTS: FewOutputs, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
+                SHORT_REDUCTION: ShortReduction, "dlight.Reduction": g.Reduction,
+                "dlight.GeneralReduction": g.GeneralReduction, BROADCAST_EPILOGUE: BroadcastEpilogue,
+                "dlight.Fallback": g.Fallback}
+    else:
+        from .cpu_default import ContractionTiling, InjectiveParallel
 
-    c = dlight.cpu
-    # DLight's CPU GEMV rule is left out: its schedule of a squeeze-excitation
-    # kernel (1x1 convolution to 1152 channels, sigmoid, broadcast multiply)
-    # does not finish compiling (EfficientNet-B0's build took 19 minutes; see
-    # passes/cpu_default.py), and a compile that never ends is not a failure
-    # the chain can fall back from. Ours takes the GEMV-shaped kernels.
-    return [(CONTRACTION, ContractionTiling()), ("dlight.Reduction", c.Reduction()), (INJECTIVE, InjectiveParallel())]
+        make = {CONTRACTION: ContractionTiling, "dlight.Reduction": dlight.cpu.Reduction, INJECTIVE: InjectiveParallel}
+    return [(name, make[name]()) for name in CHAINS[_chain_kind(target_kind)]]
 
 
 def default_chain(target_kind: str) -> list[str]:
     """The sources a kernel's default schedule can come from, in order, each
     of ours with its version (`RULE_VERSIONS`): e.g. ['few-outputs@1',
-    'dlight.Matmul', ..., 'dlight.Fallback', 'default']."""
+    'dlight.Matmul', ..., 'dlight.Fallback', 'default']. Nothing is built or
+    imported."""
     return [f"{name}@{RULE_VERSIONS[name]}" if name in RULE_VERSIONS else name
-            for name, _ in rules(target_kind)] + [DEFAULT]
+            for name in CHAINS[_chain_kind(target_kind)]] + [DEFAULT]
 
 
 def _sources(gv, plain, tuned, target, target_kind):
     """(source name, scheduled PrimFunc or exception), lazily, best first."""
-    from ..tvm_compat import s_tir
+    from ..tvm_compat import register_tensor_intrinsics, s_tir
+
+    if target_kind == "cuda":  # (DLight's Matmul imports them for fp16 GEMMs, slowly: tvm_compat says why)
+        register_tensor_intrinsics()
 
     if tuned is not None:
         yield TUNED, tuned
@@ -199,10 +214,11 @@ def _advance(gv, kernels, chains, chosen, reason):
         if isinstance(got, Exception):
             why = error_line(got)
             k.fallbacks.append({"source": name, "reason": why})
-            # (debug: a rule that raises on a kernel it does not fit is the chain working as meant, e.g.
-            # DLight's Matmul on every squeeze-excitation excite kernel; the manifest lists each, and the
-            # build's summary line counts them)
-            log.debug("build: kernel %s: %s failed to schedule it (%s); falling back", k.name, name, why)
+            # (a DLight rule that raises on a kernel it does not fit is the chain working as meant, e.g.
+            # its Matmul on every squeeze-excitation excite kernel: debug; the manifest lists each, and the
+            # build's summary line counts them. One of our own rules raising is worth a warning.)
+            log.log(logging.WARNING if name in RULE_VERSIONS else logging.DEBUG,
+                    "build: kernel %s: %s failed to schedule it (%s); falling back", k.name, name, why)
             continue
         k.source = name
         chosen[gv] = got

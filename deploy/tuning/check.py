@@ -428,21 +428,20 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
     return {t["name"]: cached[hashes[t["name"]]] for t in tasks if cached.get(hashes[t["name"]]) is not None}
 
 
-def cached_default_us(folder: Path, tasks, kind: str) -> dict[str, float]:
+def cached_default_us(folder: Path, tasks, kind: str) -> dict[str, float] | None:
     """time_defaults()' times of these tasks (MetaSchedule's extracted
-    tasks) that the folder already keeps, {task name: us}; nothing is built
-    or timed."""
+    tasks) as the folder keeps them, {task name: us} for those whose default
+    built; None unless every task was timed (a partial cache would rank the
+    timed tasks first whatever their times). Nothing is built or timed."""
     from .store import workload_hashes
 
     cached = read(Path(folder), kind).get("default_us") or {}
     if not cached:
-        return {}
-    out = {}
-    for t in tasks:
-        us = cached.get(next(iter(workload_hashes([t.dispatched[0]]))))
-        if us is not None:
-            out[t.task_name] = us
-    return out
+        return None
+    hashes = {t.task_name: next(iter(workload_hashes([t.dispatched[0]]))) for t in tasks}
+    if any(h not in cached for h in hashes.values()):
+        return None
+    return {name: cached[h] for name, h in hashes.items() if cached[h] is not None}
 
 
 PARALLEL_BUILDS = 8  # build processes for time_defaults and check_database, from PARALLEL_FROM kernels on

@@ -414,6 +414,7 @@ def test_many_kernels_to_check_are_built_in_parallel_processes(tmp_path, llvm_ta
     assert counts["checked"] == 2 and counts["passed"] == 2 and counts["rejected"] == 0, counts
     state = kernel_check.read(db_dir)
     assert len(state["passed"]) == 2 and state["passed"] == sorted(state["timed"])
+    assert set(state["timed"].values()) <= set(state["default_rule"])  # (each default's rule, from the processes)
     # a build that fails in a build process: its one line comes back; the record is not checked, not
     # listed, and tried again next run
     failed = kernel_check._build_exported(("not json", [], llvm_target, True, str(tmp_path / "k")))
@@ -572,6 +573,13 @@ def test_a_done_run_reports_the_tasks_max_tasks_chose_by_time(tmp_path, llvm_tar
     monkeypatch.setattr(kernel_check, "time_defaults", lambda *a: pytest.fail("timed again"))
     s2, _ = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t2")
     assert list(s2["tasks"]) == list(s1["tasks"]) and s2["new_trials"] == 0 and s2["trials_after"] == 2
+    # a cache that misses a task (a change of the chain dropped its time) chooses nothing: every task is timed again
+    db_dir = next((tmp_path / "db").glob("**/database_checks.json")).parent
+    assert set(kernel_check.cached_default_us(db_dir, tasks, "llvm")) == set(slow)
+    state = kernel_check.read(db_dir, "llvm")
+    state["default_us"].pop(next(iter(state["default_us"])))
+    artifacts.write_json_atomic(db_dir / kernel_check.CHECKS, state)
+    assert kernel_check.cached_default_us(db_dir, tasks, "llvm") is None
 
 
 def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monkeypatch):
@@ -610,6 +618,15 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
     assert got["timed"] == {"a": "w_mm"} and got["default_rule"] == {"w_mm": "dlight.Matmul", "w_sr": "short-reduction"}
     assert got["default_us"] == {"w_mm": 3.0, "w_sr": 5.0} and [e["workload"] for e in got["default_faster"]] == ["w_mm"]
     assert got["passed"] == ["a", "b"] and got["rejected"] == state["rejected"] and got["chain"] != today
+    # a change of a workload's own rule: that workload and those after it; the ones before keep theirs
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**schedule.RULE_VERSIONS, schedule.SHORT_REDUCTION: 2})
+    got = read(state)
+    assert got["timed"] == {"a": "w_mm"} and set(got["default_rule"]) == {"w_mm"} and set(got["default_us"]) == {"w_mm"}
+    monkeypatch.undo()
+    # a rule the chain no longer has: dropped
+    got = read({**state, "chain": [*today[:-1], "gone@1", "default"], "default_rule": {"w_mm": "gone"}})
+    assert got["timed"] == {} and got["default_rule"] == {}
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**schedule.RULE_VERSIONS, schedule.BROADCAST_EPILOGUE: 2})
     # a change of the first rule: every workload after it too
     monkeypatch.setattr(schedule, "RULE_VERSIONS", {**schedule.RULE_VERSIONS, schedule.FEW_OUTPUTS: 2})
     got = read(state)
