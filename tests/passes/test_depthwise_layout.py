@@ -19,6 +19,7 @@ from .test_split_k import _conv_module, _run
     (24, 24, 5, 2, 11, {}),
     (16, 16, 7, 1, 8, {"n": 2, "w": 5, "padding": (3, 2, 3, 1)}),  # ConvNeXt's 7x7; batch 2, not square
     (8, 16, 3, 1, 6, {}),  # a channel multiplier of 2: still one input channel per group
+    (8, 24, 3, 1, 9, {"dilation": (2, 1), "strides": (2, 1)}),  # dilated, uneven strides, a multiplier of 3
     (32, 32, 3, 1, 7, {"dtype": "float16"}),  # fp16 in, fp32 sum (as after ToMixedPrecision)
 ])
 def test_the_rewritten_depthwise_convolution_computes_the_same(c, o, k, stride, hw, extra):

@@ -14,7 +14,8 @@ from deploy.passes.split_k import split_k_conv2d
 
 
 def _conv_module(c: int, o: int, k: int, stride: int, hw: int, groups: int = 1, dtype: str = "float32",
-                 n: int = 1, w: int | None = None, padding: tuple | None = None, strides: tuple | None = None):
+                 n: int = 1, w: int | None = None, padding: tuple | None = None, strides: tuple | None = None,
+                 dilation: tuple = (1, 1)):
     pad = padding or (k // 2, k // 2, k // 2, k // 2)  # (top, left, bottom, right)
     st = strides or (stride, stride)
     # TVMScript cannot close over Python values in shapes: build the text.
@@ -24,7 +25,7 @@ class Mod:
     @R.function
     def main(x: R.Tensor(({n}, {hw}, {w or hw}, {c}), "{dtype}"), w: R.Tensor(({o}, {k}, {k}, {c // groups}), "{dtype}")):
         with R.dataflow():
-            y = R.nn.conv2d(x, w, strides={st}, padding={pad}, groups={groups},
+            y = R.nn.conv2d(x, w, strides={st}, padding={pad}, dilation={dilation}, groups={groups},
                             data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC", out_dtype="float32")
             z = R.nn.relu(y)
             R.output(z)
