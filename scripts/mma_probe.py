@@ -148,9 +148,10 @@ def main() -> int:
     ap.add_argument("--fix-epilogue", action="store_true", help="with deploy/passes/mma_epilogue.py's postprocessor")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import tvm.s_tir.tensor_intrin  # noqa: F401 - the rules name TVM's tensor intrinsics
-
     from deploy import targets
+    from deploy.tvm_compat import register_tensor_intrinsics
+
+    register_tensor_intrinsics()  # the rules name TVM's tensor intrinsics
 
     target = targets.resolve("cuda:sm_90")
     if args.gemm:
