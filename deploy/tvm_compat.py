@@ -11,7 +11,9 @@ hence the imports below the top of the file.
 
 from __future__ import annotations
 
+import contextlib as _contextlib
 import inspect as _inspect
+import sys as _sys
 import threading as _threading
 
 from .passes import cpu_threads
@@ -111,56 +113,52 @@ def register_tensor_intrinsics() -> None:
     come out the same, and fails once TVMScript no longer calls
     `inspect.stack()`. Under a lock: a second thread waits for the first's
     import (the module is in sys.modules as soon as it starts)."""
+    global _intrinsics_registered
     with _INTRINSICS_LOCK:
-        if _INTRINSICS_DONE:
+        if _intrinsics_registered:
             return
         with _frames_from_linecache():
             import tvm.s_tir.tensor_intrin  # noqa: F401
-        _INTRINSICS_DONE.append(True)
+        _intrinsics_registered = True
 
 
 _INTRINSICS_LOCK = _threading.Lock()
-_INTRINSICS_DONE: list = []
-
-
-def _frames_from_linecache():
-    """A context in which inspect.stack()/getouterframes() read each frame's
-    current line from linecache (see register_tensor_intrinsics)."""
-    import contextlib
-    import inspect
-    import linecache
-    import sys
-
-    slow_stack, slow_outer = _INSPECT_STACK, _INSPECT_OUTER
-
-    def infos(frame, context):
-        out = []
-        while frame is not None:
-            code, lineno = frame.f_code, frame.f_lineno
-            line = linecache.getline(code.co_filename, lineno, frame.f_globals)
-            out.append(inspect.FrameInfo(frame, code.co_filename, lineno, code.co_name,
-                                         [line] if line else None, 0 if line else None))
-            frame = frame.f_back
-        return out
-
-    def stack(context=1):
-        return infos(sys._getframe(1), context) if context == 1 else slow_stack(context)
-
-    def getouterframes(frame, context=1):
-        return infos(frame, context) if context == 1 else slow_outer(frame, context)
-
-    @contextlib.contextmanager
-    def patched():
-        inspect.stack, inspect.getouterframes = stack, getouterframes
-        try:
-            yield
-        finally:
-            inspect.stack, inspect.getouterframes = slow_stack, slow_outer
-
-    return patched()
-
-
+_intrinsics_registered = False
 _INSPECT_STACK, _INSPECT_OUTER = _inspect.stack, _inspect.getouterframes  # (the originals, saved once)
+
+
+def _frame_infos(frame) -> list:
+    """inspect.getouterframes(frame) with one line of context, each line read
+    from linecache (see register_tensor_intrinsics)."""
+    import linecache
+
+    out = []
+    while frame is not None:
+        code, lineno = frame.f_code, frame.f_lineno
+        line = linecache.getline(code.co_filename, lineno, frame.f_globals)
+        out.append(_inspect.FrameInfo(frame, code.co_filename, lineno, code.co_name,
+                                      [line] if line else None, 0 if line else None))
+        frame = frame.f_back
+    return out
+
+
+def _fast_stack(context=1):
+    return _frame_infos(_sys._getframe(1)) if context == 1 else _INSPECT_STACK(context)
+
+
+def _fast_outer(frame, context=1):
+    return _frame_infos(frame) if context == 1 else _INSPECT_OUTER(frame, context)
+
+
+@_contextlib.contextmanager
+def _frames_from_linecache():
+    """inspect.stack()/getouterframes() reading frames from linecache while
+    the context lasts (see register_tensor_intrinsics)."""
+    _inspect.stack, _inspect.getouterframes = _fast_stack, _fast_outer
+    try:
+        yield
+    finally:
+        _inspect.stack, _inspect.getouterframes = _INSPECT_STACK, _INSPECT_OUTER
 
 
 # TVM's TIR lowering pipeline (what tvm.compile/tvm.tirx.build run on each

@@ -105,9 +105,9 @@ def _drop_stale(state: dict, old: list[str], new: list[str]) -> None:
     """Timings of the workloads whose default might now come from another
     source (or another version of it) dropped from `state`, in place."""
     rules = state["default_rule"]
+    names = [c.split("@")[0] for c in old]
 
     def valid(shash) -> bool:
-        names = [c.split("@")[0] for c in old]
         rule = rules.get(shash)
         if rule not in names:
             return False
@@ -399,12 +399,11 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
 
     from ..errors import run_in_processes
     from ..tvm_compat import load_module, tensor, tvm
-    from .store import workload_hashes
 
     folder = Path(folder)
     state = read(folder, target.kind)
     cached = state.setdefault("default_us", {})
-    hashes = {t["name"]: next(iter(workload_hashes([t["mod"]]))) for t in tasks}
+    hashes = _task_hashes(tasks)
     todo = [t for t in tasks if hashes[t["name"]] not in cached]
     if todo:
         dev = target.device()
@@ -428,20 +427,25 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
     return {t["name"]: cached[hashes[t["name"]]] for t in tasks if cached.get(hashes[t["name"]]) is not None}
 
 
-def cached_default_us(folder: Path, tasks, kind: str) -> dict[str, float] | None:
-    """time_defaults()' times of these tasks (MetaSchedule's extracted
-    tasks) as the folder keeps them, {task name: us} for those whose default
-    built; None unless every task was timed (a partial cache would rank the
-    timed tasks first whatever their times). Nothing is built or timed."""
-    from .store import workload_hashes
-
+def cached_default_us(folder: Path, tasks: list[dict], kind: str) -> dict[str, float] | None:
+    """time_defaults()' times of these tasks (its entries, {"name", "mod"})
+    as the folder keeps them, {task name: us} for those whose default built;
+    None unless every task was timed (a partial cache would rank the timed
+    tasks first whatever their times). Nothing is built or timed."""
     cached = read(Path(folder), kind).get("default_us") or {}
     if not cached:
         return None
-    hashes = {t.task_name: next(iter(workload_hashes([t.dispatched[0]]))) for t in tasks}
+    hashes = _task_hashes(tasks)
     if any(h not in cached for h in hashes.values()):
         return None
     return {name: cached[h] for name, h in hashes.items() if cached[h] is not None}
+
+
+def _task_hashes(tasks: list[dict]) -> dict[str, str]:
+    """{task name: its workload's structural hash, as the database keys it}."""
+    from .store import workload_hashes
+
+    return {t["name"]: next(iter(workload_hashes([t["mod"]]))) for t in tasks}
 
 
 PARALLEL_BUILDS = 8  # build processes for time_defaults and check_database, from PARALLEL_FROM kernels on

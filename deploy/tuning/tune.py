@@ -89,7 +89,8 @@ def tune_bucket(
         dbs.pack(db_dir)  # what a killed run left (working copy, journal, lanes) counts towards the plan
     # (with MAX_TASKS, the times a previous run kept choose as it chose: a run that finds the tasks it tuned
     # done tunes nothing and reports those tasks, not the heaviest in FLOPs)
-    cached = kernel_check.cached_default_us(db_dir, all_tasks, target.kind) if profile.max_tasks else None
+    task_mods = [{"name": t.task_name, "mod": t.dispatched[0]} for t in all_tasks]
+    cached = kernel_check.cached_default_us(db_dir, task_mods, target.kind) if profile.max_tasks else None
     plan, global_left = _plan(all_tasks, db_dir, profile, cached)
     default_us = None  # {task: us}, once timed
     timed_s = 0.0
@@ -99,8 +100,7 @@ def tune_bucket(
         # with the database), not the heaviest in FLOPs; only when there is tuning to do
         t0 = time.time()
         try:
-            default_us = kernel_check.time_defaults(
-                db_dir, [{"name": t.task_name, "mod": t.dispatched[0]} for t in all_tasks], target)
+            default_us = kernel_check.time_defaults(db_dir, task_mods, target)
             plan, global_left = _plan(all_tasks, db_dir, profile, default_us)
         except Exception as e:  # noqa: BLE001 - chosen by FLOPs instead; tuning goes on
             default_us = None

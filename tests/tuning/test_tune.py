@@ -575,11 +575,12 @@ def test_a_done_run_reports_the_tasks_max_tasks_chose_by_time(tmp_path, llvm_tar
     assert list(s2["tasks"]) == list(s1["tasks"]) and s2["new_trials"] == 0 and s2["trials_after"] == 2
     # a cache that misses a task (a change of the chain dropped its time) chooses nothing: every task is timed again
     db_dir = next((tmp_path / "db").glob("**/database_checks.json")).parent
-    assert set(kernel_check.cached_default_us(db_dir, tasks, "llvm")) == set(slow)
+    task_mods = [{"name": t.task_name, "mod": t.dispatched[0]} for t in tasks]
+    assert set(kernel_check.cached_default_us(db_dir, task_mods, "llvm")) == set(slow)
     state = kernel_check.read(db_dir, "llvm")
     state["default_us"].pop(next(iter(state["default_us"])))
     artifacts.write_json_atomic(db_dir / kernel_check.CHECKS, state)
-    assert kernel_check.cached_default_us(db_dir, tasks, "llvm") is None
+    assert kernel_check.cached_default_us(db_dir, task_mods, "llvm") is None
 
 
 def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monkeypatch):
