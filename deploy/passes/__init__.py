@@ -16,6 +16,14 @@ def tensor_dtype(expr) -> str | None:
         return None
 
 
+def nhwc_ohwi(conv_attrs) -> bool:
+    """Whether a conv2d's attributes are NHWC data, OHWI weights and NHWC
+    output (an unset output layout is the data's), as ConvertLayout leaves
+    the CUDA path's convolutions."""
+    a = conv_attrs
+    return (a.data_layout, a.kernel_layout, str(a.out_layout or "NHWC")) == ("NHWC", "OHWI", "NHWC")
+
+
 def relax_function_pass(name: str, make_mutator):
     """A module pass that runs a fresh `make_mutator()` (a Relax
     PyExprMutator) over every Relax function of a copy of the module."""

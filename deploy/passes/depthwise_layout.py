@@ -23,7 +23,7 @@ as it is.
 
 from __future__ import annotations
 
-from . import relax_function_pass
+from . import nhwc_ohwi, relax_function_pass
 
 
 def depthwise_channels_last():
@@ -40,7 +40,7 @@ def depthwise_channels_last():
             if not isinstance(call, relax.Call) or call.op != conv2d:
                 return call
             a = call.attrs
-            if (a.data_layout, a.kernel_layout, str(a.out_layout or "NHWC")) != ("NHWC", "OHWI", "NHWC"):
+            if not nhwc_ohwi(a):
                 return call
             x, w = call.args
             try:  # static channel counts only (TVM 0.27: struct info is `.ty`)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from . import pruned, relax_function_pass
+from . import nhwc_ohwi, pruned, relax_function_pass
 
 UNARY = frozenset({
     "relax.astype", "relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid",
@@ -138,7 +138,7 @@ def flat_gemm(gemms: bool = True):
 
         def _conv1x1(self, call):
             a = call.attrs
-            if (a.data_layout, a.kernel_layout, str(a.out_layout or "NHWC")) != ("NHWC", "OHWI", "NHWC") \
+            if not nhwc_ohwi(a) \
                     or int(a.groups) != 1 or [int(s) for s in a.strides] != [1, 1] \
                     or [int(d) for d in a.dilation] != [1, 1] or any(int(p) for p in a.padding):
                 return call

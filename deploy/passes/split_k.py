@@ -7,7 +7,7 @@ leave most of the H200's SMs idle. See `split_k_conv2d`.
 
 from __future__ import annotations
 
-from . import relax_function_pass
+from . import nhwc_ohwi, relax_function_pass
 
 # Which convolutions split_k_conv2d rewrites: at most this many output rows
 # (batch x height x width) and at least this long a reduction.
@@ -44,7 +44,7 @@ def split_k_conv2d(parts: int, max_rows: int = SPLIT_K_MAX_ROWS, min_k: int = SP
             if not isinstance(call, relax.Call) or call.op != tvm.ir.Op.get("relax.nn.conv2d"):
                 return call
             a = call.attrs
-            if (a.data_layout, a.kernel_layout, str(a.out_layout or "NHWC")) != ("NHWC", "OHWI", "NHWC") or int(a.groups) != 1 \
+            if not nhwc_ohwi(a) or int(a.groups) != 1 \
                     or ints(a.dilation) != [1, 1]:
                 return call
             x, w = call.args
