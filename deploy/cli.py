@@ -143,6 +143,7 @@ def prepare(args):
         max_tasks=args.max_tasks,
         split_k=getattr(args, "split_k", None),
         flat_gemm=getattr(args, "flat_gemm", None),
+        pad_gemm=getattr(args, "pad_gemm", None),
         budget=args.budget,
     )
     if _nonempty(getattr(args, "dim_buckets", None)):
@@ -495,6 +496,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flat-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="1x1 NHWC convolutions and batched-row matmuls as 2-D GEMMs with their epilogues "
                         "(candidates for the mma.sync tensor-core rule; changes the kernels to tune)")
+    p.add_argument("--pad-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="pad GEMM rows whose count tiles badly to a multiple of 128 inside the kernel "
+                        "(on by default for CUDA; changes those kernels)")
     p.add_argument("--budget", help="wall-clock tuning budget, e.g. 10m; '' for none")
     p.add_argument("--input", action="append", help="NAME:3x224x224[:dtype] for ONNX models (repeatable)")
     p.add_argument("--checkpoint", help="PyTorch state_dict for a registry model")

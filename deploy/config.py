@@ -115,6 +115,10 @@ class Profile:
     # candidates it cannot draw for the 4-D forms. Changes the kernels, so a
     # database tuned without it does not cover them.
     flat_gemm: bool = False
+    # GEMM rows (or columns) whose count tiles badly padded to a multiple of
+    # 128 inside the kernel (passes.pad_gemm; ViT's 32 x 197 tokens): lets the
+    # tuner draw tiles its perfect tiling cannot. Changes those kernels.
+    pad_gemm: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +175,7 @@ CUDA_DEFAULTS = Profile(
     budget="8m",
     builder_timeout_s=120.0,
     runner_timeout_s=60.0,
+    pad_gemm=True,
 )
 
 
@@ -360,6 +365,9 @@ def _check_values(obj, where: str) -> None:
         if obj.flat_gemm and obj.layout == "NCHWc":
             raise ConfigError(f"invalid {where}.flat_gemm", "true with layout NCHWc",
                               "layout = \"NHWC\" (1x1 convolutions are rewritten in NHWC only), or flat_gemm = false")
+        if obj.pad_gemm and obj.layout == "NCHWc":
+            raise ConfigError(f"invalid {where}.pad_gemm", "true with layout NCHWc",
+                              "pad_gemm = false (GEMM rows are padded for the CUDA tensor-core schedules)")
         if obj.split_k > 1 and obj.layout != "NHWC":
             raise ConfigError(f"{where}.split_k needs the NHWC layout", f"layout {obj.layout}", "layout = \"NHWC\", or split_k = 0 (--split-k 0)")
         if obj.search_population < obj.trials_per_iter:

@@ -18,8 +18,9 @@ relax/backend/cuda/pipeline.py):
   epilogues         otherwise: a 2-D matmul's elementwise epilogue carried in 2-D
                     where its output is reshaped to more dimensions (passes.flat_gemm)
   fusion            legalize to TIR and fuse into kernels (an fp32 cast before a
-                    mean inside the mean's kernel: passes.mean_cast): the module
-                    that tuning extracts tasks from and the build compiles
+                    mean inside the mean's kernel: passes.mean_cast), GEMM rows that
+                    tile badly padded inside their kernels (passes.pad_gemm; CUDA): the
+                    module that tuning extracts tasks from and the build compiles
 A report records the operator counts after each phase; `dump_ir` writes the
 IR after each phase.
 """
@@ -45,6 +46,7 @@ from .passes.layout import convert_to_nhwc
 from .passes.mean_cast import fuse_mean_casts
 from .passes.mixed_precision import to_mixed_precision
 from .passes.movement import tidy_movement
+from .passes.pad_gemm import pad_gemm_rows
 from .passes.split_k import split_k_conv2d
 from .shapes import Bucket, as_bucket, parse
 
@@ -99,7 +101,7 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
     if profile.flat_gemm:
         out.append(("flat_gemm", [flat_gemm(), T.FoldConstant()]))
     else:
-        out.append(("epilogues", [flat_epilogues(), T.CanonicalizeBindings(), T.FoldConstant()]))
+        out.append(("epilogues", [flat_epilogues(pad_rows=profile.pad_gemm), T.CanonicalizeBindings(), T.FoldConstant()]))
     out.append(
         (
             "fusion",
@@ -117,6 +119,7 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                 # tuning nor the build's schedules see them.
                 T.RewriteDataflowReshape(),
                 T.DeadCodeElimination(),
+                *([pad_gemm_rows()] if profile.pad_gemm else []),
             ],
         )
     )

@@ -53,11 +53,14 @@ def _shape(expr) -> list[int] | None:
         return None
 
 
-def flat_gemm(gemms: bool = True):
+def flat_gemm(gemms: bool = True, pad_rows: bool = False):
     """A pass: see the module's docstring. `gemms=False` (`flat_epilogues()`)
     rewrites no convolution or matmul, and only carries the epilogues of
-    2-D results viewed in more dimensions."""
+    2-D results viewed in more dimensions; with `pad_rows`, it also rewrites
+    the N-D matmuls whose row count passes.pad_gemm pads (which only pads a
+    GEMM whose rows are one loop)."""
     from ..tvm_compat import relax, tvm
+    from .pad_gemm import pads
 
     op = relax.op
     reshape = tvm.ir.Op.get("relax.reshape")
@@ -108,8 +111,8 @@ def flat_gemm(gemms: bool = True):
             name = call.op.name
             if name == "relax.nn.conv2d" and gemms:
                 return self._conv1x1(call)
-            if name == "relax.matmul" and gemms:
-                return self._matmul(call)
+            if name == "relax.matmul" and (gemms or pad_rows):
+                return self._matmul(call, only_padded=not gemms)
             if name == "relax.reshape":
                 return self._reshape(call)
             if name in UNARY:
@@ -152,10 +155,12 @@ def flat_gemm(gemms: bool = True):
             rhs = self.builder_.emit(op.permute_dims(op.reshape(w, [o, c]), [1, 0]))  # folded for constant weights
             return self._emit_flat(op.matmul(lhs, rhs, out_dtype=a.out_dtype), ys)
 
-        def _matmul(self, call):
+        def _matmul(self, call, only_padded: bool = False):
             x, w = call.args
             xs, ws, ys = _shape(x), _shape(w), _shape(call)
             if xs is None or ws is None or ys is None or len(xs) < 3 or len(ws) != 2:
+                return call
+            if only_padded and not pads(math.prod(xs[:-1])):
                 return call
             lhs = self._rows(x, [math.prod(xs[:-1]), xs[-1]])
             return self._emit_flat(op.matmul(lhs, w, out_dtype=call.attrs.out_dtype), ys)
@@ -194,12 +199,14 @@ def flat_gemm(gemms: bool = True):
     return pruned("FlatGemm", relax_function_pass("FlatGemm", FlatGemm))
 
 
-def flat_epilogues():
+def flat_epilogues(pad_rows: bool = False):
     """The elementwise epilogue of a 2-D matmul whose output is reshaped to
     more dimensions (a transformer's dense layer over batch x sequence rows,
     then GELU, a residual add) carried in 2-D, and the reshape back to 2-D
     that follows removed: FuseOps then puts the epilogue into the matmul's
     kernel (ViT-S/16: GELU ran as a kernel of its own between two reshapes,
     6 x 27 us at batch 32 on the H200). On by default; `flat_gemm()` does
-    this too."""
-    return flat_gemm(gemms=False)
+    this too. With `pad_rows` (the profile's `pad_gemm`), N-D matmuls whose
+    rows passes.pad_gemm pads become 2-D GEMMs as well (ViT-S/16's attention
+    output projection over 32 x 197 tokens)."""
+    return flat_gemm(gemms=False, pad_rows=pad_rows)

@@ -145,7 +145,7 @@ def test_flat_gemm_phase_and_config():
     cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"flat_gemm": True}})
     assert [name for name, _ in phases(cfg.cuda)][-2:] == ["flat_gemm", "fusion"]
     fusion = dict(phases(cfg.cuda))["fusion"]
-    assert "RewriteDataflowReshape" in str(fusion[-2])  # its reshapes: views, not kernels to tune and schedule
+    assert any("RewriteDataflowReshape" in str(p) for p in fusion)  # its reshapes: views, not kernels to tune and schedule
     assert "flat_gemm" not in [name for name, _ in phases(config.from_dict({"model": {"source": "tiny_cnn"}}).cuda)]
     with pytest.raises(ConfigError, match="invalid llvm.flat_gemm"):
         config.from_dict({"model": {"source": "tiny_cnn"}, "llvm": {"flat_gemm": True}})  # NCHWc there

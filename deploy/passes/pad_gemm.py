@@ -1,0 +1,127 @@
+"""GEMM rows padded to a multiple of 128 inside the kernel, so that the tuner
+can draw tiles of 64 to 256 rows (a workaround of MetaSchedule's perfect tiling).
+
+MetaSchedule's multi-level tiling splits each loop into factors whose
+product is the loop's extent exactly (`SamplePerfectTile`). A GEMM whose
+row count has a large prime factor can then only be tiled in tiny or absurd
+blocks: ViT-S/16 at batch 32 has 32 x 197 = 6304 token rows, 394 fragments
+of 16 = 2 x 197, so every tensor-core candidate covers 16 or 32 rows per
+thread block (or 3152). Its tuned fc1, fc2 and QKV GEMMs reached 10 to 18%
+of the H200's fp16 peak (tuning_logs/vit/.../fp16-nhwc-b32: the best
+records' row tiles are all [197, 1, 1, 2, 1]).
+
+This pass runs last in the fusion phase, on the CUDA profile's kernels: in
+each PrimFunc with exactly one reduction block that `pad_einsum` accepts (a
+matmul, dense or batched matmul: every read indexed by its loop variables
+alone), a spatial loop of at least 1,024 iterations that is not a multiple
+of 64 is padded to the next multiple of 128 (at most 15% more rows). The
+padded rows read zeros and are never written out: MetaSchedule inlines the
+padding into the shared-memory load (a guarded read) and the copy of the
+valid rows into the write-back with its epilogue (a predicate), so the
+kernel stays one kernel (tests/passes/test_pad_gemm.py). Convolutions
+(windowed reads) are left alone; the padded kernel is a new tuning
+workload.
+
+tests/passes/test_pad_gemm.py fails once MetaSchedule's design space tiles
+such rows in blocks that do not divide them; the pass can go then.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+MIN_EXTENT = 1024  # rows below this are left alone
+ALIGNED = 64  # extents that are multiples of this already tile well
+MULTIPLE = 128  # pad to this
+
+
+def pads(rows: int) -> bool:
+    """Whether a GEMM with this many rows (or columns) gets padded."""
+    return rows >= MIN_EXTENT and rows % ALIGNED != 0
+
+
+def padding_for(extents: list[int], roles: list[str]) -> list[int] | None:
+    """Per loop, the multiple `pad_einsum` should pad it to (1 = as it is);
+    None where nothing needs padding. `roles`: "m" (a loop only the first
+    operand reads: the rows), "n" (only the second: the columns), "k" (the
+    reduction) or "b" (both: a batch). Rows or columns spread over several
+    loops are left alone: DLight's Matmul rule cannot write such a padded
+    kernel's output back ("consumers of the cache-write stage that are not
+    properly inlined"), and `flat_epilogues(pad_rows=True)` makes a dense
+    layer's rows one loop before fusion."""
+    out = [1] * len(extents)
+    for role in ("m", "n"):
+        loops = [i for i, r in enumerate(roles) if r == role]
+        if len(loops) == 1 and pads(extents[loops[0]]):
+            out[loops[0]] = MULTIPLE
+    return out if any(p > 1 for p in out) else None
+
+
+def pad_prim_func(func):
+    """The PrimFunc with its GEMM loops padded, or None where the pass does
+    not apply (see the module's docstring)."""
+    from ..tvm_compat import s_tir, tirx, tvm
+
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    reductions = []
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        stmt = sch.get(block)
+        if any(iv.iter_type == tirx.IterVar.CommReduce for iv in stmt.iter_vars):
+            reductions.append((block, stmt))
+    if len(reductions) != 1:
+        return None
+    block, stmt = reductions[0]
+    if len(stmt.reads) != 2:  # C += A * B (an init block aside)
+        return None
+    operands = [_loop_vars(region) for region in stmt.reads]
+    if any(v is None for v in operands):
+        return None  # a windowed read (a convolution): not for pad_einsum
+    extents, roles = [], []
+    for iv in stmt.iter_vars:
+        if not isinstance(iv.dom.extent, tirx.IntImm):
+            return None
+        extents.append(int(iv.dom.extent))
+        in_a, in_b = iv.var in operands[0], iv.var in operands[1]
+        roles.append("k" if iv.iter_type == tirx.IterVar.CommReduce
+                     else "b" if in_a and in_b else "m" if in_a else "n" if in_b else "b")
+    padding = padding_for(extents, roles)
+    if padding is None:
+        return None
+    try:
+        sch.pad_einsum(block, padding)
+    except Exception as e:  # noqa: BLE001 - not an einsum pad_einsum can take: left as it is
+        log.debug("pad_gemm: %s left as it is (%s)", stmt.name_hint, str(e).strip().splitlines()[-1][:120])
+        return None
+    return sch.mod["main"]
+
+
+def _loop_vars(region) -> set | None:
+    """The variables a buffer region is indexed by, where each index is one
+    variable alone (a point access); None otherwise."""
+    from ..tvm_compat import tirx
+
+    out = set()
+    for r in region.region:
+        if not isinstance(r.min, tirx.Var) or not (isinstance(r.extent, tirx.IntImm) and int(r.extent) == 1):
+            return None
+        out.add(r.min)
+    return out
+
+
+def pad_gemm_rows():
+    """A module pass: see the module's docstring."""
+    from ..tvm_compat import tirx, tvm
+
+    @tvm.transform.module_pass(opt_level=0, name="PadGemmRows")
+    def run(mod, _ctx):
+        out = mod.clone()
+        for gv, func in mod.functions_items():
+            if isinstance(func, tirx.PrimFunc):
+                padded = pad_prim_func(func)
+                if padded is not None:
+                    out[gv] = padded
+        return out
+
+    return run
