@@ -327,7 +327,7 @@ def _write_plain(dest: Path, workloads: list[str], records: list[str],
     return added
 
 
-def _json_database(folder: Path):
+def _json_database(folder: Path, label: Path | None = None):
     from ..tvm_compat import ms, register_tensor_intrinsics
 
     # Records of tensorized schedules name TVM's tensor intrinsics, which
@@ -336,9 +336,55 @@ def _json_database(folder: Path):
     records = folder / RECORDS
     if records.is_file() and records.stat().st_size:
         register_tensor_intrinsics()
-    return ms.database.JSONDatabase(
-        path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / RECORDS), allow_missing=True
-    )
+
+    def load():
+        return ms.database.JSONDatabase(
+            path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / RECORDS), allow_missing=True
+        )
+
+    try:
+        return load()
+    except Exception:  # one unreadable record fails TVM's whole load: leave such records out, keep the rest
+        bad = drop_unreadable(folder)
+        if not bad:
+            raise
+        log.warning("tuning database %s: %d record(s) do not replay on their kernel (%s), left out",
+                    label or folder, sum(bad.values()), ", ".join(f"workload {h}: {n}" for h, n in sorted(bad.items())))
+        return load()
+
+
+def drop_unreadable(folder: Path) -> dict[str, int]:
+    """Rewrite the plain database files at `folder` without the records
+    whose trace does not replay on their workload (filed under a workload
+    whose names differ from the module they were tuned on; see
+    tasks.stored_module); returns {workload hash: records dropped}."""
+    from ..tvm_compat import ms, register_tensor_intrinsics
+
+    register_tensor_intrinsics()  # (tensor-core traces name TVM's intrinsics)
+    path = folder / RECORDS
+    workloads = [ln for ln in (folder / WORKLOADS).read_text().splitlines() if ln.strip()]
+    parsed: dict[int, object] = {}
+    kept, bad = [], {}
+    for ln in path.read_text().splitlines():
+        if not ln.strip():
+            continue
+        try:
+            wi, rec = json.loads(ln)
+            if wi not in parsed:
+                parsed[wi] = ms.database.Workload.from_json(json.loads(workloads[wi]))
+            ms.database.TuningRecord.from_json(rec, parsed[wi])
+            kept.append(ln)
+        except Exception:  # noqa: BLE001 - what does not parse is what TVM's load fails on
+            try:
+                h = json.loads(workloads[json.loads(ln)[0]])[0]
+            except Exception:  # noqa: BLE001
+                h = "?"
+            bad[h] = bad.get(h, 0) + 1
+    if bad:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in kept))
+        os.replace(tmp, path)
+    return bad
 
 
 # The evolutionary search seeds each generation with up to 20% of its
@@ -401,7 +447,7 @@ def open_readonly(folder: Path | None, key: dict | None, store: tuple[list[str],
         if store_kernels is not None and store:
             store_kernels |= hashes_of(store)
         _write_plain(Path(tmp), workloads, records, store)
-        yield _json_database(Path(tmp))
+        yield _json_database(Path(tmp), folder)
 
 
 def digest(folder: Path) -> str:

@@ -169,6 +169,27 @@ def order(p: dict) -> tuple:
     return (-p["left"], timed is None, -(timed or 0.0) * p["weight"], -p["flops"] * p["weight"])
 
 
+def stored_module(db, mod):
+    """The module to tune for task `mod`: the one `db` already holds for a
+    structurally equal workload (names aside), else `mod`, which `db` then
+    holds (a TVM 0.27 workaround).
+
+    MetaSchedule files each measured record under the first structurally
+    equal workload of the database, and structural equality ignores names,
+    while a record's trace finds blocks by names made from the buffers' (a
+    cache stage of `lv4` is `lv4_reindex_pad_shared.dyn`). A kernel whose
+    buffers were renamed since it was tuned (an optimize change that shifted
+    Relax's variable numbering; another model's kernel from the kernel
+    store) was tuned under its new names, its records were filed under the
+    old ones, and the database no longer loaded: "Cannot find a block with
+    the name: lv4_reindex_pad_shared.dyn_wmma.matrix_b_o" (ViT-S/16 b32 on
+    the H200, 2026-12-04). Tuning the stored module keeps trace and workload
+    together; it is the same computation.
+    tests/tuning/test_workload_names.py fails once MetaSchedule's records
+    no longer depend on names."""
+    return db.commit_workload(mod).mod
+
+
 def _new_stats() -> dict:
     return {"candidates": 0, "build_errors": 0, "run_errors": 0, "best_s": None}
 
@@ -185,6 +206,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     from ..tvm_compat import ms
 
     tvm_target = target.tvm_target()
+    todo = [dict(p, mod=stored_module(db, p["mod"])) for p in todo]
     for p in todo:
         stats[p["name"]] = _new_stats()
     stop = threading.Event()  # set by the RPC runner when its pool is lost
