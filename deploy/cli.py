@@ -159,7 +159,10 @@ def prepare(args):
 
 def _check_pool(args, target, profile) -> None:
     """Before any work: every server of the pool has the target's device."""
-    if args.pool is not None and profile.trials > 0 and profile.tune_buckets:
+    from .tuning import pool as rpc_pool
+
+    if args.pool is not None and not isinstance(args.pool, rpc_pool.LazyLoopback) \
+            and profile.trials > 0 and profile.tune_buckets:
         from .tuning import devices as rpc_devices
 
         rpc_devices.check_pool(args.pool, target)
@@ -167,10 +170,11 @@ def _check_pool(args, target, profile) -> None:
 
 @contextlib.contextmanager
 def _loopback(args, target, profile, workdir: Path):
-    """With --rpc-lanes N and no tracker, while the block runs (for `run`,
-    the whole pipeline: the pool is up before export and stopped after the
-    last stage): a loopback pool on this machine's device as args.pool,
-    only when there is tuning to do on a device here."""
+    """With --rpc-lanes N and no tracker, while the block runs: a loopback
+    pool on this machine's device as args.pool (a tuning.pool.LazyLoopback:
+    the tune stage starts it once a database has trials left to tune; it
+    is stopped when the block ends), only when tuning is asked for on a
+    device here."""
     if args.loopback is None:
         yield
         return
@@ -181,17 +185,17 @@ def _loopback(args, target, profile, workdir: Path):
     from .tuning import pool as rpc_pool
 
     lanes, lane_cpus = args.loopback
-    log.info("tune: %d lanes on this machine's %s through a loopback pool (--rpc-lanes 1: one process)", lanes,
-             target.kind)
+    log.info("tune: %d lanes on this machine's %s through a loopback pool, started when there is tuning to do "
+             "(--rpc-lanes 1: one process)", lanes, target.kind)
     if target.kind == "llvm":
         log.warning("--rpc-lanes on the CPU target: a lane's candidates are timed on the same cores that the other "
                     "lanes search and build on, so CPU timings will be noisy")
-    with rpc_pool.loopback_pool(lanes, lane_cpus, workdir / "rpc-loopback") as pool:
-        args.pool = pool
-        try:
-            yield
-        finally:
-            args.pool = None
+    args.pool = rpc_pool.LazyLoopback(lanes, lane_cpus, workdir / "rpc-loopback")
+    try:
+        yield
+    finally:
+        args.pool.close()
+        args.pool = None
 
 
 def _alternatives(text: str) -> tuple[str, ...]:

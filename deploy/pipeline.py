@@ -81,7 +81,12 @@ def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budg
         f"workdir    {workdir}",
         f"databases  {db_root}",
     ]
-    if pool is not None:
+    from .tuning.pool import LazyLoopback
+
+    if isinstance(pool, LazyLoopback):
+        lines.append(f"measure on this machine's device from {pool.lanes} tuning lanes (a loopback pool, started "
+                     "when a database has trials left)")
+    elif pool is not None:
         lanes = f"{pool.lanes} tuning lane(s)" if pool.lanes else "one tuning lane per server"
         lines.append(f"measure on RPC servers under key '{pool.key}' at tracker {pool.address} ({lanes})")
     return "\n".join(lines)

@@ -253,6 +253,36 @@ def _signals_exit():
             signal.signal(sig, h if h is not None else signal.SIG_DFL)
 
 
+class LazyLoopback:
+    """A loopback pool (`loopback_pool`) started on first `start()`, so that
+    a run whose databases are done starts no tracker, server and lanes (24 s
+    of `make tune MODEL=resnet50` on the H200, results/h200/2026-12-04/
+    resnet50-time-to-package). `close()` stops what was started."""
+
+    def __init__(self, lanes: int, lane_cpus: int, log_dir: Path):
+        self.lanes, self.lane_cpus, self.log_dir = lanes, lane_cpus, log_dir
+        self._stack = contextlib.ExitStack()
+        self._pool: RPCPool | None = None
+
+    def start(self) -> RPCPool:
+        if self._pool is None:
+            self._pool = self._stack.enter_context(loopback_pool(self.lanes, self.lane_cpus, self.log_dir))
+        return self._pool
+
+    @property
+    def started(self) -> RPCPool | None:
+        return self._pool
+
+    def close(self) -> None:
+        self._stack.close()
+        self._pool = None
+
+
+def resolve(pool) -> RPCPool | None:
+    """The pool to measure on: a LazyLoopback started now, else `pool` as it is."""
+    return pool.start() if isinstance(pool, LazyLoopback) else pool
+
+
 @contextlib.contextmanager
 def loopback_pool(lanes: int, lane_cpus: int, log_dir: Path, tries: int = 3):
     """A tracker and one RPC server on 127.0.0.1 for this machine's device

@@ -46,6 +46,7 @@ from . import check as kernel_check
 from . import database as dbs
 from . import journal as tuning_journal
 from . import lanes as tuning_lanes
+from . import pool as rpc_pool
 from . import store as kernel_store
 from . import tasks as task_loop
 
@@ -143,10 +144,13 @@ def tune_bucket(
         log.info("tune: %s: %d kernels to tune take %.0f us per run under their default schedules (timed in %.0f s); "
                  "tuned first: %s", db_dir.name, len(todo), sum((p.get("default_us") or 0.0) * p["weight"] for p in todo),
                  timed_s, ", ".join(f"{p['name']} {p['default_us']:.0f} us x{p['weight']:.0f}" for p in first))
-    n_lanes = min(tuning_lanes.lanes(pool, n_servers), len(todo))
     stats: dict = {}
     started = time.time()
-    if todo and global_left > 0 and (deadline is None or time.time() < deadline):
+    work_left = todo and global_left > 0 and (deadline is None or time.time() < deadline)
+    if work_left and isinstance(pool, rpc_pool.LazyLoopback):  # a loopback pool starts only for work to do
+        pool, n_servers = pool.start(), 1
+    n_lanes = min(tuning_lanes.lanes(pool, n_servers), len(todo))
+    if work_left:
         seeds = None
         if store_root is not None:
             seeds = kernel_store.lines_for(store_root, target, kernel_store.workload_hashes([p["mod"] for p in todo]))
@@ -243,7 +247,7 @@ def run(
     device, or with `pool` on the RPC servers under its key, whose devices
     must all match `target` (checked first)."""
     n_servers = 0
-    if pool is not None:
+    if pool is not None and not isinstance(pool, rpc_pool.LazyLoopback):  # (a loopback pool: this device)
         from . import devices as rpc_devices
 
         n_servers = len(rpc_devices.check_pool(pool, target))
@@ -281,10 +285,16 @@ def run(
             tmp,
             STAGE,
             {"databases": folders, "target": target.key(), "profile": dataclasses.asdict(profile), "budget_s": budget_s,
-             "rpc": None if pool is None else {"tracker": pool.address, "key": pool.key, "servers": n_servers}},
+             "rpc": _pool_info(pool, n_servers)},
             files=files,
         )
     return load(folder)
+
+
+def _pool_info(pool, n_servers: int) -> dict | None:
+    if isinstance(pool, rpc_pool.LazyLoopback):
+        pool, n_servers = pool.started, 1
+    return None if pool is None else {"tracker": pool.address, "key": pool.key, "servers": n_servers}
 
 
 def load(folder: Path) -> TuneArtifact:

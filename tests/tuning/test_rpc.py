@@ -479,32 +479,39 @@ def test_slow_candidate_fails_without_taking_its_server(procs, llvm_target, tmp_
 
 
 def test_lanes_without_tracker_tune_through_a_loopback_pool(tmp_path, monkeypatch, capsys):
-    """`run --rpc-lanes 2` with no tracker: a tracker and one server on
-    loopback for this machine's device, checked like any pool, handed to the
-    pipeline as a pool of 2 lanes, and stopped when the run ends (here by an
-    error in the pipeline)."""
+    """`run --rpc-lanes 2` with no tracker: the pipeline gets a loopback
+    pool that starts (a tracker and one server on loopback for this
+    machine's device, a pool of 2 lanes) only when the tune stage has work,
+    and is stopped when the run ends (here by an error in the pipeline)."""
     from deploy import cli, pipeline
 
     seen = {}
 
     def fake_run(cfg, target, workdir, db_root, pool=None, **kw):
-        seen["pool"] = pool
-        seen["servers"] = pool and rpc_pool.wait_for_servers(pool, 1)
+        seen["lazy"] = pool
+        seen["before"] = pool and pool.started
+        seen["pool"] = rpc_pool.resolve(pool)  # what the tune stage does once a database has trials left
+        seen["servers"] = pool and rpc_pool.wait_for_servers(seen["pool"], 1)
         raise RPCPoolError("stop here", None, "the test's end")
 
     monkeypatch.setattr(pipeline, "run", fake_run)
     argv = ["run", "-m", "tiny_cnn", "--target", "llvm", "--workdir", str(tmp_path / "ws"), "--db-root",
             str(tmp_path / "db"), "--rpc-lanes", "2"]
     assert cli.main(argv) == 2
+    assert isinstance(seen["lazy"], rpc_pool.LazyLoopback) and seen["before"] is None
     pool = seen["pool"]
     assert pool.host == "127.0.0.1" and pool.key == f"loopback-{os.getpid()}" and pool.lanes == 2
     assert len(seen["servers"]) == 1
     out = capsys.readouterr()
-    assert f"measure on RPC servers under key '{pool.key}' at tracker {pool.address} (2 tuning lane(s))" in out.out
+    assert "from 2 tuning lanes (a loopback pool, started when a database has trials left)" in out.out
     assert out.err.startswith("error: stop here")
     with pytest.raises(RPCPoolError):  # the tracker (and its server) are gone
         rpc_devices.Tracker(pool.host, pool.port, timeout=2.0).close()
     assert (tmp_path / "ws" / "rpc-loopback" / "server.log").is_file()
+    # A run whose databases are done never starts it.
+    lazy = rpc_pool.LazyLoopback(2, 0, tmp_path / "never")
+    lazy.close()
+    assert lazy.started is None and not (tmp_path / "never").exists()
     # Nothing to tune (TRIALS=0): no pool is started at all.
     seen.clear()
     assert cli.main([*argv, "--trials", "0"]) == 2 and seen["pool"] is None

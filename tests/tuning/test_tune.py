@@ -100,8 +100,16 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
                     store_root=db_root)
     assert own.manifest["buckets"]["1"]["store"]["not_in_database"] == 0
 
-    # Same budget again: the task has reached it, nothing is redone.
-    s2, _ = _tune(cfg, llvm_target, exported, opt, db_root, tmp_path / "t2")
+    # Same budget again: the task has reached it, nothing is redone, and a
+    # loopback pool of lanes (make tune's default on a GPU machine) is never started.
+    from deploy.tuning import pool as rpc_pool
+
+    lazy = rpc_pool.LazyLoopback(2, 0, tmp_path / "rpc-loopback")
+    a2 = tune.run(cfg.llvm, llvm_target, opt, cfg.model.name, exported.inputs, db_root, tmp_path / "t2", None,
+                  pool=lazy)
+    s2 = json.loads((a2.folder / "summary.json").read_text())["1"]
+    assert lazy.started is None and not (tmp_path / "rpc-loopback").exists()
+    assert a2.manifest["rpc"] is None
     assert s2["new_trials"] == 0 and s2["trials_after"] == 2
     text = pipeline.format_summary({"package": "p", "buckets": {}, "tuning": {"1": s2}, "validation": None})
     assert "done: it holds TRIALS=2 (a larger TRIALS tunes on)" in text
