@@ -381,7 +381,7 @@ def drop_unreadable(folder: Path) -> dict[str, int]:
                 h = "?"
             bad[h] = bad.get(h, 0) + 1
     if bad:
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         tmp.write_text("".join(ln + "\n" for ln in kept))
         os.replace(tmp, path)
     return bad

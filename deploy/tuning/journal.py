@@ -248,7 +248,9 @@ def fold(workloads: list[str], records: list[str], path: Path) -> tuple[list[str
     if not j_records:
         return workloads, records, 0
     workloads, records = list(workloads), list(records)
-    index = {json.loads(wl)[0]: i for i, wl in enumerate(workloads)}
+    index: dict = {}
+    for i, wl in enumerate(workloads):  # the first line of a hash, as MetaSchedule's database matches
+        index.setdefault(json.loads(wl)[0], i)
     seen = set()
     for ln in records:
         wi, rec = json.loads(ln)

@@ -147,8 +147,10 @@ def tune_bucket(
     stats: dict = {}
     started = time.time()
     work_left = todo and global_left > 0 and (deadline is None or time.time() < deadline)
-    if work_left and isinstance(pool, rpc_pool.LazyLoopback):  # a loopback pool starts only for work to do
-        pool, n_servers = pool.start(), 1
+    if isinstance(pool, rpc_pool.LazyLoopback):
+        # a loopback pool starts only for work to do in two lanes or more (one lane measures here, as without)
+        more = work_left and min(pool.lanes, len(todo)) > 1
+        pool, n_servers = (rpc_pool.resolve(pool), 1) if more else (None, 0)
     n_lanes = min(tuning_lanes.lanes(pool, n_servers), len(todo))
     if work_left:
         seeds = None

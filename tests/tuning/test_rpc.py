@@ -508,10 +508,6 @@ def test_lanes_without_tracker_tune_through_a_loopback_pool(tmp_path, monkeypatc
     with pytest.raises(RPCPoolError):  # the tracker (and its server) are gone
         rpc_devices.Tracker(pool.host, pool.port, timeout=2.0).close()
     assert (tmp_path / "ws" / "rpc-loopback" / "server.log").is_file()
-    # A run whose databases are done never starts it.
-    lazy = rpc_pool.LazyLoopback(2, 0, tmp_path / "never")
-    lazy.close()
-    assert lazy.started is None and not (tmp_path / "never").exists()
     # Nothing to tune (TRIALS=0): no pool is started at all.
     seen.clear()
     assert cli.main([*argv, "--trials", "0"]) == 2 and seen["pool"] is None

@@ -24,8 +24,8 @@ def tiny_opt(tiny_package):
     return export.load(ws / "export"), optimize.load(ws / "optimize")
 
 
-def _tune(cfg, target, exported, opt, db_root, folder, budget_s=None):
-    a = tune.run(cfg.llvm, target, opt, cfg.model.name, exported.inputs, db_root, folder, budget_s)
+def _tune(cfg, target, exported, opt, db_root, folder, budget_s=None, pool=None):
+    a = tune.run(cfg.llvm, target, opt, cfg.model.name, exported.inputs, db_root, folder, budget_s, pool=pool)
     return json.loads((a.folder / "summary.json").read_text())["1"], a
 
 
@@ -33,7 +33,12 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     exported, opt = tiny_opt
     db_root = tmp_path / "db"
     cfg = make_config(trials=2, trials_per_task=2, trials_per_iter=2, max_tasks=1)
-    s1, a1 = _tune(cfg, llvm_target, exported, opt, db_root, tmp_path / "t1")
+    from deploy.tuning import pool as rpc_pool
+
+    # (make tune's loopback pool of 2 lanes: one task to tune is one lane, measured here without it)
+    lazy = rpc_pool.LazyLoopback(2, 0, tmp_path / "rpc-loopback")
+    s1, a1 = _tune(cfg, llvm_target, exported, opt, db_root, tmp_path / "t1", pool=lazy)
+    assert lazy.started is None and not (tmp_path / "rpc-loopback").exists()
     (name,) = s1["tasks"]
     assert s1["tasks_selected"] == 1 and s1["tasks_total"] > 1
     assert s1["new_trials"] == 2 and s1["trials_after"] == 2
@@ -100,14 +105,9 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
                     store_root=db_root)
     assert own.manifest["buckets"]["1"]["store"]["not_in_database"] == 0
 
-    # Same budget again: the task has reached it, nothing is redone, and a
-    # loopback pool of lanes (make tune's default on a GPU machine) is never started.
-    from deploy.tuning import pool as rpc_pool
-
-    lazy = rpc_pool.LazyLoopback(2, 0, tmp_path / "rpc-loopback")
-    a2 = tune.run(cfg.llvm, llvm_target, opt, cfg.model.name, exported.inputs, db_root, tmp_path / "t2", None,
-                  pool=lazy)
-    s2 = json.loads((a2.folder / "summary.json").read_text())["1"]
+    # Same budget again: the task has reached it, nothing is redone, and the
+    # loopback pool of lanes is not started.
+    s2, a2 = _tune(cfg, llvm_target, exported, opt, db_root, tmp_path / "t2", pool=lazy)
     assert lazy.started is None and not (tmp_path / "rpc-loopback").exists()
     assert a2.manifest["rpc"] is None
     assert s2["new_trials"] == 0 and s2["trials_after"] == 2
@@ -172,6 +172,9 @@ def test_first_interrupt_saves_every_candidate_built(tmp_path, llvm_target, tiny
         return b
 
     monkeypatch.setattr(tune_builder, "_make_builder", make)
+    # Python's own SIGINT handler to start from, whatever an earlier test left in this process
+    # (a build worker's initializer run here ignores SIGINT: test_build_workers_get_nvrtc_pch_options_...)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = make_config(trials=16, trials_per_task=8, trials_per_iter=2, max_tasks=2)
     with pytest.raises(KeyboardInterrupt):
         _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t")
@@ -250,6 +253,9 @@ def test_build_workers_get_nvrtc_pch_options_only_from_a_new_enough_nvrtc(monkey
         monkeypatch.delenv("TVM_CUDA_NVRTC_EXTRA_OPTS", raising=False)
         tune_builder._build_worker_init()
         return os.environ.get("TVM_CUDA_NVRTC_EXTRA_OPTS")
+
+    # (the initializer also makes its process ignore SIGINT, as a worker should; not this one)
+    monkeypatch.setattr(tune_builder, "ignore_sigint", lambda: None)
 
     assert with_nvrtc((13, 0)) == tune_builder.NVRTC_PCH_OPTS and "-pch" in tune_builder.NVRTC_PCH_OPTS
     assert with_nvrtc((12, 4)) is None  # may not take -pch: left as TVM has it
