@@ -8,7 +8,9 @@ import pytest
 from deploy import targets
 from deploy.build import build_kernel
 from deploy.passes import mma_epilogue
-from deploy.tvm_compat import ms, register_tensor_intrinsics, s_tir, te, topi, tvm
+from deploy.tvm_compat import ms, register_tensor_intrinsics, s_tir, tvm
+
+from . import fp16_gemm
 
 # Tile decisions that fit the H200 for a 256^3 GEMM (M/16, N/8 into 5 levels; K/8 into 3): 4 warps,
 # a 64 x 64 block tile, K in steps of 32. MetaSchedule draws them; ~3% of its draws are valid.
@@ -22,14 +24,7 @@ def sm90():
 
 
 def _gemm_bias_relu(n=256):
-    a = te.placeholder((n, n), "float16", name="a")
-    b = te.placeholder((n, n), "float16", name="b")
-    bias = te.placeholder((n,), "float16", name="bias")
-    r = te.reduce_axis((0, n), "r")
-    c = te.compute((n, n), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r),
-                   name="c")
-    out = topi.nn.relu(topi.add(topi.cast(c, "float16"), bias))
-    return tvm.IRModule({"main": te.create_prim_func([a, b, bias, out]).with_attr("global_symbol", "main")})
+    return fp16_gemm(n, n, n, "bias-relu")
 
 
 def _mma_schedule(mod, target, postprocs):
@@ -76,12 +71,7 @@ def test_the_accumulator_read_alone_gives_a_pipelined_mma_kernel_with_its_epilog
 
 
 def _gemm(n=256):
-    a = te.placeholder((n, n), "float16", name="a")
-    b = te.placeholder((n, n), "float16", name="b")
-    r = te.reduce_axis((0, n), "r")
-    c = te.compute((n, n), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r),
-                   name="c")
-    return tvm.IRModule({"main": te.create_prim_func([a, b, c]).with_attr("global_symbol", "main")})
+    return fp16_gemm(n, n, n)
 
 
 def test_kernels_without_an_mma_epilogue_are_left_alone(sm90):

@@ -17,19 +17,12 @@ from deploy.passes import pad_gemm
 from deploy.passes.flat_gemm import flat_epilogues
 from deploy.tvm_compat import relax, tirx, tvm
 
+from . import fp16_gemm
 
-def _gemm(m: int, n: int, k: int, epilogue: bool = True):
+
+def _gemm(m: int, n: int, k: int):
     """fp16 GEMM with an fp32 sum, cast back, plus a bias: a fused dense layer."""
-    from tvm import te, topi
-
-    a = te.placeholder((m, k), "float16", name="a")
-    b = te.placeholder((k, n), "float16", name="b")
-    bias = te.placeholder((n,), "float16", name="bias")
-    r = te.reduce_axis((0, k), "r")
-    c = te.compute((m, n), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r),
-                   name="matmul")
-    out = topi.add(topi.cast(c, "float16"), bias) if epilogue else c
-    return te.create_prim_func([a, b, bias, out] if epilogue else [a, b, out])
+    return fp16_gemm(m, n, k, "bias", name="matmul")["main"]
 
 
 def _buffers(func) -> list[tuple[int, ...]]:
