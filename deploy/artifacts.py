@@ -34,11 +34,20 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_json_atomic(path: str | Path, data) -> None:
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    """`data` written to a hidden file beside `path`, then renamed over it:
+    a reader sees the old file or the new one, never a part."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    if isinstance(data, str):
+        tmp.write_text(data)
+    else:
+        tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | Path, data) -> None:
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 from . import nhwc_ohwi, pruned, relax_function_pass
+from .pad_gemm import pads
 
 UNARY = frozenset({
     "relax.astype", "relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid",
@@ -60,7 +61,6 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
     the N-D matmuls whose row count passes.pad_gemm pads (which only pads a
     GEMM whose rows are one loop)."""
     from ..tvm_compat import relax, tvm
-    from .pad_gemm import pads
 
     op = relax.op
     reshape = tvm.ir.Op.get("relax.reshape")

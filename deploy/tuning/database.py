@@ -28,10 +28,8 @@ import contextlib
 import json
 import logging
 import lzma
-import os
 import shutil
 import tempfile
-import uuid
 from pathlib import Path
 
 from .. import artifacts
@@ -118,9 +116,7 @@ def repair_jsonl(path: Path, only_last: bool = False) -> int:
                 raise StaleArtifactError(f"tuning database file {path} has an unreadable line {i + 1}") from None
     dropped = len(lines) - len(good)
     if dropped or (text and not text.endswith("\n")):
-        tmp = path.with_suffix(".repair.tmp")
-        tmp.write_text("".join(line + "\n" for line in good))
-        os.replace(tmp, path)
+        artifacts.write_atomic(path, "".join(line + "\n" for line in good))
     if dropped:
         log.warning("tune: dropped %d unreadable line(s) from %s (an interrupted write)", dropped, path)
     return dropped
@@ -137,9 +133,7 @@ def _packed_lines(path: Path) -> list[str]:
 
 
 def _write_packed(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_bytes(lzma.compress("".join(ln + "\n" for ln in lines).encode(), preset=6))
-    os.replace(tmp, path)
+    artifacts.write_atomic(path, lzma.compress("".join(ln + "\n" for ln in lines).encode(), preset=6))
 
 
 def merge(base: tuple[list[str], list[str]], extra: tuple[list[str], list[str]]) -> tuple[list[str], list[str], int]:
@@ -381,9 +375,7 @@ def drop_unreadable(folder: Path) -> dict[str, int]:
                 h = "?"
             bad[h] = bad.get(h, 0) + 1
     if bad:
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        tmp.write_text("".join(ln + "\n" for ln in kept))
-        os.replace(tmp, path)
+        artifacts.write_atomic(path, "".join(ln + "\n" for ln in kept))
     return bad
 
 

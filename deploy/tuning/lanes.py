@@ -6,10 +6,10 @@ own database folded back into the bucket's, and their stats combined.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
+from .. import artifacts
 from ..config import RPCPool
 from ..errors import DeployError
 from . import builder as candidates
@@ -165,10 +165,7 @@ def _lane_entry(spec: dict) -> None:
     except BaseException as e:  # a bug, or Ctrl-C: the parent reports it
         traceback.print_exc()
         out = {"crash": f"{type(e).__name__}: {task_loop._first_line(str(e)) or type(e).__name__}"}
-    path = Path(spec["result"])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(out))
-    os.replace(tmp, path)
+    artifacts.write_atomic(spec["result"], pickle.dumps(out))
 
 
 def _combine_lanes(results: list[dict], summary: dict, stats: dict, cpus: int) -> None:

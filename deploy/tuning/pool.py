@@ -278,11 +278,6 @@ class LazyLoopback:
         self._pool = None
 
 
-def resolve(pool) -> RPCPool | None:
-    """The pool to measure on: a LazyLoopback started now, else `pool` as it is."""
-    return pool.start() if isinstance(pool, LazyLoopback) else pool
-
-
 @contextlib.contextmanager
 def loopback_pool(lanes: int, lane_cpus: int, log_dir: Path, tries: int = 3):
     """A tracker and one RPC server on 127.0.0.1 for this machine's device

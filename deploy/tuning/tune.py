@@ -150,7 +150,7 @@ def tune_bucket(
     if isinstance(pool, rpc_pool.LazyLoopback):
         # a loopback pool starts only for work to do in two lanes or more (one lane measures here, as without)
         more = work_left and min(pool.lanes, len(todo)) > 1
-        pool, n_servers = (rpc_pool.resolve(pool), 1) if more else (None, 0)
+        pool, n_servers = (pool.start(), 1) if more else (None, 0)
     n_lanes = min(tuning_lanes.lanes(pool, n_servers), len(todo))
     if work_left:
         seeds = None

@@ -490,7 +490,7 @@ def test_lanes_without_tracker_tune_through_a_loopback_pool(tmp_path, monkeypatc
     def fake_run(cfg, target, workdir, db_root, pool=None, **kw):
         seen["lazy"] = pool
         seen["before"] = pool and pool.started
-        seen["pool"] = rpc_pool.resolve(pool)  # what the tune stage does once a database has trials left
+        seen["pool"] = pool and pool.start()  # what the tune stage does once a database has trials left
         seen["servers"] = pool and rpc_pool.wait_for_servers(seen["pool"], 1)
         raise RPCPoolError("stop here", None, "the test's end")
 
