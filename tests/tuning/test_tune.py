@@ -717,3 +717,26 @@ def test_a_budget_spent_on_timing_the_defaults_starts_no_search(tmp_path, llvm_t
         s, _ = _tune(cfg, llvm_target, exported, opt, tmp_path / "db", tmp_path / "t", budget_s=20.0)
     assert s["new_trials"] == 0 and s["budget_spent_timing_defaults_s"] >= 1.0
     assert any("the budget is spent" in r.getMessage() for r in caplog.records)
+
+
+def test_drop_rejected_ids_only_the_workloads_with_a_rejection(tmp_path, monkeypatch):
+    """check.drop_rejected computes a record's id (costly) only for workloads
+    with a rejected record; a rejection written without its workload (older
+    checks) still drops its record from any workload."""
+    from deploy.tuning import check as kernel_check
+
+    workloads = [json.dumps(["w0", {}]), json.dumps(["w1", {}])]
+    recs = [[["trace", i], [1e-5 * (i + 1)], {}, [["TENSOR", "float32", [i]]]] for i in range(4)]
+    lines = [json.dumps([i % 2, r]) for i, r in enumerate(recs)]
+    ids = [kernel_check.record_id(f"w{i % 2}", r) for i, r in enumerate(recs)]
+    seen = []
+    real = kernel_check.record_id
+    monkeypatch.setattr(kernel_check, "record_id", lambda shash, rec: seen.append(shash) or real(shash, rec))
+    state = {"passed": [], "rejected": [{"record": ids[1], "workload": "w1"}], "timed": {}, "default_rule": {},
+             "default_faster": []}
+    (tmp_path / kernel_check.CHECKS).write_text(json.dumps(state))
+    assert kernel_check.drop_rejected(tmp_path, workloads, lines) == [lines[0], lines[2], lines[3]]
+    assert set(seen) == {"w1"}
+    state["rejected"] = [{"record": ids[2]}]  # no workload named
+    (tmp_path / kernel_check.CHECKS).write_text(json.dumps(state))
+    assert kernel_check.drop_rejected(tmp_path, workloads, lines) == [lines[0], lines[1], lines[3]]
