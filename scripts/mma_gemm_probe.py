@@ -3,7 +3,7 @@ instead of drawn by MetaSchedule's rules? Builds fp16 GEMMs (fp32
 accumulation and output) under a fixed `mma.sync` schedule: m16n8k16
 through TVM's 16x16x16 intrinsics, operands staged in dynamic shared memory
 by 16-byte copies, `ldmatrix` into registers, and a software pipeline over
-the K tiles (`cp.async` with `--async`). Each config is one block tile and
+the K tiles (`cp.async`, unless `--no-async`). Each config is one block tile and
 pipeline depth. On a GPU it checks the result against PyTorch and times
 both (TVM's time_evaluator; torch.matmul, i.e. cuBLAS, with CUDA events);
 without one it only builds (`--target cuda:sm_90`), to see what lowers.
