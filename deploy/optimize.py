@@ -42,6 +42,7 @@ from .passes.depthwise_layout import depthwise_channels_last
 from .passes.exact_power import power_to_multiply
 from .passes.fast_math import fast_math
 from .passes.flat_gemm import flat_epilogues, flat_gemm
+from .passes.fold_weights import fold_weights
 from .passes.layout import convert_to_nhwc
 from .passes.mean_cast import fuse_mean_casts
 from .passes.mixed_precision import to_mixed_precision
@@ -79,29 +80,33 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
     from .tvm_compat import relax
 
     T = relax.transform
+
+    def fold():  # (weights moved and cast in NumPy first: passes/fold_weights.py)
+        return [fold_weights(), T.FoldConstant()]
+
     out = [
         ("fold_batchnorm", [T.FoldBatchnormToConv2D()]),
         ("inference", [T.DecomposeOpsForInference(), T.CanonicalizeBindings()]),
-        ("constant_folding", [T.FoldConstant(), T.EliminateCommonSubexpr(), T.DeadCodeElimination(),
+        ("constant_folding", [*fold(), T.EliminateCommonSubexpr(), T.DeadCodeElimination(),
                               power_to_multiply()]),
     ]
     if profile.layout == "NHWC":
-        out.append(("layout", [convert_to_nhwc(), depthwise_channels_last(), T.FoldConstant()]))
+        out.append(("layout", [convert_to_nhwc(), depthwise_channels_last(), *fold()]))
     elif profile.layout == "NCHWc":
-        out.append(("layout", [clip_kernels_to_ops(), nchwc.convert(), T.FoldConstant()]))
+        out.append(("layout", [clip_kernels_to_ops(), nchwc.convert(), *fold()]))
     if profile.fast_math:
         out.append(("fast_math", [fast_math()]))
     if profile.precision == "fp16":
         acc = "float16" if profile.accumulate == "fp16" else "float32"
         # (tidy_movement: the casts mixed precision put before data movement go after it; passes/movement.py)
         out.append(("mixed_precision", [to_mixed_precision(acc), tidy_movement(), T.CanonicalizeBindings(),
-                                        T.DeadCodeElimination(), T.FoldConstant()]))
+                                        T.DeadCodeElimination(), *fold()]))
     if profile.split_k > 1 and profile.layout == "NHWC":
-        out.append(("split_k", [split_k_conv2d(profile.split_k), T.FoldConstant()]))
+        out.append(("split_k", [split_k_conv2d(profile.split_k), *fold()]))
     if profile.flat_gemm:
-        out.append(("flat_gemm", [flat_gemm(), T.FoldConstant()]))
+        out.append(("flat_gemm", [flat_gemm(), *fold()]))
     else:
-        out.append(("epilogues", [flat_epilogues(pad_rows=profile.pad_gemm), T.CanonicalizeBindings(), T.FoldConstant()]))
+        out.append(("epilogues", [flat_epilogues(pad_rows=profile.pad_gemm), T.CanonicalizeBindings(), *fold()]))
     out.append(
         (
             "fusion",
@@ -109,7 +114,7 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                 fuse_mean_casts(),
                 T.LegalizeOps(customize_legalize_map={"relax.nn.conv2d": nchwc.legalize_conv2d}),
                 T.AnnotateTIROpPattern(),
-                T.FoldConstant(),
+                *fold(),
                 T.FuseOps(),
                 T.FuseTIR(),
                 T.DeadCodeElimination(),

@@ -1,0 +1,91 @@
+"""deploy/passes/fold_weights.py: permute_dims, reshape and astype of
+constants folded in NumPy give the constants TVM's FoldConstant computes,
+bit for bit, and the optimize stage's module is the same with or without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm_ffi
+
+from deploy import config, optimize, targets
+from deploy.passes import fold_weights as fw
+from deploy.tvm_compat import relax, tvm
+
+
+def _constants(mod) -> list[np.ndarray]:
+    out = []
+
+    def visit(expr):
+        value = getattr(expr, "value", None)
+        if hasattr(value, "numpy"):
+            out.append(value.numpy())
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return out
+
+
+def _module(data: np.ndarray, build):
+    bb = relax.BlockBuilder()
+    with bb.function("main", []):
+        with bb.dataflow():
+            out = bb.emit_output(build(bb, relax.const(data)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+# fp32 -> fp16 ties, overflow to inf, subnormals, nan, signed zero
+_HARD = np.array([1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 65519.0, 65520.0, -1e6, 1e-8, 6e-8, -0.0, np.nan, 3.14159],
+                 dtype="float32")
+
+CASES = {
+    "astype fp32->fp16": (_HARD.reshape(2, 5), lambda bb, c: bb.emit(relax.op.astype(c, "float16"))),
+    "astype fp16->fp32": (np.array([1.0, 65504.0, -0.0, np.nan, 6e-8], "float16"), lambda bb, c: bb.emit(relax.op.astype(c, "float32"))),
+    "astype int64->fp16": (np.array([1, 2049, 70000, -3], "int64"), lambda bb, c: bb.emit(relax.op.astype(c, "float16"))),
+    "permute": (np.arange(24, dtype="float32").reshape(2, 3, 4),
+                lambda bb, c: bb.emit(relax.op.permute_dims(c, [2, 0, 1]))),
+    "permute reversed": (np.arange(6, dtype="int32").reshape(2, 3), lambda bb, c: bb.emit(relax.op.permute_dims(c))),
+    "chain": (np.random.default_rng(0).standard_normal((8, 3, 3, 4)).astype("float32"),
+              lambda bb, c: bb.emit(relax.op.astype(relax.op.reshape(relax.op.permute_dims(c, [0, 2, 3, 1]), (8, 36)),
+                                                    "float16"))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_folded_constants_are_what_fold_constant_computes(case):
+    data, build = CASES[case]
+    mod = _module(data, build)
+    target = tvm.target.Target("llvm")
+    with target:
+        ref = relax.transform.FoldConstant()(mod)
+        ours = fw.fold_weights()(mod)
+    assert "R.permute_dims" not in ours.script() and "R.astype" not in ours.script()
+    (want,), (got,) = _constants(ref), _constants(relax.transform.FoldConstant()(ours))
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+
+
+def test_float_to_int_casts_are_left_to_fold_constant():
+    mod = _module(np.array([1.5, -2.5], "float32"), lambda bb, c: bb.emit(relax.op.astype(c, "int32")))
+    assert "R.astype" in fw.fold_weights()(mod).script()
+
+
+def test_the_optimize_stage_makes_the_same_module_with_and_without_it(tmp_path, monkeypatch):
+    """tiny_cnn's frontend module through the CUDA fp16 NHWC phases (layout,
+    fp16 casts, split-K): structurally equal, constants included."""
+    from deploy import export, frontend
+    from deploy.tvm_compat import load_json
+
+    cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"buckets": [2], "tune_buckets": [2], "trials": 0}})
+    fe = frontend.run(cfg.cuda, export.run(cfg, tmp_path / "export"), tmp_path / "frontend")
+    (path,) = fe.modules.values()
+    sm90 = targets.resolve("cuda:sm_90").tvm_target()
+    ours, _ = optimize.optimize_module(load_json(path.read_text()), cfg.cuda, sm90)
+
+    @tvm.transform.module_pass(opt_level=0, name="Nothing")
+    def nothing(mod, _ctx):
+        return mod
+
+    monkeypatch.setattr(optimize, "fold_weights", lambda: nothing)
+    ref, _ = optimize.optimize_module(load_json(path.read_text()), cfg.cuda, sm90)
+    assert tvm_ffi.structural_equal(ours, ref)
