@@ -49,6 +49,7 @@ from .passes.mixed_precision import to_mixed_precision
 from .passes.movement import tidy_movement
 from .passes.pad_gemm import pad_gemm_rows
 from .passes.split_k import split_k_conv2d
+from .passes.transposes import cancel_transposes
 from .shapes import Bucket, as_bucket, parse
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,10 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                               power_to_multiply()]),
     ]
     if profile.layout == "NHWC":
-        out.append(("layout", [convert_to_nhwc(), depthwise_channels_last(), *fold()]))
+        # (cancel_transposes: a model's own NCHW <-> NHWC permutes meet ConvertLayout's; passes/transposes.py.
+        # In fp16 after mixed precision, whose casts it would otherwise change: see there.)
+        cancel = [] if profile.precision == "fp16" else [cancel_transposes()]
+        out.append(("layout", [convert_to_nhwc(), depthwise_channels_last(), *cancel, *fold()]))
     elif profile.layout == "NCHWc":
         out.append(("layout", [clip_kernels_to_ops(), nchwc.convert(), *fold()]))
     if profile.fast_math:
@@ -99,7 +103,9 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
     if profile.precision == "fp16":
         acc = "float16" if profile.accumulate == "fp16" else "float32"
         # (tidy_movement: the casts mixed precision put before data movement go after it; passes/movement.py)
-        out.append(("mixed_precision", [to_mixed_precision(acc), tidy_movement(), T.CanonicalizeBindings(),
+        out.append(("mixed_precision", [to_mixed_precision(acc), tidy_movement(),
+                                        *([cancel_transposes()] if profile.layout == "NHWC" else []),
+                                        T.CanonicalizeBindings(),
                                         T.DeadCodeElimination(), *fold()]))
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), *fold()]))

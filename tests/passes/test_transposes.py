@@ -1,0 +1,102 @@
+"""deploy/passes/transposes.py: transposes that undo each other go, the
+residual add of two transposed tensors becomes one transpose, every value
+bit for bit as it was; and ConvNeXt's block keeps no transpose."""
+
+from __future__ import annotations
+
+from deploy.passes.transposes import cancel_transposes
+
+from .test_flat_gemm import _parse
+from .test_movement import _assert_bit_exact
+
+
+def _residual():
+    """A ConvNeXt block's shape of graph once its convolution is NHWC: the
+    residual stream in NCHW, its add between two transposes, then back."""
+    return _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 5, 6, 8), "float16"), y: R.Tensor((2, 5, 6, 8), "float16")):
+        with R.dataflow():
+            a = R.permute_dims(x, axes=[0, 3, 1, 2])
+            b = R.permute_dims(y, axes=[0, 3, 1, 2])
+            s = R.add(a, b)
+            t = R.permute_dims(s, axes=[0, 2, 3, 1])
+            u = R.permute_dims(t, axes=[0, 1, 2, 3])
+            v = R.multiply(u, R.const(2.0, "float16"))
+            R.output(v)
+        return v
+""")
+
+
+def test_the_residual_add_meets_its_transposes_and_they_go():
+    mod = _residual()
+    new = cancel_transposes()(mod)
+    assert "R.permute_dims" not in new.script()
+    _assert_bit_exact(mod, new)
+
+
+def _composed():
+    return _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 3, 4, 5), "float32")):
+        with R.dataflow():
+            a = R.permute_dims(x, axes=[0, 2, 3, 1])
+            b = R.permute_dims(a, axes=[3, 0, 2, 1])
+            c = R.permute_dims(x)
+            d = R.permute_dims(c, axes=[1, 0, 2, 3])
+            R.output(b, d)
+        return (b, d)
+""")
+
+
+def test_two_transposes_become_one_that_computes_the_same():
+    mod = _composed()
+    new = cancel_transposes()(mod)
+    assert new.script().count("R.permute_dims") == 2
+    _assert_bit_exact(mod, new)
+
+
+def _mixed():
+    """Transposes that do not match: different permutations, or a
+    broadcast operand: left as they are."""
+    return _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((3, 3, 3), "float32"), y: R.Tensor((3, 3, 3), "float32"), z: R.Tensor((3, 3, 1), "float32")):
+        with R.dataflow():
+            a = R.permute_dims(x, axes=[2, 1, 0])
+            b = R.permute_dims(y, axes=[2, 0, 1])
+            c = R.permute_dims(y, axes=[2, 1, 0])
+            s = R.add(a, R.permute_dims(b, axes=[1, 0, 2]))
+            t = R.add(c, z)
+            R.output(s, t)
+        return (s, t)
+""")
+
+
+def test_what_does_not_cancel_is_left_and_still_exact():
+    mod = _mixed()
+    new = cancel_transposes()(mod)
+    _assert_bit_exact(mod, new)
+    assert new.script().count("R.permute_dims") == 3  # a, b and its permute made one, c
+
+
+def test_convnext_keeps_no_transpose_but_its_input_layout_change(tmp_path):
+    """The optimize stage on ConvNeXt-T (CUDA, fp16, NHWC): before this pass
+    the small variant had 15 kernels that transpose (alone or fused); now only
+    the input's NCHW -> NHWC change is left."""
+    from deploy import config, export, frontend, optimize, targets
+    from deploy.tvm_compat import relax, tirx
+
+    cfg = config.from_dict({"model": {"source": "convnext", "size": "small"},
+                            "cuda": {"buckets": [1], "tune_buckets": [1], "trials": 0}})
+    fe = frontend.run(cfg.cuda, export.run(cfg, tmp_path / "export"), tmp_path / "frontend")
+    mod, _ = optimize.optimize_module(fe.load_module(1), cfg.cuda, targets.resolve("cuda:sm_90").tvm_target())
+    names = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)]
+    assert [n for n in names if "transpose" in n] == ["fused_transpose_cast"], names
+    assert isinstance(mod["main"], relax.Function)
