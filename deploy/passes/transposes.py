@@ -19,7 +19,12 @@ results/h200/2026-12-04/convnext-fp16-b32-tune-2/). Rewrites, each exact:
     for an elementwise binary `op` on two tensors of one shape (the residual
     add: then its transpose meets the next one, and both go).
 
-The permutes nothing reads any more are removed (tests/passes/test_transposes.py).
+The permutes nothing reads any more are removed, and a function keeps the
+rewrite only where it holds fewer transposes than before: moving a residual
+add behind its operands' transposes gains nothing where no transpose meets
+the result, and it can split a transpose from the reshape TVM fused it with
+(MLP-Mixer's token mixing: one more kernel a run). Tests:
+tests/passes/test_transposes.py.
 
 In fp16 the pass runs after ToMixedPrecision, not before it: TVM's pass keeps
 a "follow" op (layer_norm, add) in fp32 when any input is fp32, and which
@@ -97,4 +102,30 @@ def cancel_transposes():
             return relax.op.permute_dims(inner, _axes(a, len(pa)))
         return None
 
-    return pruned("CancelTransposes", call_rewrite_pass("CancelTransposes", rewrite))
+    rewritten = pruned("CancelTransposes", call_rewrite_pass("CancelTransposes", rewrite))
+
+    @tvm.transform.module_pass(opt_level=0, name="CancelTransposes")
+    def run(mod, _ctx):
+        out = rewritten(mod)
+        for gv, func in list(out.functions.items()):
+            if isinstance(func, relax.Function) and gv in mod and count_transposes(func) >= count_transposes(mod[gv]):
+                out[gv] = mod[gv]  # nothing cancelled: the function as it was (see the module's docstring)
+        return out
+
+    return run
+
+
+def count_transposes(func) -> int:
+    """permute_dims calls in a Relax function."""
+    from ..tvm_compat import relax, tvm
+
+    permute = tvm.ir.Op.get("relax.permute_dims")
+    n = 0
+
+    def visit(expr):
+        nonlocal n
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.same_as(permute):
+            n += 1
+
+    relax.analysis.post_order_visit(func, visit)
+    return n

@@ -100,3 +100,25 @@ def test_convnext_keeps_no_transpose_but_its_input_layout_change(tmp_path):
     names = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)]
     assert [n for n in names if "transpose" in n] == ["fused_transpose_cast"], names
     assert isinstance(mod["main"], relax.Function)
+
+
+def test_a_function_where_nothing_cancels_is_left_as_it_was():
+    """MLP-Mixer's shape of residual: both operands transposed, but the sum
+    meets no transpose and one operand is read again: moving the add behind
+    one transpose would leave as many transposes (and split TVM's fusion)."""
+    import tvm_ffi
+
+    mod = _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 3, 4), "float32"), y: R.Tensor((2, 3, 4), "float32")):
+        with R.dataflow():
+            a = R.permute_dims(x, axes=[0, 2, 1])
+            b = R.permute_dims(y, axes=[0, 2, 1])
+            s = R.add(a, b)
+            m = R.sum(a, axis=[1])
+            R.output(s, m)
+        return (s, m)
+""")
+    assert tvm_ffi.structural_equal(cancel_transposes()(mod), mod)
