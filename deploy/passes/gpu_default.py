@@ -22,8 +22,15 @@ NHWC, runs across a warp, so loads and stores are coalesced), the taps as an
 unrolled loop in registers, the padding computed inline, and the epilogue
 (cast, bias, activation, residual) applied as each thread writes its output.
 
+Where the reduction slides a window along NHWC's W axis (a depthwise
+convolution or a pool, any stride), a thread computes several neighbouring
+outputs of one channel instead, and loads each row of their common window
+into registers once (`_schedule_window`): on ConvNeXt-T at batch 32 its
+first 7x7 depthwise convolution took 279 us a call with a thread an output
+(138 GB/s; results/h200/2026-12-04/convnext-fp16-b32-transposes-2/profile/).
+
 Tuning gets the same schedule as a design space of its own, the block size
-a decision (`tunable=True`, added to MetaSchedule's spaces in
+(and the window's width) a decision (`tunable=True`, added to MetaSchedule's spaces in
 tuning/search.py): at batch 32 MetaSchedule's multi-level tiling drew no
 candidate of EfficientNet-B0's depthwise convolutions that VerifyGPUCode
 accepts (0 of 60 draws on the CPU machine: blocks of 4 to 224 tiles, each
@@ -54,6 +61,9 @@ class ShortReduction:
     """A DLight-style rule (`apply(func, target, tunable)` returns a
     schedule, or None where it does not apply)."""
 
+    def __init__(self, window: int | None = None):
+        self.window = window  # outputs a thread computes along W (tests); None: WINDOW_DEFAULT
+
     def apply(self, func, target, tunable=False):
         got = rule_kernel(func, target, "cuda")
         if got is None:
@@ -74,7 +84,10 @@ class ShortReduction:
         shape = [static_int(d) for d in block.writes[0].source.shape]
         if consumers and [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
             return None  # a broadcast epilogue: not one output per thread
+        window = _window_read(block, main, n_s, reduce_vars)
         try:
+            if window is not None:
+                return _schedule_window(sch, main, producers, consumers, n_s, extents, window, tunable, self.window)
             return self._schedule(sch, main, producers, consumers, n_s, tunable)
         except Exception:  # noqa: BLE001 - a ScheduleError (a producer read twice, an output read again): not this rule's kernel
             return None
@@ -93,6 +106,74 @@ class ShortReduction:
             sch.unroll(r)
         sch.decompose_reduction(main.block_rv, loops[n_s])
         return sch
+
+
+# Outputs along the window's axis (NHWC's W) one thread computes: each row of
+# the window is read once for all of them. Tuning chooses among those that
+# divide the axis (1: a thread per output, the window still in registers).
+WINDOW_CHOICES = (1, 2, 4, 7, 8)
+WINDOW_DEFAULT = (4, 7, 2)  # the default: the first of these that divides the axis, else 1
+
+
+def _window_read(block, main, n_s: int, reduce_vars: set) -> int | None:
+    """The index of the main block's read that slides a window along the
+    second-to-last spatial axis (NHWC's W: `x * stride + rx`) of a 4-D
+    output, else None."""
+    if n_s != 4:
+        return None
+    w = main.iters[n_s - 2].var
+    for i, r in enumerate(block.reads):
+        if len(r.region) == n_s:
+            found = vars_of(r.region[n_s - 2].min)
+            if w in found and found & reduce_vars:
+                return i
+    return None
+
+
+def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, tunable, fixed=None):
+    """ShortReduction with a sliding window (depthwise convolutions and
+    pools in NHWC): each thread computes `vw` neighbouring outputs along W
+    for one channel. For each row of the window it loads the `(vw - 1) *
+    stride + taps` inputs that row needs into registers once (the padding
+    computed as they are loaded), then accumulates every tap of every output
+    from them: ConvNeXt's 7x7 convolution loads 17.5 inputs an output at
+    vw=4 instead of 49. Channels stay across a warp (coalesced)."""
+    for c in consumers[:-1]:
+        sch.compute_inline(c.block_rv)
+    for p in reversed(producers[:-1]):
+        sch.compute_inline(p.block_rv)
+    width = extents[n_s - 2]
+    divisors = [v for v in WINDOW_CHOICES if width % v == 0]
+    if tunable:
+        vw = sch.sample_categorical(candidates=divisors, probs=[1 / len(divisors)] * len(divisors))
+        threads = sch.sample_categorical(candidates=list(THREAD_CHOICES), probs=[1 / len(THREAD_CHOICES)] * len(
+            THREAD_CHOICES))
+    else:
+        vw = fixed if fixed is not None and width % fixed == 0 else next((v for v in WINDOW_DEFAULT if width % v == 0), 1)
+        threads = THREADS
+    loops = sch.get_loops(main.block_rv)
+    spatial, reduce = loops[:n_s], loops[n_s:]
+    wo, wi = sch.split(spatial[n_s - 2], factors=[None, vw])
+    sch.reorder(*spatial[:n_s - 2], wo, spatial[n_s - 1], *reduce, wi)
+    bx, tx = sch.split(sch.fuse(*spatial[:n_s - 2], wo, spatial[n_s - 1]), factors=[None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    writeback = sch.cache_write(main.block_rv, 0, "local")
+    sch.reverse_compute_at(writeback, tx, preserve_unit_loops=True)
+    if consumers:
+        sch.reverse_compute_inline(consumers[-1].block_rv)
+    if producers:  # the padding, computed into registers a window row at a time
+        window = producers[-1].block_rv
+        sch.set_scope(window, 0, "local")
+    else:
+        window = sch.cache_read(main.block_rv, read_index, "local")
+    sch.compute_at(window, reduce[0], preserve_unit_loops=True)
+    for loop in sch.get_loops(window)[3:]:  # (below blockIdx, threadIdx and the window's row)
+        sch.unroll(loop)
+    for loop in [*reduce[1:], wi]:
+        sch.unroll(loop)
+    sch.decompose_reduction(main.block_rv, reduce[0])
+    return sch
 
 
 def _inline_around(sch, producers, consumers) -> None:
@@ -189,6 +270,9 @@ class BroadcastEpilogue:
     of it (MetaSchedule's own spaces apply). It is last in the chain before Fallback
     (passes/schedule.py): it changes only kernels DLight leaves to Fallback.
     """
+
+    def __init__(self, window: int | None = None):
+        self.window = window  # outputs a thread computes along W (tests); None: WINDOW_DEFAULT
 
     def apply(self, func, target, tunable=False):
         got = rule_kernel(func, target, "cuda")

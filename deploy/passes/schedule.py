@@ -42,7 +42,8 @@ BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excita
 # it could have taken, and DLight's rules (fixed for a TVM release) need no
 # number. (Before rules had versions the whole chain had one: CUDA 4 is today's
 # chain with every rule at 1.)
-RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 1, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1}
+# (SHORT_REDUCTION 2: NHWC depthwise convolutions and pools computed a sliding window a thread.)
+RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 2, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1}
 
 
 @dataclasses.dataclass

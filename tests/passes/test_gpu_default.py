@@ -9,7 +9,7 @@ import pytest
 
 from deploy import targets
 from deploy.build import build_kernel
-from deploy.passes import schedule
+from deploy.passes import gpu_default, schedule
 from deploy.passes.gpu_default import ShortReduction
 from deploy.tvm_compat import PassContext, relax, tirx, tvm
 
@@ -50,17 +50,21 @@ def _first_source(func, target):
 
 
 @pytest.mark.parametrize("k", [3, 7])
-def test_a_depthwise_convolution_gets_one_thread_per_output_and_builds(sm90, k):
+def test_a_depthwise_convolution_gets_a_thread_per_window_and_builds(sm90, k):
+    """NHWC depthwise: each thread 4 neighbouring outputs along W (28 = 7 x 4),
+    each row of its window loaded into registers once (the padded input's
+    `(4 - 1) + k` values a row)."""
     (func,) = [f for n, f in _kernels(lambda bb, x: _depthwise_silu(bb, x, k), sm90).items() if "conv2d" in n]
     source, scheduled = _first_source(func, sm90)
     assert source == schedule.SHORT_REDUCTION
     text = scheduled.script()
     outputs = 8 * 28 * 28 * 64
-    assert f'T.thread_binding(T.int64({outputs // 256}), thread="blockIdx.x")' in text  # one thread per output
+    assert f'T.thread_binding(T.int64({outputs // 4 // 256}), thread="blockIdx.x")' in text  # a thread per 4 outputs
     assert 'thread="threadIdx.x"' in text and "T.unroll" in text and 'scope="local"' in text
     assert "T.sigmoid" in text  # the epilogue is applied as each thread writes
     lib = build_kernel("dw", scheduled, targets.resolve("cuda:sm_90"))  # compiled for sm_90 (raises if not)
-    assert "dw_kernel" in lib.imports[0].inspect_source()
+    source = lib.imports[0].inspect_source()
+    assert "dw_kernel" in source and f"half pad_temp_local_ptr[{3 + k}];" in source  # one row of the window
 
 
 def test_dlight_alone_still_gives_a_depthwise_convolution_a_block_per_output(sm90):
@@ -254,3 +258,55 @@ def test_an_epilogue_of_the_reductions_own_shape_is_not_a_broadcast(sm90):
 
     (func,) = [f for n, f in _kernels(lambda bb, x: _depthwise_silu(bb, x, 3), sm90).items() if "conv2d" in n]
     assert BroadcastEpilogue().apply(func, sm90) is None
+
+
+def _depthwise_strided(bb, x, k=3, stride=2):
+    rng = np.random.default_rng(1)
+    w = relax.const(rng.standard_normal((64, k, k, 1)).astype("float16"))
+    y = bb.emit(relax.op.nn.conv2d(x, w, strides=[stride] * 2, padding=[k // 2] * 4, groups=64, data_layout="NHWC",
+                                   kernel_layout="OHWI", out_dtype="float32"))
+    return relax.op.astype(y, "float16")
+
+
+def _max_pool(bb, x):
+    return relax.op.nn.max_pool2d(x, pool_size=[3, 3], strides=[2, 2], padding=[1, 1, 1, 1], layout="NHWC")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what, make, shape", [
+    ("3x3", lambda bb, x: _depthwise_silu(bb, x, 3), (8, 28, 28, 64)),
+    ("7x7", lambda bb, x: _depthwise_silu(bb, x, 7), (4, 56, 56, 64)),
+    ("7x7 at 7x7", lambda bb, x: _depthwise_silu(bb, x, 7), (32, 7, 7, 64)),
+    ("3x3 stride 2", _depthwise_strided, (8, 28, 28, 64)),
+    ("5x5 stride 2", lambda bb, x: _depthwise_strided(bb, x, 5), (8, 30, 30, 64)),
+    ("max pool", _max_pool, (8, 28, 28, 64)),
+])
+def test_the_window_schedule_computes_what_tvms_plain_lowering_does(sm90, what, make, shape):
+    """On the GPU: every window width tuning can choose against the same
+    kernel unscheduled, lowered for the CPU."""
+    (func,) = [f for n, f in _kernels(make, sm90, shape).items() if "conv2d" in n or "pool" in n]
+    args = [np.random.default_rng(2).standard_normal([int(d) for d in b.shape]).astype(b.dtype)
+            for b in (func.buffer_map[p] for p in func.params)]
+    cpu = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    want = [tvm.runtime.tensor(a) for a in args]
+    cpu["main"](*want)
+    dev = tvm.cuda(0)
+    for vw in gpu_default.WINDOW_CHOICES:
+        with sm90:
+            sch = ShortReduction(window=vw).apply(func, sm90)
+        assert sch is not None
+        lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
+        got = [tvm.runtime.tensor(a, dev) for a in args]
+        lib["k"](*got)
+        np.testing.assert_allclose(got[-1].numpy().astype("float32"), want[-1].numpy().astype("float32"),
+                                   rtol=2e-2, atol=2e-2, err_msg=f"{what}, window {vw}")
+
+
+def test_tuning_gets_the_window_width_and_block_size_as_decisions(sm90):
+    (func,) = [f for n, f in _kernels(lambda bb, x: _depthwise_silu(bb, x, 7), sm90, (4, 56, 56, 64)).items()
+               if "conv2d" in n]
+    with sm90:
+        sch = ShortReduction().apply(func, sm90, tunable=True)
+    samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+    assert [[int(c) for c in i.attrs[0]] for i in samples] == [[1, 2, 4, 7, 8], list(gpu_default.THREAD_CHOICES)]
+    build_kernel("dw", sch.mod["main"], targets.resolve("cuda:sm_90"))
