@@ -285,11 +285,7 @@ def test_the_window_schedule_computes_what_tvms_plain_lowering_does(sm90, what, 
     """On the GPU: every window width tuning can choose against the same
     kernel unscheduled, lowered for the CPU."""
     (func,) = [f for n, f in _kernels(make, sm90, shape).items() if "conv2d" in n or "pool" in n]
-    args = [np.random.default_rng(2).standard_normal([int(d) for d in b.shape]).astype(b.dtype)
-            for b in (func.buffer_map[p] for p in func.params)]
-    cpu = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
-    want = [tvm.runtime.tensor(a) for a in args]
-    cpu["main"](*want)
+    args, want = _reference(func)
     dev = tvm.cuda(0)
     for vw in gpu_default.WINDOW_CHOICES:
         with sm90:
@@ -300,6 +296,25 @@ def test_the_window_schedule_computes_what_tvms_plain_lowering_does(sm90, what, 
         lib["k"](*got)
         np.testing.assert_allclose(got[-1].numpy().astype("float32"), want[-1].numpy().astype("float32"),
                                    rtol=2e-2, atol=2e-2, err_msg=f"{what}, window {vw}")
+
+
+def _reference(func):
+    """Seeded arguments of a PrimFunc, and the arguments after TVM's plain
+    lowering of it for the CPU has run (its outputs written)."""
+    from deploy.tvm_compat import ms
+
+    info = ms.arg_info.ArgInfo.from_prim_func(func)
+    args = [np.random.default_rng(2).standard_normal([int(d) for d in a.shape]).astype(str(a.dtype)) for a in info]
+    cpu = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    want = [tvm.runtime.tensor(a) for a in args]
+    cpu["main"](*want)
+    return args, want
+
+
+def test_the_reference_of_the_window_test_runs_on_the_cpu(sm90):
+    (func,) = [f for n, f in _kernels(_max_pool, sm90, (2, 8, 8, 64)).items() if "pool" in n]
+    args, want = _reference(func)
+    assert want[-1].numpy().shape == (2, 4, 4, 64) and not np.array_equal(want[-1].numpy(), args[-1])
 
 
 def test_tuning_gets_the_window_width_and_block_size_as_decisions(sm90):
