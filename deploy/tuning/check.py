@@ -27,6 +27,10 @@ slower schedules for many kernels), the workload is listed under
 records at least as slow as that one out, so the kernel keeps its default
 schedule; the search still seeds from them, and a faster record found
 later is checked and timed in its turn.
+
+(Over 500 lines: the check's state file, the builds it judges and the
+timings it keeps are read and written together; split, each part would
+reach into the other's state.)
 """
 
 from __future__ import annotations
