@@ -271,9 +271,6 @@ class BroadcastEpilogue:
     (passes/schedule.py): it changes only kernels DLight leaves to Fallback.
     """
 
-    def __init__(self, window: int | None = None):
-        self.window = window  # outputs a thread computes along W (tests); None: WINDOW_DEFAULT
-
     def apply(self, func, target, tunable=False):
         got = rule_kernel(func, target, "cuda")
         if got is None:
