@@ -85,9 +85,12 @@ class ShortReduction:
         if consumers and [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
             return None  # a broadcast epilogue: not one output per thread
         window = _window_read(block, main, n_s, reduce_vars)
-        try:
-            if window is not None:
+        if window is not None:
+            try:
                 return _schedule_window(sch, main, producers, consumers, n_s, extents, window, tunable, self.window)
+            except Exception:  # noqa: BLE001 - e.g. the windowed input read by an epilogue too: a thread an output
+                sch, (main, producers, consumers, n_s, extents) = rule_kernel(func, target, "cuda")
+        try:
             return self._schedule(sch, main, producers, consumers, n_s, tunable)
         except Exception:  # noqa: BLE001 - a ScheduleError (a producer read twice, an output read again): not this rule's kernel
             return None
@@ -138,10 +141,13 @@ def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, 
     computed as they are loaded), then accumulates every tap of every output
     from them: ConvNeXt's 7x7 convolution loads 17.5 inputs an output at
     vw=4 instead of 49. Channels stay across a warp (coalesced)."""
+    source = sch.get(main.block_rv).reads[read_index].source
+    padding = next((p for p in producers if sch.get(p.block_rv).writes[0].source.same_as(source)), None)
     for c in consumers[:-1]:
         sch.compute_inline(c.block_rv)
-    for p in reversed(producers[:-1]):
-        sch.compute_inline(p.block_rv)
+    for p in reversed(producers):  # (all but the one that writes the windowed input: computed where read)
+        if p is not padding:
+            sch.compute_inline(p.block_rv)
     width = extents[n_s - 2]
     divisors = [v for v in WINDOW_CHOICES if width % v == 0]
     if tunable:
@@ -162,8 +168,8 @@ def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, 
     sch.reverse_compute_at(writeback, tx, preserve_unit_loops=True)
     if consumers:
         sch.reverse_compute_inline(consumers[-1].block_rv)
-    if producers:  # the padding, computed into registers a window row at a time
-        window = producers[-1].block_rv
+    if padding is not None:  # the padding, computed into registers a window row at a time
+        window = padding.block_rv
         sch.set_scope(window, 0, "local")
     else:
         window = sch.cache_read(main.block_rv, read_index, "local")
