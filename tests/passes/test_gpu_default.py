@@ -328,31 +328,21 @@ def test_tuning_gets_the_window_width_and_block_size_as_decisions(sm90):
     build_kernel("dw", sch.mod["main"], targets.resolve("cuda:sm_90"))
 
 
-def _te_depthwise(extra_read: bool):
-    """A TE depthwise 3x3 NHWC kernel whose weight is cast in the kernel
-    (a second producer beside the padding); with `extra_read`, its input is
-    x * 2, read again by the epilogue (+ x * 2)."""
+def _te_depthwise():
+    """A TE depthwise 3x3 NHWC kernel whose weight is cast in the kernel: a
+    second producer beside the padding."""
     from tvm import te, topi
 
     x = te.placeholder((8, 28, 28, 64), "float16", name="x")
     w = te.placeholder((3, 3, 64, 1), "float32", name="w")
-    xc = te.compute(x.shape, lambda *i: x(*i) * T_two(), name="xc") if extra_read else x
-    wc = topi.cast(w, "float16")
-    y = topi.nn.depthwise_conv2d_nhwc(xc, wc, 1, 1, 1, out_dtype="float16")
-    out = te.compute(y.shape, lambda *i: y(*i) + xc(*i), name="out") if extra_read else y
-    return te.create_prim_func([x, w, out])
-
-
-def T_two():
-    from deploy.tvm_compat import tvm
-
-    return tvm.tirx.const(2.0, "float16")
+    y = topi.nn.depthwise_conv2d_nhwc(x, topi.cast(w, "float16"), 1, 1, 1, out_dtype="float16")
+    return te.create_prim_func([x, w, y])
 
 
 def test_the_window_is_the_padded_input_when_the_weight_has_a_producer_too(sm90):
     """Two producers (the padding and a cast of the weight): the window in
     registers is the padded input's, wherever it comes among them."""
-    func = _te_depthwise(extra_read=False)
+    func = _te_depthwise()
     with sm90:
         scheduled = ShortReduction().apply(func, sm90)
     text = build_kernel("dw", scheduled.mod["main"], targets.resolve("cuda:sm_90")).imports[0].inspect_source()
