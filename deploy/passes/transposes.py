@@ -17,14 +17,15 @@ results/h200/2026-12-04/convnext-fp16-b32-tune-2/). Rewrites, each exact:
     or `x` where that is the identity;
   - `op(permute_dims(a, p), permute_dims(b, p))` -> `permute_dims(op(a, b), p)`
     for an elementwise binary `op` on two tensors of one shape (the residual
-    add: then its transpose meets the next one, and both go).
+    add: then its transpose meets the next one, and both go), only where it
+    pays: both operands' transposes read by this op alone (two become one),
+    or the op's result read by a transpose that undoes `p`. Elsewhere the
+    move gains nothing and can split a transpose from the reshape TVM fused
+    it with (MLP-Mixer's token mixing: one kernel more a run).
 
 The permutes nothing reads any more are removed, and a function keeps the
-rewrite only where it holds fewer transposes than before: moving a residual
-add behind its operands' transposes gains nothing where no transpose meets
-the result, and it can split a transpose from the reshape TVM fused it with
-(MLP-Mixer's token mixing: one more kernel a run). Tests:
-tests/passes/test_transposes.py.
+rewrite only where it holds fewer transposes than before (a backstop).
+Tests: tests/passes/test_transposes.py.
 
 In fp16 the pass runs after ToMixedPrecision, not before it: TVM's pass keeps
 a "follow" op (layer_norm, add) in fp32 when any input is fp32, and which
@@ -35,8 +36,6 @@ the block reads and writes fp16.
 """
 
 from __future__ import annotations
-
-from . import call_rewrite_pass, pruned
 
 BINARY_ELEMENTWISE = frozenset({
     "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
@@ -73,7 +72,13 @@ def cancel_transposes():
             return value
         return None
 
-    def rewrite(builder, _mod, call):
+    def cancels(expr, p, uses) -> bool:
+        """Whether a read of `expr` (a Var of the original function) is a
+        permute_dims that undoes permutation `p`."""
+        return any(isinstance(u, relax.Call) and u.op.same_as(permute) and [p[a] for a in _axes(u, len(p))] == list(range(len(p)))
+                   for u in uses.get(expr, ()))
+
+    def rewrite(builder, original, call, uses):
         if not isinstance(call.op, tvm.ir.Op):
             return None
         if call.op.same_as(permute):
@@ -98,21 +103,68 @@ def cancel_transposes():
             pa, pb = _shape(a.args[0]), _shape(b.args[0])
             if pa != pb or _axes(a, len(pa)) != _axes(b, len(pb)):
                 return None
+            p = _axes(a, len(pa))
+            # Only where it pays: both operands' transposes read by this op alone (two become one), or the
+            # result read by a transpose that undoes them (which then goes).
+            single = all(len(uses.get(x, ())) == 1 for x in original.args)
+            if not single and not cancels(uses.get(("result", original)), p, uses):
+                return None
             inner = builder.emit(relax.Call(call.op, [a.args[0], b.args[0]], call.attrs))
-            return relax.op.permute_dims(inner, _axes(a, len(pa)))
+            return relax.op.permute_dims(inner, p)
         return None
-
-    rewritten = pruned("CancelTransposes", call_rewrite_pass("CancelTransposes", rewrite))
 
     @tvm.transform.module_pass(opt_level=0, name="CancelTransposes")
     def run(mod, _ctx):
-        out = rewritten(mod)
-        for gv, func in list(out.functions.items()):
-            if isinstance(func, relax.Function) and gv in mod and count_transposes(func) >= count_transposes(mod[gv]):
-                out[gv] = mod[gv]  # nothing cancelled: the function as it was (see the module's docstring)
+        @relax.expr_functor.mutator
+        class Rewrite(relax.PyExprMutator):
+            def __init__(self, mod, uses):
+                super().__init__(mod)
+                self.uses = uses
+
+            def visit_call_(self, call):
+                new = super().visit_call_(call)
+                out = rewrite(self.builder_, call, new, self.uses)
+                return new if out is None else out
+
+        out = mod.clone()
+        for gv, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function):
+                continue
+            new = relax.analysis.remove_all_unused(Rewrite(mod, _uses(func)).visit_expr(func))
+            if count_transposes(new) < count_transposes(func):  # (a backstop: else the function as it was)
+                out[gv] = new
         return out
 
     return run
+
+
+def _uses(func) -> dict:
+    """For a Relax function: each Var to the expressions that read it (the
+    calls it is an argument of), and ("result", call) to the Var each call is
+    bound to."""
+    from ..tvm_compat import relax
+
+    uses: dict = {}
+
+    def reads(value):
+        def visit(e):
+            if isinstance(e, relax.Var):
+                uses.setdefault(e, []).append(value)
+
+        return visit
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if isinstance(value, relax.Call):
+                uses[("result", value)] = binding.var
+                for arg in value.args:
+                    if isinstance(arg, relax.Var):
+                        uses.setdefault(arg, []).append(value)
+            else:  # (a tuple, a var, ...: a read that is no transpose)
+                relax.analysis.post_order_visit(value, reads(value))
+    relax.analysis.post_order_visit(func.body.body, reads(func.body.body))
+    return uses
 
 
 def count_transposes(func) -> int:

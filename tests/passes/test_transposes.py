@@ -122,3 +122,27 @@ class Mod:
         return (s, m)
 """)
     assert tvm_ffi.structural_equal(cancel_transposes()(mod), mod)
+
+
+def test_an_add_that_gains_nothing_stays_though_the_function_loses_transposes():
+    """The same residual beside an identity permute that goes: the function
+    has fewer transposes, but its add keeps its place (each rewrite pays
+    for itself, not only the function's sum)."""
+    mod = _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 3, 4), "float32"), y: R.Tensor((2, 3, 4), "float32"), z: R.Tensor((2, 3, 4), "float32")):
+        with R.dataflow():
+            a = R.permute_dims(x, axes=[0, 2, 1])
+            b = R.permute_dims(y, axes=[0, 2, 1])
+            s = R.add(a, b)
+            m = R.sum(a, axis=[1])
+            i = R.permute_dims(z, axes=[0, 1, 2])
+            R.output(s, m, i)
+        return (s, m, i)
+""")
+    new = cancel_transposes()(mod)
+    text = new.script()
+    assert text.count("R.permute_dims") == 2 and "R.add(a, b)" in text
+    _assert_bit_exact(mod, new)
