@@ -604,7 +604,7 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
     time), so the next check times it against the new default; the others
     stay, and verdicts on outputs always stay. The kind comes from the caller
     or the folder's key.json; without either nothing is dropped or stamped.
-    States from before rules had versions: CUDA 4 is today's chain, older
+    States from before rules had versions: CUDA 4 is the chain with every rule at 1, older
     CUDA numbers drop every timing."""
     from deploy.passes import schedule
     from deploy.tuning import check as kernel_check
@@ -628,32 +628,38 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
 
     assert read(state) == state  # made under today's chain: kept as it is
     # a new rule just before Fallback: only the workload Fallback scheduled is timed again
-    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**schedule.RULE_VERSIONS, schedule.BROADCAST_EPILOGUE: 2})
+    v = schedule.RULE_VERSIONS
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**v, schedule.BROADCAST_EPILOGUE: v[schedule.BROADCAST_EPILOGUE] + 1})
     got = read(state)
     assert got["timed"] == {"a": "w_mm"} and got["default_rule"] == {"w_mm": "dlight.Matmul", "w_sr": "short-reduction"}
     assert got["default_us"] == {"w_mm": 3.0, "w_sr": 5.0} and [e["workload"] for e in got["default_faster"]] == ["w_mm"]
     assert got["passed"] == ["a", "b"] and got["rejected"] == state["rejected"] and got["chain"] != today
     # a change of a workload's own rule: that workload and those after it; the ones before keep theirs
-    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**schedule.RULE_VERSIONS, schedule.SHORT_REDUCTION: 2})
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**v, schedule.SHORT_REDUCTION: v[schedule.SHORT_REDUCTION] + 1})
     got = read(state)
     assert got["timed"] == {"a": "w_mm"} and set(got["default_rule"]) == {"w_mm"} and set(got["default_us"]) == {"w_mm"}
     monkeypatch.undo()
     # a rule the chain no longer has: dropped
     got = read({**state, "chain": [*today[:-1], "gone@1", "default"], "default_rule": {"w_mm": "gone"}})
     assert got["timed"] == {} and got["default_rule"] == {}
-    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**schedule.RULE_VERSIONS, schedule.BROADCAST_EPILOGUE: 2})
     # a change of the first rule: every workload after it too
-    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**schedule.RULE_VERSIONS, schedule.FEW_OUTPUTS: 2})
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**v, schedule.FEW_OUTPUTS: v[schedule.FEW_OUTPUTS] + 1})
     got = read(state)
     assert got["timed"] == {} and got["default_faster"] == [] and got["default_us"] == {}
     monkeypatch.undo()
-    # before rules had versions: CUDA 4 is today's chain (its timings name no workload and no rule, so the
-    # next change of the chain drops them all); CUDA 3 and older are dropped now; another kind is its own
+    # before rules had versions: CUDA 4 is the chain with every rule at 1 (its timings name no workload and no
+    # rule, so the next change of the chain drops them all, as short-reduction@2 did); CUDA 3 and older are
+    # dropped now; another kind is its own
     legacy = {"passed": ["a"], "rejected": [], "timed": ["a"], "defaults": 4, "default_us": {"w": 3.0},
               "default_faster": [{"record": "a", "workload": "w", "record_secs": 1.0}]}
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", dict.fromkeys(v, 1))
     got = read(legacy)
-    assert got["timed"] == {"a": None} and got["default_us"] == {"w": 3.0} and got["chain"] == today
+    assert got["timed"] == {"a": None} and got["default_us"] == {"w": 3.0} and got["chain"] == schedule.default_chain(
+        "cuda")
     assert "defaults" not in got
+    monkeypatch.undo()
+    got = read(legacy)
+    assert (got["timed"], got["default_us"], got["passed"], got["chain"]) == ({}, {}, ["a"], today)
     got = read({**legacy, "defaults": 3})
     assert got["timed"] == {} and got["default_faster"] == [] and got["default_us"] == {} and got["passed"] == ["a"]
     assert read({**legacy, "defaults": 1}, kind="llvm")["timed"] == {"a": None}
