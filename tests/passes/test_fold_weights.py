@@ -47,6 +47,9 @@ CASES = {
     "permute": (np.arange(24, dtype="float32").reshape(2, 3, 4),
                 lambda bb, c: bb.emit(relax.op.permute_dims(c, [2, 0, 1]))),
     "permute reversed": (np.arange(6, dtype="int32").reshape(2, 3), lambda bb, c: bb.emit(relax.op.permute_dims(c))),
+    "layout_transform": (np.random.default_rng(1).standard_normal((32, 6, 3, 3)).astype("float32"),
+                         lambda bb, c: bb.emit(relax.op.layout_transform(
+                             c, index_map=lambda o, i, h, w: (o // 16, i // 3, h, w, i % 3, o % 16)))),
     "chain": (np.random.default_rng(0).standard_normal((8, 3, 3, 4)).astype("float32"),
               lambda bb, c: bb.emit(relax.op.astype(relax.op.reshape(relax.op.permute_dims(c, [0, 2, 3, 1]), (8, 36)),
                                                     "float16"))),
@@ -61,7 +64,7 @@ def test_folded_constants_are_what_fold_constant_computes(case):
     with target:
         ref = relax.transform.FoldConstant()(mod)
         ours = fw.fold_weights()(mod)
-    assert "R.permute_dims" not in ours.script() and "R.astype" not in ours.script()
+    assert all(op not in ours.script() for op in ("R.permute_dims", "R.astype", "R.layout_transform"))
     (want,), (got,) = _constants(ref), _constants(relax.transform.FoldConstant()(ours))
     assert got.dtype == want.dtype and got.shape == want.shape
     assert got.tobytes() == want.tobytes()
@@ -81,25 +84,34 @@ def test_float_to_int_casts_are_left_to_fold_constant():
     assert "R.astype" in fw.fold_weights()(mod).script()
 
 
-@pytest.mark.parametrize("model", ["tiny_cnn", "convnext"])
-def test_the_optimize_stage_makes_the_same_module_with_and_without_it(tmp_path, monkeypatch, model):
-    """A frontend module through the CUDA fp16 NHWC phases (layout, fp16
-    casts, split-K; ConvNeXt's GELU and LayerNorm scalars): structurally
-    equal, constants and their shapes included (a scalar stays 0-d)."""
+def test_a_padded_or_merging_layout_transform_is_left_to_fold_constant():
+    padded = _module(np.ones((10, 3), "float32"), lambda bb, c: bb.emit(relax.op.layout_transform(
+        c, index_map=lambda o, i: (o // 4, i, o % 4), pad_value=0.0)))
+    assert "R.layout_transform" in fw.fold_weights()(padded).script()
+    assert fw._moved(tvm.tirx.IndexMap.from_func(lambda o, i: (o % 2, i, o // 2)), np.ones((3, 2))) is None
+
+
+@pytest.mark.parametrize("model, kind", [("tiny_cnn", "cuda"), ("convnext", "cuda"), ("resnet18", "llvm")])
+def test_the_optimize_stage_makes_the_same_module_with_and_without_it(tmp_path, monkeypatch, model, kind):
+    """A frontend module through the optimize phases: CUDA fp16 NHWC
+    (layout, fp16 casts, split-K; ConvNeXt's GELU and LayerNorm scalars) and
+    the CPU's NCHWc (its weights' layout_transforms). Structurally equal,
+    constants and their shapes included (a scalar stays 0-d)."""
     from deploy import export, frontend
     from deploy.tvm_compat import load_json
 
     cfg = config.from_dict({"model": {"source": model, "size": "small"},
-                            "cuda": {"buckets": [2], "tune_buckets": [2], "trials": 0}})
-    fe = frontend.run(cfg.cuda, export.run(cfg, tmp_path / "export"), tmp_path / "frontend")
+                            kind: {"buckets": [2], "tune_buckets": [2], "trials": 0}})
+    profile = getattr(cfg, kind)
+    fe = frontend.run(profile, export.run(cfg, tmp_path / "export"), tmp_path / "frontend")
     (path,) = fe.modules.values()
-    sm90 = targets.resolve("cuda:sm_90").tvm_target()
-    ours, _ = optimize.optimize_module(load_json(path.read_text()), cfg.cuda, sm90)
+    target = targets.resolve("cuda:sm_90" if kind == "cuda" else "llvm").tvm_target()
+    ours, _ = optimize.optimize_module(load_json(path.read_text()), profile, target)
 
     @tvm.transform.module_pass(opt_level=0, name="Nothing")
     def nothing(mod, _ctx):
         return mod
 
     monkeypatch.setattr(optimize, "fold_weights", lambda: nothing)
-    ref, _ = optimize.optimize_module(load_json(path.read_text()), cfg.cuda, sm90)
+    ref, _ = optimize.optimize_module(load_json(path.read_text()), profile, target)
     assert tvm_ffi.structural_equal(ours, ref)
