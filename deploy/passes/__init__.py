@@ -16,6 +16,14 @@ def tensor_dtype(expr) -> str | None:
         return None
 
 
+def static_shape(expr) -> list[int] | None:
+    """A Relax expression's tensor shape, None where it has none or a dimension is symbolic."""
+    try:  # TVM 0.27: struct info is `.ty`
+        return [int(d) for d in expr.ty.shape]
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def nhwc_ohwi(conv_attrs) -> bool:
     """Whether a conv2d's attributes are NHWC data, OHWI weights and NHWC
     output (an unset output layout is the data's), as ConvertLayout leaves

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from . import nhwc_ohwi, pruned, relax_function_pass
+from . import nhwc_ohwi, pruned, relax_function_pass, static_shape
 from .pad_gemm import pads
 
 UNARY = frozenset({
@@ -45,13 +45,6 @@ BINARY = frozenset({
     "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
     "relax.power",
 })
-
-
-def _shape(expr) -> list[int] | None:
-    try:  # TVM 0.27: struct info is `.ty`; static shapes only
-        return [int(d) for d in expr.ty.shape]
-    except (TypeError, ValueError, AttributeError):
-        return None
 
 
 def flat_gemm(gemms: bool = True, pad_rows: bool = False):
@@ -95,7 +88,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
             is one of ours (a bottleneck's output feeding the next 1x1
             convolution), else a reshape."""
             flat = self._flat_of(x)
-            if flat is not None and _shape(flat) == shape:
+            if flat is not None and static_shape(flat) == shape:
                 return flat
             return self.builder_.emit(op.reshape(x, shape))
 
@@ -119,7 +112,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
                 src = self._flat_of(call.args[0])
                 if src is None:
                     return call
-                return self._emit_flat(relax.Call(call.op, [src, *call.args[1:]], call.attrs), _shape(call))
+                return self._emit_flat(relax.Call(call.op, [src, *call.args[1:]], call.attrs), static_shape(call))
             if name in BINARY:
                 return self._binary(call)
             return call
@@ -131,9 +124,9 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
             its 2-D shape is the 2-D tensor itself."""
             x = call.args[0]
             src = self._flat_of(x)
-            if src is not None and _shape(src) == _shape(call):
+            if src is not None and static_shape(src) == static_shape(call):
                 return src
-            xs, ys = _shape(x), _shape(call)
+            xs, ys = static_shape(x), static_shape(call)
             if isinstance(x, relax.Var) and xs is not None and ys is not None and len(xs) == 2 and len(ys) > 2 \
                     and ys[-1] == xs[1] and math.prod(ys[:-1]) == xs[0]:
                 self.flat.add(x)
@@ -146,7 +139,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
                     or [int(d) for d in a.dilation] != [1, 1] or any(int(p) for p in a.padding):
                 return call
             x, w = call.args
-            xs, ws, ys = _shape(x), _shape(w), _shape(call)
+            xs, ws, ys = static_shape(x), static_shape(w), static_shape(call)
             if xs is None or ws is None or ys is None or ws[1:3] != [1, 1]:
                 return call
             n, h, wd, c = xs
@@ -157,7 +150,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
 
         def _matmul(self, call, only_padded: bool = False):
             x, w = call.args
-            xs, ws, ys = _shape(x), _shape(w), _shape(call)
+            xs, ws, ys = static_shape(x), static_shape(w), static_shape(call)
             if xs is None or ws is None or ys is None or len(xs) < 3 or len(ws) != 2:
                 return call
             if only_padded and not pads(math.prod(xs[:-1])):
@@ -167,19 +160,19 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
 
         def _binary(self, call):
             lhs, rhs = call.args
-            ys = _shape(call)
+            ys = static_shape(call)
             flat_l, flat_r = self._flat_of(lhs), self._flat_of(rhs)
             if ys is None or (flat_l is None and flat_r is None):
                 return call
-            rows, cols = _shape(flat_l if flat_l is not None else flat_r)
+            rows, cols = static_shape(flat_l if flat_l is not None else flat_r)
             # Decide for both sides before emitting anything: a flat side the
             # other broadcasts over (squeeze-excitation's [N,1,1,C] scale of a
             # feature map) is not elementwise over the rows.
             plan = []
             for arg, flat in ((lhs, flat_l), (rhs, flat_r)):
-                s = _shape(arg)
+                s = static_shape(arg)
                 if flat is not None:
-                    if s != ys or _shape(flat) != [rows, cols]:
+                    if s != ys or static_shape(flat) != [rows, cols]:
                         return call  # (two views of different 2-D shapes: left as they are)
                     plan.append(("as is", flat))
                 elif s is None:
@@ -191,7 +184,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
                 else:
                     return call
             args = [x if how == "as is" else self.builder_.emit(
-                op.reshape(x, [rows, cols] if how == "rows" else [1, _shape(x)[-1]])) for how, x in plan]
+                op.reshape(x, [rows, cols] if how == "rows" else [1, static_shape(x)[-1]])) for how, x in plan]
             return self._emit_flat(relax.Call(call.op, args, call.attrs), ys)
 
     # The 4-D views nothing reads any more go: a dead consumer of the GEMM

@@ -24,20 +24,13 @@ import math
 
 import numpy as np
 
-from . import call_rewrite_pass
+from . import call_rewrite_pass, static_shape
 
 # The dtypes NumPy holds exactly as TVM does (bfloat16 and the fp8 types have no NumPy dtype).
 _NUMPY_DTYPES = frozenset({
     "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "bool",
 })
-
-
-def _static_shape(expr) -> list[int] | None:
-    try:
-        return [int(d) for d in expr.ty.shape.values]
-    except (AttributeError, TypeError):
-        return None
 
 
 def _exact_cast(src: np.dtype, dst: np.dtype) -> bool:
@@ -118,7 +111,7 @@ def fold_weights():
             axes = call.attrs.axes
             out = np.transpose(data, None if axes is None else [int(a) for a in axes])
         elif call.op.same_as(reshape):
-            shape = _static_shape(call)
+            shape = static_shape(call)
             if shape is None:
                 return None
             out = data.reshape(shape)

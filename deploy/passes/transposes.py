@@ -37,6 +37,8 @@ the block reads and writes fp16.
 
 from __future__ import annotations
 
+from . import static_shape
+
 BINARY_ELEMENTWISE = frozenset({
     "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
 })
@@ -45,13 +47,6 @@ BINARY_ELEMENTWISE = frozenset({
 def _axes(call, ndim: int) -> list[int]:
     axes = call.attrs.axes
     return list(range(ndim))[::-1] if axes is None else [int(a) % ndim for a in axes]
-
-
-def _shape(expr) -> list[int] | None:
-    try:
-        return [int(d) for d in expr.ty.shape.values]
-    except (AttributeError, TypeError, ValueError):
-        return None
 
 
 def cancel_transposes():
@@ -68,7 +63,7 @@ def cancel_transposes():
             value = builder.lookup_binding(expr)
         except Exception:  # noqa: BLE001  (a parameter)
             return None
-        if isinstance(value, relax.Call) and value.op.same_as(permute) and _shape(value.args[0]) is not None:
+        if isinstance(value, relax.Call) and value.op.same_as(permute) and static_shape(value.args[0]) is not None:
             return value
         return None
 
@@ -82,7 +77,7 @@ def cancel_transposes():
         if not isinstance(call.op, tvm.ir.Op):
             return None
         if call.op.same_as(permute):
-            shape = _shape(call.args[0])
+            shape = static_shape(call.args[0])
             if shape is None:
                 return None
             axes = _axes(call, len(shape))
@@ -100,7 +95,7 @@ def cancel_transposes():
             a, b = (permute_behind(builder, x) for x in call.args)
             if a is None or b is None:
                 return None
-            pa, pb = _shape(a.args[0]), _shape(b.args[0])
+            pa, pb = static_shape(a.args[0]), static_shape(b.args[0])
             if pa != pb or _axes(a, len(pa)) != _axes(b, len(pb)):
                 return None
             p = _axes(a, len(pa))
