@@ -100,8 +100,7 @@ class ShortReduction:
         _inline_around(sch, producers, consumers)  # (the padding: computed where it is read)
         # Tunable (a design space for MetaSchedule, tuning/search.py): the
         # block size is a decision its MutateThreadBinding mutates.
-        threads = sch.sample_categorical(candidates=list(THREAD_CHOICES), probs=[1 / len(THREAD_CHOICES)] * len(
-            THREAD_CHOICES)) if tunable else THREADS
+        threads = _decision(sch, THREAD_CHOICES) if tunable else THREADS
         loops = _thread_per_output(sch, main, n_s, threads)
         if consumers:
             sch.reverse_compute_inline(consumers[-1].block_rv)
@@ -151,9 +150,8 @@ def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, 
     width = extents[n_s - 2]
     divisors = [v for v in WINDOW_CHOICES if width % v == 0]
     if tunable:
-        vw = sch.sample_categorical(candidates=divisors, probs=[1 / len(divisors)] * len(divisors))
-        threads = sch.sample_categorical(candidates=list(THREAD_CHOICES), probs=[1 / len(THREAD_CHOICES)] * len(
-            THREAD_CHOICES))
+        vw = _decision(sch, divisors)
+        threads = _decision(sch, THREAD_CHOICES)
     else:
         vw = fixed if fixed is not None and width % fixed == 0 else next((v for v in WINDOW_DEFAULT if width % v == 0), 1)
         threads = THREADS
@@ -161,11 +159,7 @@ def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, 
     spatial, reduce = loops[:n_s], loops[n_s:]
     wo, wi = sch.split(spatial[n_s - 2], factors=[None, vw])
     sch.reorder(*spatial[:n_s - 2], wo, spatial[n_s - 1], *reduce, wi)
-    bx, tx = sch.split(sch.fuse(*spatial[:n_s - 2], wo, spatial[n_s - 1]), factors=[None, threads])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    writeback = sch.cache_write(main.block_rv, 0, "local")
-    sch.reverse_compute_at(writeback, tx, preserve_unit_loops=True)
+    _bind_threads(sch, main, sch.fuse(*spatial[:n_s - 2], wo, spatial[n_s - 1]), threads)
     if consumers:
         sch.reverse_compute_inline(consumers[-1].block_rv)
     if padding is not None:  # the padding, computed into registers a window row at a time
@@ -197,12 +191,23 @@ def _thread_per_output(sch, main, n_s: int, threads) -> list:
     a register and written back by that thread; returns the block's loops
     (its reduction loops from `n_s` on)."""
     loops = sch.get_loops(main.block_rv)
-    bx, tx = sch.split(sch.fuse(*loops[:n_s]), factors=[None, threads])
+    _bind_threads(sch, main, sch.fuse(*loops[:n_s]), threads)
+    return loops
+
+
+def _bind_threads(sch, main, fused, threads) -> None:
+    """`fused` (the outputs' loop) bound to blocks of `threads` threads, each
+    thread's sums kept in registers and written back by that thread."""
+    bx, tx = sch.split(fused, factors=[None, threads])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     writeback = sch.cache_write(main.block_rv, 0, "local")
     sch.reverse_compute_at(writeback, tx, preserve_unit_loops=True)
-    return loops
+
+
+def _decision(sch, candidates):
+    """A tuning decision among `candidates`, each equally likely."""
+    return sch.sample_categorical(candidates=list(candidates), probs=[1 / len(candidates)] * len(candidates))
 
 
 MAX_FEW_OUTPUTS = 16384  # DLight's Matmul tiles 32 x 64 outputs a block: at most 8 blocks
