@@ -40,7 +40,7 @@ BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excita
 # while the chain (`default_chain`) up to and including the source that made
 # that default is unchanged, so a new or changed rule re-times only the kernels
 # it could have taken, and DLight's rules (fixed for a TVM release) need no
-# number. (Before rules had versions the whole chain had one: CUDA 4 is today's
+# number. (Before rules had versions the whole chain had one: CUDA 4 is the
 # chain with every rule at 1.)
 # (SHORT_REDUCTION 2: NHWC depthwise convolutions and pools computed a sliding window a thread.)
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 2, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1}
