@@ -96,7 +96,8 @@ def apply_to_func(func):
 
 def postprocs(target):
     """The target's MetaSchedule postprocessors, with the fix before
-    VerifyGPUCode on CUDA ("from-target" elsewhere: the target's defaults)."""
+    VerifyGPUCode on CUDA ("from-target" elsewhere: the target's defaults),
+    and VerifyGPUCode judging our mma.sync GEMMs by their own limit."""
     from ..tvm_compat import derived_object, ms
 
     if target.kind.name != "cuda":
@@ -120,6 +121,10 @@ def postprocs(target):
     out = list(ms.postproc.Postproc.create("cuda-tensorcore"))
     at = next((k for k, p in enumerate(out) if "VerifyGPUCode" in str(type(p)) or "VerifyGPUCode" in str(p)),
               len(out))
+    if at < len(out):  # (with our mma.sync GEMM's shared-memory limit: passes/mma_gemm.py)
+        from . import mma_gemm
+
+        out[at] = mma_gemm.verify_postproc(target)
     return out[:at] + [DeclareMmaEpilogueReads()] + out[at:]
 
 

@@ -23,12 +23,23 @@ from __future__ import annotations
 
 PIPELINE = "deploy"  # the name to give tvm.compile(tir_pipeline=) / tvm.tirx.build(pipeline=)
 OPTION = "tirx.merge_static_smem"
+# Also set for the tensor-core kernels, where one asks for it (a stage of its
+# software pipeline marked asynchronous): TVM then issues that stage's copies
+# as `cp.async`. Off by default in TVM; without it the annotation is ignored
+# and the copies are synchronous.
+ASYNC_COPY = "tirx.use_async_copy"
 
 # What a scheduled PrimFunc that uses tensor cores contains, in TVMScript: WMMA
 # fragments and intrinsics (MetaSchedule's wmma rules, DLight's Matmul on
 # sm_80+) and the mma.sync path (`m16n8k8` fragments, mma_store/mma_fill).
 _TENSOR_CORE_MARKERS = ("wmma.", "tvm_mma_sync", "tvm_load_matrix_sync", "m16n8k", "mma_store", "mma_fill",
                         "ptx_mma", "ldmatrix")
+
+
+def _pipelines_copies(func) -> bool:
+    """Whether a scheduled PrimFunc asks for asynchronous copies in a
+    software pipeline (passes/mma_gemm.py: `cp.async`)."""
+    return "software_pipeline_async_stages" in func.script(show_meta=False)
 
 
 def uses_tensor_cores(func) -> bool:
@@ -54,6 +65,8 @@ def _pipeline_factory():
         outer = PassContext.current()
         config = dict(outer.config)
         config[OPTION] = True
+        if any(_pipelines_copies(f) for f in tc.values()):
+            config[ASYNC_COPY] = True
         with PassContext(opt_level=outer.opt_level, config=config,
                          required_pass=list(outer.required_pass), disabled_pass=list(outer.disabled_pass)):
             lowered_tc = stock(tvm.IRModule(tc, attrs=mod.attrs))

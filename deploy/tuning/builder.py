@@ -16,15 +16,25 @@ from .rpc import ignore_sigint
 log = logging.getLogger(__name__)
 
 
+MMA_FRAGMENT_MARKERS = ("mma_store", "ldmatrix")  # (in a scheduled kernel's TVMScript)
+
+
 def lean_build(mod, target, _params):
     """MetaSchedule's default build minus its `import tvm.s_tir.tensor_intrin`,
     which parses ~500 TVMScript functions (40-75 s) in every fresh worker pool
     and ran past the builder's time-out. Candidates arrive already tensorized,
-    so the workers do not need the intrinsics registered. It builds through
-    the same TIR pipeline as the final compile (deploy.passes.tensor_core_smem)."""
+    so the workers do not need the intrinsics registered, except where a
+    kernel's `mma.sync` fragments are stored or loaded by `ldmatrix`: CUDA
+    codegen then looks up the fragment layout the intrinsics' module
+    registers (`tirx.index_map.shared_16x16_to_ldmatrix_32x8_layout`;
+    without it every such candidate failed with `index_map_func.has_value()`).
+    It builds through the same TIR pipeline as the final compile
+    (deploy.passes.tensor_core_smem)."""
     from deploy.passes import tensor_core_smem
-    from deploy.tvm_compat import RemoveWeightLayoutRewriteBlock, tvm
+    from deploy.tvm_compat import RemoveWeightLayoutRewriteBlock, register_tensor_intrinsics, tvm
 
+    if any(m in f.script(show_meta=False) for f in mod.functions.values() for m in MMA_FRAGMENT_MARKERS):
+        register_tensor_intrinsics()
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     return tvm.tirx.build(mod, target=target, pipeline=tensor_core_smem.register())
 

@@ -1,0 +1,362 @@
+"""Our `mma.sync` tensor-core GEMM, as design spaces the tuner chooses among.
+
+MetaSchedule's tensor-core tiling gives the large GEMMs of a transformer or
+a flattened CNN WMMA kernels without `cp.async` or a software pipeline, at
+8 to 11% of the H200's fp16 peak (ViT-S/16 at batch 32, ConvNeXt-T), and
+TVM 0.27's own `mma.sync` rule built no valid candidate of most of them
+(docs/tvm-notes.md). This schedule, written by hand from TVM's own
+intrinsics (scripts/mma_gemm_probe.py measured it: 333 TFLOP/s on a 4096^3
+GEMM, and 55.5 against 82.2 us for ViT's fc1 under today's tuned WMMA):
+
+- the block computes a `bm x bn` tile of C with `wm x wn` warps, each warp
+  `bm/wm x bn/wn` of it as 16x16 fragments, m16n8k16 `mma.sync` through
+  TVM's 16x16x16 intrinsics, fp32 accumulators in registers;
+- A and B tiles of `bk` columns staged in dynamic shared memory by 16-byte
+  copies (rows padded by 8 halves: no bank conflicts for `ldmatrix`), in a
+  `stages`-deep `cp.async` software pipeline;
+- `ldmatrix` into registers, itself pipelined one fragment ahead;
+- where the kernel has an epilogue (cast, bias, GELU, residual), the
+  accumulators go through a shared-memory tile, and the epilogue is applied
+  as the block writes C to global memory (four elements a thread at a time);
+  without one, they are stored to global memory from registers.
+
+Each configuration (`CONFIGS`) is one design space without decisions, so
+the search measures each once (`tuning/search.py` measures them first);
+those whose tiles do not divide the GEMM are left out. A two-stage
+pipeline is not offered: it computed wrong results on every shape on the
+H200 (results/h200/2026-12-04/mma-gemm-probe/).
+
+It applies to a kernel with one reduction block computing
+`C[i, j] += f32(A[i, k]) * f32(B[k, j])` (or `B[j, k]`) over fp16 A, B and
+an fp32 C, whose inputs are function parameters or each written by one
+injective block reading parameters (pad_gemm's row padding, staged in
+shared memory as it is computed: the rows past the end are zero-filled),
+and injective blocks after it, the last writing the kernel's output.
+Batched matmuls (attention) and GEMMs with a dimension that 16 does not
+divide are left to MetaSchedule's rules; 1x1 convolutions and
+`[batch, seq, K]` matmuls take this schedule once `--flat-gemm` makes them
+2-D.
+
+Its tiles use more than the 48 KB of shared memory a block gets by
+default: the kernel's dynamic shared memory is raised at launch (TVM's
+CUDA runtime does so above 48 KB), and `verify_postproc` judges these
+kernels against the architecture's opt-in limit (`OPT_IN_SHARED_MEMORY`).
+"""
+
+from __future__ import annotations
+
+MARKER = "deploy.mma_gemm"  # block annotation: which configuration made the kernel
+
+# name: (block rows, block cols, warps along rows, warps along cols, K tile, pipeline stages)
+CONFIGS = {
+    "128x128x32-w2x2-s3": (128, 128, 2, 2, 32, 3),
+    "128x128x32-w2x2-s4": (128, 128, 2, 2, 32, 4),
+    "128x128x64-w2x2-s3": (128, 128, 2, 2, 64, 3),
+    "64x128x32-w2x2-s4": (64, 128, 2, 2, 32, 4),
+    "128x64x32-w2x2-s4": (128, 64, 2, 2, 32, 4),
+    "128x256x32-w2x4-s3": (128, 256, 2, 4, 32, 3),
+    "256x128x32-w4x2-s3": (256, 128, 4, 2, 32, 3),
+    "64x64x32-w2x2-s4": (64, 64, 2, 2, 32, 4),
+}
+EPILOGUE_VECTOR = 4  # elements a thread writes at once in the epilogue
+
+# Dynamic shared memory a block may opt in to, by architecture (CUDA
+# programming guide, "Technical Specifications per Compute Capability").
+OPT_IN_SHARED_MEMORY = {"sm_70": 98304, "sm_72": 98304, "sm_75": 65536, "sm_80": 166912, "sm_86": 101376,
+                        "sm_87": 166912, "sm_89": 101376, "sm_90": 232448, "sm_90a": 232448, "sm_100": 232448,
+                        "sm_100a": 232448, "sm_120": 101376}
+
+
+class Gemm:
+    """What `match` found: the reduction block's name, M, N, K, whether B is
+    stored [N, K], and the names of the blocks around it."""
+
+    def __init__(self, name, m, n, k, b_transposed, producers, epilogue):
+        self.name, self.m, self.n, self.k = name, m, n, k
+        self.b_transposed, self.producers, self.epilogue = b_transposed, producers, epilogue
+
+
+def match(func) -> Gemm | None:
+    """The GEMM this schedule takes in `func` (a PrimFunc), else None."""
+    from ..tvm_compat import s_tir, tirx, tvm
+    from .kernel_shape import static_int
+
+    if not isinstance(func, tirx.PrimFunc):
+        return None
+    try:
+        sch = s_tir.Schedule(tvm.IRModule({"main": func}), debug_mask=0)
+        blocks = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    except Exception:  # noqa: BLE001 - no root block: not a kernel of ours
+        return None
+    reductions = [i for i, b in enumerate(blocks) if any(int(v.iter_type) == 2 for v in b.iter_vars)]
+    if len(reductions) != 1:
+        return None
+    at = reductions[0]
+    main = blocks[at]
+    kinds = [int(v.iter_type) for v in main.iter_vars]
+    if kinds != [0, 0, 2] or len(main.reads) != 2 or len(main.writes) != 1:
+        return None
+    vi, vj, vk = (v.var for v in main.iter_vars)
+    extents = [static_int(v.dom.extent) for v in main.iter_vars]
+    if None in extents or any(e % 16 for e in extents):
+        return None
+    c = main.writes[0]
+
+    def point(region):
+        return [r.min if static_int(r.extent) == 1 else None for r in region.region]
+
+    if str(c.source.dtype) != "float32" or [str(x) for x in point(c)] != [str(vi), str(vj)]:
+        return None
+    a, b = main.reads
+    if str(a.source.dtype) != "float16" or str(b.source.dtype) != "float16":
+        return None
+    if [str(x) for x in point(a)] != [str(vi), str(vk)]:
+        return None
+    b_idx = [str(x) for x in point(b)]
+    if b_idx == [str(vk), str(vj)]:
+        b_transposed = False
+    elif b_idx == [str(vj), str(vk)]:
+        b_transposed = True
+    else:
+        return None
+    if not _is_multiply_accumulate(main.body, c.source):
+        return None
+    # before the GEMM: only the producers of A and B, each injective
+    producers = []
+    for blk in blocks[:at]:
+        if any(int(v.iter_type) != 0 for v in blk.iter_vars) or len(blk.writes) != 1:
+            return None
+        written = blk.writes[0].source
+        if not (written.same_as(a.source) or written.same_as(b.source)):
+            return None
+        producers.append(blk.name_hint)
+    # after it: injective blocks only
+    epilogue = []
+    for blk in blocks[at + 1:]:
+        if any(int(v.iter_type) != 0 for v in blk.iter_vars) or len(blk.writes) != 1:
+            return None
+        epilogue.append(blk.name_hint)
+    return Gemm(main.name_hint, extents[0], extents[1], extents[2], b_transposed, producers, epilogue)
+
+
+def _is_multiply_accumulate(body, c_buf) -> bool:
+    """`C[...] = C[...] + cast(A[...]) * cast(B[...])` (node types by name:
+    TVM 0.27's `tirx.BufferLoad` is a function, and the node a `TensorLoad`
+    whose buffer is `.source`)."""
+
+    def kind(x, name):
+        return type(x).__name__ in ({"BufferLoad", "TensorLoad"} if name == "BufferLoad" else {name})
+
+    if not kind(body, "BufferStore") or not body.buffer.same_as(c_buf):
+        return False
+    v = body.value
+    if not kind(v, "Add"):
+        return False
+    acc, prod = (v.a, v.b) if kind(v.a, "BufferLoad") else (v.b, v.a)
+    if not (kind(acc, "BufferLoad") and acc.source.same_as(c_buf) and kind(prod, "Mul")):
+        return False
+    return all(kind(x, "Cast") and kind(x.value, "BufferLoad") for x in (prod.a, prod.b))
+
+
+def configs_for(gemm: Gemm) -> list[str]:
+    """The configurations whose tiles divide this GEMM."""
+    return [name for name, (bm, bn, _, _, bk, _) in CONFIGS.items()
+            if gemm.m % bm == 0 and gemm.n % bn == 0 and gemm.k % bk == 0]
+
+
+def spaces(func, target) -> list:
+    """One Schedule per configuration that divides the GEMM (none where
+    `match` declines, the target is not CUDA or lacks sm_80's `cp.async`)."""
+    if target.kind.name != "cuda" or not _has_cp_async(target):
+        return []
+    gemm = match(func)
+    if gemm is None:
+        return []
+    out = []
+    for name in configs_for(gemm):
+        try:
+            out.append(schedule(func, gemm, name))
+        except Exception:  # noqa: BLE001, S112 - a ScheduleError: this configuration does not apply here
+            continue
+    return out
+
+
+def _has_cp_async(target) -> bool:
+    arch = str(target.attrs.get("arch", "")) if target.attrs else ""
+    try:
+        return int("".join(ch for ch in arch.split("_")[-1] if ch.isdigit())) >= 80
+    except ValueError:
+        return False
+
+
+def schedule(func, gemm: Gemm, config: str):
+    """The schedule of `func` under one configuration (raises a ScheduleError
+    where it does not apply)."""
+    from tvm.s_tir.tensor_intrin import cuda as ci
+
+    from ..tvm_compat import register_tensor_intrinsics, s_tir, tvm
+
+    register_tensor_intrinsics()
+    bm, bn, wm, wn, bk, stages = CONFIGS[config]
+    fm, fn = bm // 16 // wm, bn // 16 // wn  # 16x16 fragments per warp along rows, cols
+    warps = wm * wn
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    main = sch.get_sblock(gemm.name)
+    for name in gemm.epilogue[:-1]:  # the epilogue computed as the output is written
+        sch.compute_inline(sch.get_sblock(name))
+    out = sch.get_sblock(gemm.epilogue[-1]) if gemm.epilogue else None
+
+    i, j, kk = sch.get_loops(main)
+    i, i_tc = sch.split(i, [None, 16])
+    j, j_tc = sch.split(j, [None, 16])
+    kk, k_tc = sch.split(kk, [None, 16])
+    sch.reorder(i, j, kk, i_tc, j_tc, k_tc)
+    outer = sch.blockize(i_tc)
+    sch.annotate(outer, MARKER, config)
+    i0, i2, i3 = sch.split(i, [None, wm, fm])
+    j0, j2, j3 = sch.split(j, [None, wn, fn])
+    k0, k1 = sch.split(kk, [None, bk // 16])
+    sch.reorder(i0, j0, i2, j2, k0, k1, i3, j3)
+    bx = sch.fuse(i0, j0)
+    sch.bind(bx, "blockIdx.x")
+    ty = sch.fuse(i2, j2)
+    sch.bind(ty, "threadIdx.y")
+
+    def to_shared(index: int):
+        buf = sch.get(outer).reads[index].source
+        writer = [p for p in sch.get_producers(outer) if sch.get(p).writes[0].source.same_as(buf)]
+        if writer:  # (the padding, computed into shared memory)
+            stage = writer[0]
+            sch.set_scope(stage, 0, "shared.dyn")
+        else:
+            stage = sch.cache_read(outer, index, "shared.dyn")
+        sch.compute_at(stage, k0)
+        fused = sch.fuse(*sch.get_loops(stage)[-2:])
+        _, f1, f2, f3 = sch.split(fused, [None, warps, 32, 8])
+        sch.bind(f2, "threadIdx.x")
+        sch.bind(f1, "threadIdx.y")
+        sch.vectorize(f3)
+        sch.storage_align(stage, 0, axis=-2, factor=32, offset=8)
+
+    to_shared(0)
+    to_shared(1)
+    a_w = sch.cache_read(outer, 0, "warp")
+    b_w = sch.cache_read(outer, 1, "warp")
+    sch.compute_at(a_w, k1)
+    sch.compute_at(b_w, k1)
+    c_w = sch.cache_write(outer, 0, "warp")
+    sch.reverse_compute_at(c_w, ty)
+    ii, jj = sch.get_loops(c_w)[-2:]
+    io, ii = sch.split(ii, [None, 16])
+    jo, ji = sch.split(jj, [None, 16])
+    sch.reorder(io, jo, ii, ji)
+    if out is not None:  # the accumulators through a shared tile, the epilogue as C is written
+        sch.set_scope(c_w, 0, "shared.dyn")
+        sch.reverse_compute_at(out, bx)
+        f = sch.fuse(*sch.get_loops(out)[1:])
+        _, t1, t2, t3 = sch.split(f, [None, warps, 32, EPILOGUE_VECTOR])
+        sch.bind(t2, "threadIdx.x")
+        sch.bind(t1, "threadIdx.y")
+        sch.vectorize(t3)
+        store = ci.MMA_store_16x16_f32_shared_dyn_INTRIN
+    else:
+        store = ci.MMA_store_16x16_f32_global_INTRIN
+    sch.decompose_reduction(outer, sch.get_loops(outer)[2])
+    init = sch.get_sblock(gemm.name + "_init")
+
+    def fragment(blk):
+        a, b = sch.get_loops(blk)[-2:]
+        a0, a1 = sch.split(a, [None, 16])
+        b0, b1 = sch.split(b, [None, 16])
+        sch.reorder(a0, b0, a1, b1)
+        return a1
+
+    la, lb = fragment(a_w), fragment(b_w)
+
+    def index_map(r, c):
+        return (r // 16, c // 16, *ci.shared_16x16_to_ldmatrix_32x8_layout(r % 16, c % 16))
+
+    sch.transform_layout(a_w, ("write", 0), index_map)
+    sch.transform_layout(b_w, ("write", 0), index_map)
+    sch.transform_layout(c_w, ("read", 0), index_map)
+    sch.tensorize(la, ci.LDMATRIX_f16_A_DYN_INTRIN)
+    if gemm.b_transposed:
+        sch.tensorize(lb, ci.LDMATRIX_f16_B_TRANS_DYN_INTRIN)
+        sch.tensorize(sch.get_loops(main)[-3], ci.MMA_f16f16f32_TRANS_B_INTRIN)
+    else:
+        sch.tensorize(lb, ci.LDMATRIX_f16_B_DYN_INTRIN)
+        sch.tensorize(sch.get_loops(main)[-3], ci.MMA_f16f16f32_INTRIN)
+    sch.tensorize(sch.get_loops(init)[-2], ci.MMA_fill_16x16_f32_INTRIN)
+    sch.tensorize(sch.get_loops(c_w)[-2], store)
+    # k0's body once k1 is pipelined: the two shared copies, then k1's
+    # prologue (the first fragments' ldmatrix), body and epilogue; the next
+    # tile's prologue is issued before this tile's epilogue
+    sch.annotate(k0, "software_pipeline_stage", [0, 0, stages - 2, stages - 1, stages - 1])
+    sch.annotate(k0, "software_pipeline_order", [0, 1, 3, 2, 4])
+    sch.annotate(k0, "software_pipeline_async_stages", [0])
+    sch.annotate(k1, "software_pipeline_stage", [0, 0, 1])
+    sch.annotate(k1, "software_pipeline_order", [0, 1, 2])
+    return sch
+
+
+def config_of(mod) -> str | None:
+    """The configuration of this schedule a scheduled module's kernel has, or None."""
+    from .mma_epilogue import _blocks
+
+    for f in mod.functions.values():
+        for b in _blocks(f.body) if hasattr(f, "body") else []:
+            if MARKER in b.annotations:
+                return str(b.annotations[MARKER])
+    return None
+
+
+def is_ours(mod) -> bool:
+    """Whether a scheduled module holds a kernel of this schedule."""
+    return config_of(mod) is not None
+
+
+def verify_postproc(target):
+    """MetaSchedule's VerifyGPUCode, with the architecture's opt-in shared
+    memory limit for kernels of this schedule (their shared memory is
+    dynamic; TVM's runtime raises the limit at launch) and the target's own
+    for every other kernel."""
+    from ..tvm_compat import PassContext, derived_object, ms
+    from . import tensor_core_smem
+
+    arch = str(target.attrs.get("arch", "")) if target.attrs else ""
+    limit = OPT_IN_SHARED_MEMORY.get(arch)
+    stock = ms.postproc.VerifyGPUCode()
+    if limit is None:
+        return stock
+    config = dict(target.export())
+    config["max_shared_memory_per_block"] = limit
+    config.pop("tag", None)
+    from ..tvm_compat import tvm
+
+    relaxed_target = tvm.target.Target(config)
+
+    @derived_object
+    class VerifyGPUCodeOptIn(ms.postproc.PyPostproc):
+        def __init__(self):
+            self.stock = ms.postproc.VerifyGPUCode()
+            self.relaxed = ms.postproc.VerifyGPUCode()
+
+        def _initialize_with_tune_context(self, context):
+            self.stock._initialize_with_tune_context(context)
+            self.relaxed._initialize_with_tune_context(ms.TuneContext(target=relaxed_target))
+
+        def apply(self, sch) -> bool:
+            if not is_ours(sch.mod):
+                return self.stock.apply(sch)
+            # lowered as our TIR pipeline lowers a tensor-core kernel
+            # (tensor_core_smem.py: StorageRewrite mistypes its accumulator otherwise)
+            outer = PassContext.current()
+            config = dict(outer.config)
+            config[tensor_core_smem.OPTION] = True
+            with PassContext(opt_level=outer.opt_level, config=config):
+                return self.relaxed.apply(sch)
+
+        def clone(self):
+            return VerifyGPUCodeOptIn()
+
+    return VerifyGPUCodeOptIn()
