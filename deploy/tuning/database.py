@@ -470,3 +470,19 @@ def trials_done(folder: Path, task_mods: list) -> list[tuple[int, float | None]]
         n, best = stats.get(ms.database.Workload(mod).as_json()[0], (0, float("inf")))
         out.append((n, None if best == float("inf") else best))
     return out
+
+
+def marked(folder: Path, task_mods: list, markers: list[str]) -> list[set]:
+    """For each task: which of `markers` (strings, e.g. passes/mma_gemm.py's
+    configuration names) appear in any of its records, valid or not, over
+    every record as `trials_done` counts them."""
+    from ..tvm_compat import ms
+
+    workloads, records = _all_lines(Path(folder))
+    shash_of = [json.loads(ln)[0] for ln in workloads]
+    found: dict[str, set] = {}
+    for ln in records:
+        hits = {m for m in markers if m in ln}
+        if hits:
+            found.setdefault(shash_of[json.loads(ln)[0]], set()).update(hits)
+    return [found.get(ms.database.Workload(mod).as_json()[0], set()) for mod in task_mods]

@@ -12,11 +12,18 @@ log = logging.getLogger(__name__)
 
 
 def _make_deadline_search(deadline: float | None, budget: int, population: int, generations: int, stop=(),
-                          journal=None):
+                          journal=None, seed_configs=None):
     """An EvolutionarySearch that stops at a wall-clock deadline, after
     `budget` new trials (what is left of this task's budget), or once one of
     the `stop` events is set (the RPC pool is gone, the run was interrupted).
-    Each batch it hands out is offered to `journal` (a `journal.Journal`)."""
+    Each batch it hands out is offered to `journal` (a `journal.Journal`).
+
+    Its first batch holds the design spaces of our mma.sync GEMM
+    (passes/mma_gemm.py) that the database has no valid record of: each is
+    one fixed kernel, which the cost model, trained on other schedules,
+    might never pick from the population. `seed_configs`, where the plan
+    knows them (tune._plan), are the configurations to measure; else those
+    the database has no valid record of."""
     from ..tvm_compat import derived_object, ms
 
     @derived_object
@@ -26,14 +33,18 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
                 population_size=population, genetic_num_iters=generations
             )
             self.task = None
+            self.context = None
+            self.seeds = []
 
         def _initialize_with_tune_context(self, context):
             self.inner._initialize_with_tune_context(context)
+            self.context = context
             if journal is not None:
                 self.task = journal.task(context)
 
         def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None):
             self.inner.pre_tuning(min(max_trials, budget), num_trials_per_iter, design_spaces, database, cost_model)
+            self.seeds = _seeds(self.context, design_spaces, database, seed_configs) if budget > 0 else []
 
         def post_tuning(self):
             self.inner.post_tuning()
@@ -43,7 +54,9 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
                 return None
             if any(e.is_set() for e in stop):
                 return None
-            candidates = self.inner.generate_measure_candidates()
+            candidates, self.seeds = self.seeds or None, []
+            if candidates is None:
+                candidates = self.inner.generate_measure_candidates()
             if journal is not None and candidates is not None:
                 journal.offer(self.task, candidates)
             return candidates
@@ -52,9 +65,41 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
             self.inner.notify_runner_results(measure_candidates, results)
 
         def clone(self):
-            return _make_deadline_search(deadline, budget, population, generations, stop, journal)
+            return _make_deadline_search(deadline, budget, population, generations, stop, journal, seed_configs)
 
     return DeadlineSearch()
+
+
+def _seeds(context, design_spaces, database, configs=None) -> list:
+    """Measure candidates of the design spaces of passes/mma_gemm.py whose
+    configuration is in `configs` (where None: that `database` holds no
+    valid record of), postprocessed as the search's own."""
+    from ..passes import mma_gemm
+    from ..tvm_compat import ms, s_tir
+
+    ours = [s for s in design_spaces if mma_gemm.is_ours(s.mod)]
+    if not ours or context is None:
+        return []
+    done = set()
+    if configs is not None:
+        done = set(mma_gemm.CONFIGS) - set(configs)
+    elif database is not None and database.has_workload(context.mod):
+        for rec in database.get_top_k(database.commit_workload(context.mod), 1 << 10):
+            text = str(rec.trace)
+            done |= {name for name in mma_gemm.CONFIGS if f'"{name}"' in text}
+    postprocs = list(context.space_generator.postprocs or [])
+    out = []
+    for space in ours:
+        if mma_gemm.config_of(space.mod) in done:
+            continue
+        try:
+            sch = s_tir.Schedule(context.mod, debug_mask=0)  # (Schedule.copy raises on these: unordered_map::at)
+            space.trace.apply_to_schedule(sch, remove_postproc=True)
+            if all(p.apply(sch) for p in postprocs):
+                out.append(ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True)))
+        except Exception as e:  # noqa: BLE001 - a postprocessor that raises rejects the kernel, as in the search
+            log.debug("tune: an mma_gemm seed rejected (%s)", e)
+    return out
 
 
 def _design_space(task_mod, target, seed: int, attempts: int = 8):
@@ -119,21 +164,30 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
 
 
 def _own_spaces(task_mod, target) -> list:
-    """Design spaces of our own rules, added to MetaSchedule's: on CUDA,
+    """Design spaces of our own rules, added to MetaSchedule's, on CUDA:
     `ShortReduction`'s (passes/gpu_default.py: depthwise convolutions, small
-    pooling windows), its block size a decision. MetaSchedule's tiling of
+    pooling windows), its block size a decision: MetaSchedule's tiling of
     such a kernel at a large batch draws no candidate VerifyGPUCode
-    accepts, so without it the task found nothing."""
+    accepts, so without it the task found nothing. And one space per
+    configuration of our `mma.sync` GEMM (passes/mma_gemm.py), each
+    measured first (`DeadlineSearch`)."""
     if target.kind.name != "cuda":
         return []
+    from ..passes import mma_gemm
     from ..passes.gpu_default import ShortReduction
 
+    out = []
     try:
         sch = ShortReduction().apply(task_mod["main"], target, True)
+        if sch is not None:
+            out.append(sch)
     except Exception as e:  # noqa: BLE001 - our rule failing on a kernel leaves MetaSchedule's spaces
         log.debug("tune: ShortReduction's design space not made (%s)", e)
-        return []
-    return [] if sch is None else [sch]
+    try:
+        out += mma_gemm.spaces(task_mod["main"], target)
+    except Exception as e:  # noqa: BLE001 - likewise
+        log.debug("tune: mma_gemm's design spaces not made (%s)", e)
+    return out
 
 
 OWN_RULES = "own"  # cache["rules"] when only our spaces were made

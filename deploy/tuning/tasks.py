@@ -224,7 +224,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
             space_generator=space,
             search_strategy=deadline_search._make_deadline_search(
                 deadline, p["left"], profile.search_population, profile.search_generations, (stop, interrupted),
-                journal,
+                journal, p.get("mma_missing"),
             ),
             task_name=p["name"],
             logger=lg,

@@ -92,7 +92,7 @@ def tune_bucket(
     # done tunes nothing and reports those tasks, not the heaviest in FLOPs)
     task_mods = [{"name": t.task_name, "mod": t.dispatched[0]} for t in all_tasks]
     cached = kernel_check.cached_default_us(db_dir, task_mods, target.kind) if profile.max_tasks else None
-    plan, global_left = _plan(all_tasks, db_dir, profile, cached)
+    plan, global_left = _plan(all_tasks, db_dir, profile, cached, tvm_target)
     default_us = None  # {task: us}, once timed
     timed_s = 0.0
     if global_left > 0 and 0 < profile.max_tasks < len(all_tasks) and target.has_device \
@@ -102,7 +102,7 @@ def tune_bucket(
         t0 = time.time()
         try:
             default_us = kernel_check.time_defaults(db_dir, task_mods, target)
-            plan, global_left = _plan(all_tasks, db_dir, profile, default_us)
+            plan, global_left = _plan(all_tasks, db_dir, profile, default_us, tvm_target)
         except Exception as e:  # noqa: BLE001 - chosen by FLOPs instead; tuning goes on
             default_us = None
             log.warning("tune: %s: default schedules not timed (%s); MAX_TASKS keeps the heaviest in FLOPs",
@@ -177,26 +177,57 @@ def tune_bucket(
     return summary
 
 
-def _plan(all_tasks, db_dir: Path, profile: Profile, default_us: dict | None = None) -> tuple[list[dict], int]:
+def _plan(all_tasks, db_dir: Path, profile: Profile, default_us: dict | None = None,
+          tvm_target=None) -> tuple[list[dict], int]:
     """The tasks to tune (with `max_tasks`, the slowest per run under their
     default schedules, `default_us` {task: us}, then the heaviest in FLOPs
     among those not timed), each with the trials it already has and what is
-    left of its budget; and the trials left overall."""
+    left of its budget; and the trials left overall.
+
+    A task our mma.sync GEMM takes (passes/mma_gemm.py) also lists the
+    configurations its database has no record of (`mma_missing`), and is
+    given at least that many trials, also where the database holds its
+    `trials` already (not with TRIALS=0): a database tuned before that
+    schedule existed gets it measured once."""
     flops = {t.task_name: task_loop.task_flops(t) for t in all_tasks}
     us = default_us or {}
     ranked = sorted(all_tasks, key=lambda t: (t.task_name not in us, -us.get(t.task_name, 0.0) * t.weight,
                                               -flops[t.task_name] * t.weight))
     chosen = ranked[: profile.max_tasks] if profile.max_tasks else ranked
     done_all = dict(zip((t.task_name for t in ranked), dbs.trials_done(db_dir, [t.dispatched[0] for t in ranked])))
+    missing = _mma_missing(chosen, db_dir, tvm_target) if profile.trials > 0 else {}
     plan = []
     for t in chosen:
         done, best = done_all[t.task_name]
+        left = max(0, profile.trials_per_task - done)
+        todo = missing.get(t.task_name, [])
         plan.append({"name": t.task_name, "mod": t.dispatched[0], "weight": float(t.weight), "flops": flops[t.task_name],
-                     "done": done, "best_s": best, "left": max(0, profile.trials_per_task - done)})
+                     "done": done, "best_s": best, "left": max(left, len(todo)), "mma_missing": todo})
     # (over every task: trials spent on tasks another MAX_TASKS choice kept count towards TRIALS too)
     total_done = sum(done for done, _ in done_all.values())
-    global_left = min(max(0, profile.trials - total_done), sum(p["left"] for p in plan))
+    extra = sum(len(p["mma_missing"]) for p in plan)
+    global_left = min(max(0, profile.trials - total_done, extra), sum(p["left"] for p in plan))
     return plan, global_left
+
+
+def _mma_missing(tasks, db_dir: Path, tvm_target) -> dict[str, list[str]]:
+    """{task: configurations of our mma.sync GEMM that apply and that its
+    database has no record of}, on CUDA targets with cp.async."""
+    from ..passes import mma_gemm
+
+    if tvm_target is None or tvm_target.kind.name != "cuda" or not mma_gemm._has_cp_async(tvm_target):
+        return {}
+    applies = {}
+    for t in tasks:
+        gemm = mma_gemm.match(t.dispatched[0]["main"])
+        if gemm is not None and mma_gemm.configs_for(gemm):
+            applies[t.task_name] = (t.dispatched[0], mma_gemm.configs_for(gemm))
+    if not applies:
+        return {}
+    have = dbs.marked(db_dir, [m for m, _ in applies.values()], list(mma_gemm.CONFIGS)) if dbs.has_records(db_dir) \
+        else [set()] * len(applies)
+    return {name: [c for c in configs if c not in got] for (name, (_, configs)), got in zip(applies.items(), have)
+            if [c for c in configs if c not in got]}
 
 
 def _outcome(plan: list[dict], db_dir: Path, stats: dict, elapsed: float, deadline: float | None) -> dict:

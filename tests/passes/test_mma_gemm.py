@@ -1,0 +1,268 @@
+"""deploy/passes/mma_gemm.py: our mma.sync GEMM as design spaces. On the CPU
+machine every configuration is scheduled and built for sm_90 (no GPU
+needed: every TIR pass runs); on the GPU (`-m gpu`) each computes what
+TVM's plain CPU lowering computes."""
+
+import numpy as np
+import pytest
+import tvm_ffi
+
+from deploy import targets
+from deploy.passes import mma_gemm
+from deploy.tuning import builder as tune_builder
+from deploy.tuning import search as tune_search
+from deploy.tvm_compat import ms, s_tir, tvm
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    return targets.resolve("cuda:sm_90").tvm_target()
+
+
+def _i64(x):
+    return tvm.tirx.IntImm("int64", x)
+
+
+def _gemm(m=200, n=256, k=128, padded=256, b_transposed=False, epilogue=True, batch=None):
+    """pad_gemm's shape of a GEMM: A's `m` rows padded with zeros to
+    `padded`, an fp32 GEMM of fp16 operands, then (`epilogue`) the cast to
+    fp16, a bias, and the square of that, written for the `m` rows only
+    (the CPU reference lowers no fp16 erf)."""
+    from tvm import te
+
+    lead = [] if batch is None else [_i64(batch)]
+    a = te.placeholder((*lead, _i64(m), _i64(k)), "float16", name="A")
+    b = te.placeholder((_i64(n), _i64(k)) if b_transposed else (_i64(k), _i64(n)), "float16", name="B")
+    bias = te.placeholder((_i64(n),), "float16", name="bias")
+    src = a
+    if padded != m:
+        src = te.compute((*lead, _i64(padded), _i64(k)), lambda *ix: tvm.tirx.if_then_else(
+            ix[-2] < _i64(m), a[ix], tvm.tirx.const(0, "float16")), name="A_pad")
+    r = te.reduce_axis((_i64(0), _i64(k)), name="k")
+
+    def load_b(j):
+        return b[j, r] if b_transposed else b[r, j]
+
+    c = te.compute((*lead, src.shape[-2], _i64(n)), lambda *ix: te.sum(
+        src[(*ix[:-1], r)].astype("float32") * load_b(ix[-1]).astype("float32"), axis=r), name="C")
+    if not epilogue:
+        return te.create_prim_func([a, b, c])
+    h = te.compute((*lead, _i64(m), _i64(n)), lambda *ix: c[ix].astype("float16") + bias[ix[-1]], name="H")
+    g = te.compute(h.shape, lambda *ix: h[ix] * h[ix], name="G")
+    return te.create_prim_func([a, b, bias, g])
+
+
+def test_it_matches_a_padded_gemm_with_its_epilogue_and_a_transposed_weight():
+    got = mma_gemm.match(_gemm())
+    assert (got.m, got.n, got.k, got.b_transposed) == (256, 256, 128, False)
+    assert got.producers == ["A_pad"] and got.epilogue == ["H", "G"]
+    assert mma_gemm.match(_gemm(b_transposed=True)).b_transposed
+    assert mma_gemm.configs_for(got) == ["128x128x32-w2x2-s3", "128x128x32-w2x2-s4", "128x128x64-w2x2-s3",
+                                         "64x128x32-w2x2-s4", "128x64x32-w2x2-s4", "128x256x32-w2x4-s3",
+                                         "256x128x32-w4x2-s3", "64x64x32-w2x2-s4"]
+
+
+def test_it_declines_batched_matmuls_and_shapes_16_does_not_divide():
+    assert mma_gemm.match(_gemm(batch=4)) is None  # attention's batched matmuls
+    assert mma_gemm.match(_gemm(k=200)) is None
+    assert mma_gemm.match(_gemm(m=100, padded=100)) is None
+    assert mma_gemm.match(_gemm(n=1000)) is None
+
+
+@pytest.mark.parametrize("b_transposed,epilogue", [(False, True), (True, True), (False, False)],
+                         ids=["epilogue", "weight-NK", "no-epilogue"])
+def test_every_configuration_builds_for_sm90_with_cp_async_ldmatrix_and_mma(sm90, b_transposed, epilogue):
+    """Built as the tuner builds a candidate (`lean_build`, our TIR
+    pipeline, which turns on TVM's cp.async for these kernels)."""
+    func = _gemm(b_transposed=b_transposed, epilogue=epilogue)
+    spaces = mma_gemm.spaces(func, sm90)
+    assert len(spaces) == len(mma_gemm.configs_for(mma_gemm.match(func)))
+    for sch in spaces:
+        src = tune_builder.lean_build(sch.mod, sm90, None).imports[0].inspect_source()
+        assert "cp.async.cg" in src and "ldmatrix" in src and "mma.sync" in src, mma_gemm.config_of(sch.mod)
+        assert "extern __shared__" in src  # (dynamic shared memory only)
+        if epilogue:  # the fp16 output written four elements at a time
+            assert "*(uint2*)(G_ptr + " in src or "*(half4*)(G_ptr + " in src
+
+
+_FRESH_BUILD = """
+import sys, tvm
+from deploy import targets
+from deploy.tuning import builder
+mod = tvm.ir.load_json(open(sys.argv[1]).read())
+if sys.argv[2] == "stock":
+    builder.MMA_FRAGMENT_MARKERS = ()
+builder.lean_build(mod, targets.resolve("cuda:sm_90").tvm_target(), None)
+"""
+
+
+def test_a_fresh_build_worker_registers_the_fragment_layout(sm90, tmp_path):
+    """A build worker does not import TVM's tensor intrinsics (slow), but
+    CUDA codegen of an mma.sync kernel needs the fragment layout their module
+    registers: lean_build registers them for such kernels. The second half
+    fails once TVM's codegen no longer needs the registration."""
+    import subprocess
+    import sys
+
+    (sch, *_) = mma_gemm.spaces(_gemm(), sm90)
+    path = tmp_path / "mod.json"
+    path.write_text(tvm.ir.save_json(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")})))
+    ours = subprocess.run([sys.executable, "-c", _FRESH_BUILD, str(path), "ours"], capture_output=True, text=True)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    stock = subprocess.run([sys.executable, "-c", _FRESH_BUILD, str(path), "stock"], capture_output=True, text=True)
+    assert stock.returncode != 0 and "index_map_func" in stock.stderr
+
+
+def test_cp_async_needs_our_pipeline(sm90):
+    """TVM leaves `tirx.use_async_copy` off: built without our pipeline the
+    copies are synchronous. Fails once TVM turns it on by default; then
+    passes/tensor_core_smem.py need not set it."""
+    (sch, *_) = mma_gemm.spaces(_gemm(), sm90)
+    with tvm.transform.PassContext(opt_level=3):
+        lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=sm90)
+    assert "cp.async.cg" not in lib.mod.imports[0].inspect_source()
+
+
+def _replayed(sch):
+    """A fresh schedule with `sch`'s trace (Schedule.copy raises on these)."""
+    out = s_tir.Schedule(tvm.IRModule({"main": _gemm()}))
+    sch.trace.apply_to_schedule(out, remove_postproc=True)
+    return out
+
+
+def test_the_traces_replay_from_json_onto_the_workload(sm90):
+    """As a database record is applied by a build."""
+    func = _gemm()
+    for sch in mma_gemm.spaces(func, sm90)[:3]:
+        replayed = s_tir.Schedule(tvm.IRModule({"main": func}))
+        s_tir.Trace.apply_json_to_schedule(sch.trace.as_json(), replayed)
+        assert tvm_ffi.structural_equal(replayed.mod, sch.mod)
+
+
+def test_it_is_cuda_sm80_and_later_only(sm90):
+    assert mma_gemm.spaces(_gemm(), targets.resolve("llvm").tvm_target()) == []
+    sm75 = tvm.target.Target({"kind": "cuda", "arch": "sm_75"})
+    assert mma_gemm.spaces(_gemm(), sm75) == []
+
+
+def test_verify_gpu_code_takes_the_opt_in_shared_memory_limit_for_these_kernels_only(sm90):
+    """A 128x128 tile in a 3-stage pipeline uses more than 48 KB: the stock
+    VerifyGPUCode rejects it, ours accepts it (sm_90 allows 227 KB)."""
+    (sch,) = [s for s in mma_gemm.spaces(_gemm(), sm90) if mma_gemm.config_of(s.mod) == "128x128x64-w2x2-s3"]
+    ctx = ms.TuneContext(mod=tvm.IRModule({"main": _gemm()}), target=sm90)
+    stock = ms.postproc.VerifyGPUCode()
+    stock._initialize_with_tune_context(ctx)
+    ours = mma_gemm.verify_postproc(sm90)
+    ours._initialize_with_tune_context(ctx)
+    assert not stock.apply(_replayed(sch))
+    assert ours.apply(_replayed(sch))
+    # another kernel over the target's limit is still rejected: a 64 KB static shared buffer
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def big(a: T.Buffer((16384,), "float32"), b: T.Buffer((16384,), "float32")):
+        s = T.sblock_alloc_buffer((16384,), "float32", scope="shared")
+        for _bx in T.thread_binding(1, thread="blockIdx.x"):
+            for tx in T.thread_binding(128, thread="threadIdx.x"):
+                for i in range(128):
+                    with T.sblock("load"):
+                        v = T.axis.spatial(16384, tx * 128 + i)
+                        s[v] = a[v]
+                for i in range(128):
+                    with T.sblock("store"):
+                        v = T.axis.spatial(16384, tx * 128 + i)
+                        b[v] = s[v]
+
+    other = s_tir.Schedule(tvm.IRModule({"main": big}))
+    assert not ours.apply(other)
+
+
+def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90, tmp_path):
+    """tuning/search.py: the design spaces of a GEMM task include ours, and
+    the first batch the search hands out holds each of them, postprocessed;
+    a configuration the database has a valid record of is not measured
+    again."""
+    func = _gemm()
+    mod = tvm.IRModule({"main": func})
+    space, cache = tune_search._design_space(mod, sm90, seed=1)
+    db = ms.database.MemoryDatabase()
+    search = tune_search._make_deadline_search(None, 64, 32, 2)
+    ctx = ms.TuneContext(mod=mod, target=sm90, space_generator=space, search_strategy=search, task_name="gemm",
+                         rand_state=1)
+    spaces = ctx.generate_design_space()
+    assert cache.get("own") == 8
+    ctx.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=spaces, database=db,
+                    cost_model=ms.cost_model.RandomModel())
+    first = ctx.generate_measure_candidates()
+    assert sorted(mma_gemm.config_of(c.sch.mod) for c in first) == sorted(mma_gemm.CONFIGS)
+    # one of them recorded: the next search leaves it out
+    done = first[0]
+    db.commit_tuning_record(ms.database.TuningRecord(done.sch.trace, db.commit_workload(mod), [1e-5], sm90,
+                                                     done.args_info))
+    ctx2 = ms.TuneContext(mod=mod, target=sm90, space_generator=space,
+                          search_strategy=tune_search._make_deadline_search(None, 64, 32, 2), task_name="gemm",
+                          rand_state=1)
+    ctx2.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=ctx2.generate_design_space(), database=db,
+                     cost_model=ms.cost_model.RandomModel())
+    again = {mma_gemm.config_of(c.sch.mod) for c in ctx2.generate_measure_candidates()}
+    assert mma_gemm.config_of(done.sch.mod) not in again and len(again) == len(mma_gemm.CONFIGS) - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["KN", "NK"])
+def test_every_configuration_computes_what_tvms_plain_lowering_does(sm90, b_transposed):
+    """On the GPU: each configuration against the same kernel unscheduled,
+    lowered for the CPU (a ViT-like padded GEMM with its epilogue)."""
+    func = _gemm(m=800, padded=896, n=512, k=384, b_transposed=b_transposed)
+    from deploy.tvm_compat import ms as _ms
+
+    info = _ms.arg_info.ArgInfo.from_prim_func(func)
+    rng = np.random.default_rng(2)
+    args = [(rng.standard_normal([int(d) for d in a.shape]) / 4).astype(str(a.dtype)) for a in info]
+    cpu = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    want = [tvm.runtime.tensor(a) for a in args]
+    cpu["main"](*want)
+    dev = tvm.cuda(0)
+    spaces = mma_gemm.spaces(func, sm90)
+    assert spaces
+    for sch in spaces:
+        lib = tune_builder.lean_build(sch.mod, sm90, None)
+        got = [tvm.runtime.tensor(a, dev) for a in args]
+        lib["main"](*got)
+        np.testing.assert_allclose(got[-1].numpy().astype("float32"), want[-1].numpy().astype("float32"),
+                                   rtol=2e-2, atol=2e-2, err_msg=mma_gemm.config_of(sch.mod))
+
+
+def test_the_plan_gives_a_done_database_the_configurations_it_lacks(sm90, tmp_path, monkeypatch):
+    """tuning/tune.py: a GEMM task whose database holds its trials already
+    is still given the configurations of ours it has no record of (once);
+    with TRIALS=0 nothing is tuned; not on the CPU."""
+    from types import SimpleNamespace
+
+    from deploy.tuning import database as dbs
+    from deploy.tuning import tune
+
+    tasks = [SimpleNamespace(task_name="gemm", dispatched=[tvm.IRModule({"main": _gemm()})], weight=1)]
+    done = SimpleNamespace(trials=64, trials_per_task=64, max_tasks=0)
+    monkeypatch.setattr(dbs, "trials_done", lambda folder, mods: [(64, 1e-5)] * len(mods))
+    monkeypatch.setattr(dbs, "has_records", lambda folder: True)
+    monkeypatch.setattr(dbs, "marked", lambda folder, mods, markers: [{"128x128x32-w2x2-s3"}] * len(mods))
+    (p,), left = tune._plan(tasks, tmp_path, done, None, sm90)
+    assert p["mma_missing"] == [c for c in mma_gemm.CONFIGS if c != "128x128x32-w2x2-s3"]
+    assert p["left"] == left == len(mma_gemm.CONFIGS) - 1
+    (p,), left = tune._plan(tasks, tmp_path, SimpleNamespace(trials=0, trials_per_task=64, max_tasks=0), None, sm90)
+    assert (p["mma_missing"], p["left"], left) == ([], 0, 0)
+    (p,), left = tune._plan(tasks, tmp_path, done, None, targets.resolve("llvm").tvm_target())
+    assert (p["mma_missing"], left) == ([], 0)
+
+
+def test_the_database_says_which_configurations_a_task_has_records_of(sm90, tmp_path):
+    from deploy.tuning import database as dbs
+
+    mod = tvm.IRModule({"main": _gemm()})
+    other = tvm.IRModule({"main": _gemm(b_transposed=True)})
+    (sch, *_) = mma_gemm.spaces(_gemm(), sm90)
+    db = ms.database.JSONDatabase(path_workload=str(tmp_path / dbs.WORKLOADS), path_tuning_record=str(tmp_path / dbs.RECORDS))
+    db.commit_tuning_record(ms.database.TuningRecord(sch.trace, db.commit_workload(mod), [1e10], sm90,
+                                                     ms.arg_info.ArgInfo.from_prim_func(_gemm())))
+    assert dbs.marked(tmp_path, [mod, other], list(mma_gemm.CONFIGS)) == [{mma_gemm.config_of(sch.mod)}, set()]
