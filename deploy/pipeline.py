@@ -260,6 +260,13 @@ def measure_before_after(cfg, profile, target, exported, opt, package, ws: Works
 UNTUNED_KEY = "untuned-key.json"
 
 
+def _own_spaces_note(own: dict) -> str:
+    """', 8 with our short-reduction space, 4 with our mma.sync GEMM' ({task: rule})."""
+    names = {"short-reduction": "short-reduction space", "mma-gemm": "mma.sync GEMM"}
+    counts = {rule: sum(1 for r in own.values() if r == rule) for rule in names}
+    return "".join(f", {n} with our {names[rule]}" for rule, n in counts.items() if n)
+
+
 def _versus(name: str, alt: dict, tvm_ms: float) -> str:
     if "error" in alt:
         return f"{name}: could not run here ({alt['error']})"
@@ -307,7 +314,7 @@ def format_summary(summary: dict) -> str:
                 f"tuning b{b}  {s['trials_after']} trials in database ({s['new_trials']} new, "
                 f"{'n/a' if vf is None else f'{vf:.0%}'} valid, {s['tasks_selected']}/{s['tasks_total']} tasks"
                 + (f", {len(s['without_tensor_cores'])} without tensor cores" if s.get("without_tensor_cores") else "")
-                + (f", {len(s['own_spaces'])} with our short-reduction space" if s.get("own_spaces") else "")
+                + _own_spaces_note(s.get("own_spaces") or {})
                 + (f", {len(s['unschedulable'])} left to default schedules (no design space)"
                    if s.get("unschedulable") else "") + ")"
                 + ("  stopped at the deadline" if s["stopped_by_deadline"] else "")

@@ -154,8 +154,12 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
 
                 cache["default_error"] = _first_line(str(error)) or type(error).__name__
             if own:
+                from ..passes import mma_gemm
+                from ..passes.schedule import SHORT_REDUCTION
+
                 cache["spaces"] = cache["spaces"] + own
                 cache["own"] = len(own)
+                cache["own_rule"] = MMA_GEMM if any(mma_gemm.is_ours(x.mod) for x in own) else SHORT_REDUCTION
         return cache["spaces"]
 
     from ..passes import mma_epilogue
@@ -191,6 +195,7 @@ def _own_spaces(task_mod, target) -> list:
 
 
 OWN_RULES = "own"  # cache["rules"] when only our spaces were made
+MMA_GEMM = "mma-gemm"  # cache["own_rule"] of a task with our mma.sync spaces (else passes.schedule.SHORT_REDUCTION)
 
 # MetaSchedule's CUDA schedule rules without the tensor-core tiling (the kind
 # "cuda"). The space is generated with them; the tuning context's

@@ -246,7 +246,7 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
                 log.info("tune: %s: no tensor-core design space (%s); tuned with the rules without tensor cores",
                          p["name"], cache["default_error"])
             if cache.get("own"):
-                summary.setdefault("own_spaces", {})[p["name"]] = SHORT_REDUCTION
+                summary.setdefault("own_spaces", {})[p["name"]] = cache.get("own_rule", SHORT_REDUCTION)
             if cache.get("rules") == deadline_search.OWN_RULES:
                 summary.setdefault("own_spaces_only", {})[p["name"]] = cache["default_error"]
                 log.info("tune: %s: no design space of MetaSchedule's rules (%s); tuned with ours alone",

@@ -190,7 +190,7 @@ def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90,
     ctx = ms.TuneContext(mod=mod, target=sm90, space_generator=space, search_strategy=search, task_name="gemm",
                          rand_state=1)
     spaces = ctx.generate_design_space()
-    assert cache.get("own") == 8
+    assert cache.get("own") == 8 and cache["own_rule"] == tune_search.MMA_GEMM
     ctx.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=spaces, database=db,
                     cost_model=ms.cost_model.RandomModel())
     first = ctx.generate_measure_candidates()

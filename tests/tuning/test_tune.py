@@ -73,6 +73,9 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     text = pipeline.format_summary({"package": "p", "buckets": {}, "validation": None,
                                     "tuning": {"1": {**s1, "own_spaces": {"fused_conv2d": "short-reduction"}}}})
     assert ", 1 with our short-reduction space)" in text
+    text = pipeline.format_summary({"package": "p", "buckets": {}, "validation": None, "tuning": {"1": {
+        **s1, "own_spaces": {"fused_conv2d": "short-reduction", "fused_matmul": "mma-gemm", "matmul": "mma-gemm"}}}})
+    assert ", 1 with our short-reduction space, 2 with our mma.sync GEMM)" in text
     db_dir = a1.databases[1]
     key = json.loads((db_dir / "key.json").read_text())
     assert key["precision"] == "fp32" and key["inputs"][0]["shape"] == [1, 3, 16, 16]
