@@ -34,6 +34,7 @@ INJECTIVE = "injective"  # our CPU schedule of kernels without a reduction (pass
 SHORT_REDUCTION = "short-reduction"  # our CUDA schedule of depthwise convolutions and pools (passes/gpu_default.py)
 FEW_OUTPUTS = "few-outputs"  # DLight's GeneralReduction for contractions with few outputs (passes/gpu_default.py)
 BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excitation "excite" kernels (passes/gpu_default.py)
+SHORT_ROWS = "short-rows"  # our CUDA schedule of normalizations over short rows, a warp a row (passes/gpu_rows.py)
 # The version of each of our own default rules: bumped when a change gives
 # kernels another schedule under that rule. The kernel check
 # (tuning/check.py) keeps a tuned kernel's timing against its default schedule
@@ -43,7 +44,7 @@ BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excita
 # number. (Before rules had versions the whole chain had one: CUDA 4 is the
 # chain with every rule at 1.)
 # (SHORT_REDUCTION 2: NHWC depthwise convolutions and pools computed a sliding window a thread.)
-RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 2, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1}
+RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 2, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1}
 
 
 @dataclasses.dataclass
@@ -66,7 +67,9 @@ class UnbuildableKernelError(Exception):
 # makes them). CUDA: our FewOutputs before DLight's Matmul: it gives a
 # contraction with few outputs a handful of thread blocks. Our ShortReduction
 # before DLight's reduction rules: they give a depthwise convolution one thread
-# block per output. Our BroadcastEpilogue just before Fallback: it takes only
+# block per output. Our ShortRows just before DLight's GeneralReduction: it
+# gives a normalization over short rows a warp a row, where GeneralReduction
+# gives each row a block of 256 threads. Our BroadcastEpilogue just before Fallback: it takes only
 # kernels the rest leave to it (gpu_default.py). CPU: DLight's GEMV rule is
 # left out: its schedule of a squeeze-excitation kernel (1x1 convolution to
 # 1152 channels, sigmoid, broadcast multiply) does not finish compiling
@@ -74,7 +77,7 @@ class UnbuildableKernelError(Exception):
 # compile that never ends is not a failure the chain can fall back from. Ours
 # takes the GEMV-shaped kernels.
 CHAINS = {
-    "cuda": [FEW_OUTPUTS, "dlight.Matmul", "dlight.GEMV", SHORT_REDUCTION, "dlight.Reduction",
+    "cuda": [FEW_OUTPUTS, "dlight.Matmul", "dlight.GEMV", SHORT_REDUCTION, "dlight.Reduction", SHORT_ROWS,
              "dlight.GeneralReduction", BROADCAST_EPILOGUE, "dlight.Fallback"],
     "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
 }
@@ -89,10 +92,11 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
 
     if _chain_kind(target_kind) == "cuda":
         from .gpu_default import BroadcastEpilogue, FewOutputs, ShortReduction
+        from .gpu_rows import ShortRows
 
         g = dlight.gpu
         make = {FEW_OUTPUTS: FewOutputs, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
-                SHORT_REDUCTION: ShortReduction, "dlight.Reduction": g.Reduction,
+                SHORT_REDUCTION: ShortReduction, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
                 "dlight.GeneralReduction": g.GeneralReduction, BROADCAST_EPILOGUE: BroadcastEpilogue,
                 "dlight.Fallback": g.Fallback}
     else:
