@@ -1,9 +1,10 @@
 """How fast can a tensor-core GEMM that TVM 0.27 generates run, written by hand
 instead of drawn by MetaSchedule's rules? Builds fp16 GEMMs (fp32
-accumulation and output) under a fixed `mma.sync` schedule: m16n8k16
-through TVM's 16x16x16 intrinsics, operands staged in dynamic shared memory
-by 16-byte copies, `ldmatrix` into registers, and a software pipeline over
-the K tiles (`cp.async`, unless `--no-async`). Each config is one block tile and
+accumulation and output) under deploy/passes/mma_gemm.py's `mma.sync`
+schedule (m16n8k16 through TVM's 16x16x16 intrinsics, operands staged in
+dynamic shared memory by 16-byte copies, `ldmatrix` into registers, and a
+software pipeline over the K tiles: `cp.async`, unless `--no-async`), in
+configurations beyond the tuner's (two stages among them). Each config is one block tile and
 pipeline depth. On a GPU it checks the result against PyTorch and times
 both (TVM's time_evaluator; torch.matmul, i.e. cuBLAS, with CUDA events);
 without one it only builds (`--target cuda:sm_90`), to see what lowers.
@@ -23,16 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# (block rows, block cols, warps along rows, warps along cols, K tile, stages)
-CONFIGS = {
-    "128x128x32-w2x2-s2": (128, 128, 2, 2, 32, 2),
-    "128x128x32-w2x2-s3": (128, 128, 2, 2, 32, 3),
-    "128x128x32-w2x2-s4": (128, 128, 2, 2, 32, 4),
-    "128x256x32-w2x4-s3": (128, 256, 2, 4, 32, 3),
-    "256x128x32-w4x2-s3": (256, 128, 4, 2, 32, 3),
-    "128x128x64-w2x2-s3": (128, 128, 2, 2, 64, 3),
-    "64x128x32-w2x2-s4": (64, 128, 2, 2, 32, 4),
-}
+from deploy.passes import mma_gemm  # noqa: E402 - after the path (no TVM import at this point)
+
+# The tuner's configurations (deploy/passes/mma_gemm.py), and a two-stage
+# pipeline it leaves out: (block rows, block cols, warps along rows, warps
+# along cols, K tile, stages)
+CONFIGS = {"128x128x32-w2x2-s2": (128, 128, 2, 2, 32, 2), **mma_gemm.CONFIGS}
 
 
 def gemm_func(m: int, n: int, k: int):
@@ -46,92 +43,12 @@ def gemm_func(m: int, n: int, k: int):
     return te.create_prim_func([a, b, c])
 
 
-def schedule(func, m: int, n: int, k: int, bm: int, bn: int, wm: int, wn: int, bk: int, stages: int, use_async: bool):
-    """The schedule; tile sizes in elements. Raises when the shape does not
-    tile (M % bm, N % bn, K % bk)."""
-    import tvm
-    from tvm.s_tir.tensor_intrin import cuda as ci
-
+def schedule(func, m: int, n: int, k: int, bm: int, bn: int, wm: int, wn: int, bk: int, stages: int):
+    """deploy/passes/mma_gemm.py's schedule under this configuration. Raises
+    when the shape does not tile (M % bm, N % bn, K % bk)."""
     if m % bm or n % bn or k % bk:
         raise ValueError(f"{m}x{n}x{k} does not tile by {bm}x{bn}x{bk}")
-    fm, fn = bm // 16 // wm, bn // 16 // wn  # 16x16 fragments per warp along rows, cols
-    sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
-    block = sch.get_sblock("C")
-    i, j, kk = sch.get_loops(block)
-    i, i_tc = sch.split(i, [None, 16])
-    j, j_tc = sch.split(j, [None, 16])
-    kk, k_tc = sch.split(kk, [None, 16])
-    sch.reorder(i, j, kk, i_tc, j_tc, k_tc)
-    outer = sch.blockize(i_tc)
-    i0, i2, i3 = sch.split(i, [None, wm, fm])
-    j0, j2, j3 = sch.split(j, [None, wn, fn])
-    k0, k1 = sch.split(kk, [None, bk // 16])
-    sch.reorder(i0, j0, i2, j2, k0, k1, i3, j3)
-    bx = sch.fuse(i0, j0)
-    sch.bind(bx, "blockIdx.x")
-    ty = sch.fuse(i2, j2)
-    sch.bind(ty, "threadIdx.y")
-    warps = wm * wn
-
-    def to_shared(idx):
-        blk = sch.cache_read(outer, idx, "shared.dyn")
-        sch.compute_at(blk, k0)
-        fused = sch.fuse(*sch.get_loops(blk)[-2:])
-        _, f1, f2, f3 = sch.split(fused, [None, warps, 32, 8])
-        sch.bind(f2, "threadIdx.x")
-        sch.bind(f1, "threadIdx.y")
-        sch.vectorize(f3)
-        sch.storage_align(blk, 0, axis=-2, factor=32, offset=8)
-        return blk
-
-    a_sh = to_shared(0)
-    b_sh = to_shared(1)
-    a_w = sch.cache_read(outer, 0, "warp")
-    b_w = sch.cache_read(outer, 1, "warp")
-    sch.compute_at(a_w, k1)
-    sch.compute_at(b_w, k1)
-    c_w = sch.cache_write(outer, 0, "warp")
-    sch.reverse_compute_at(c_w, ty)
-    ii, jj = sch.get_loops(c_w)[-2:]
-    io, ii = sch.split(ii, [None, 16])
-    jo, ji = sch.split(jj, [None, 16])
-    sch.reorder(io, jo, ii, ji)
-    sch.decompose_reduction(outer, sch.get_loops(outer)[2])
-    init = sch.get_sblock("C_init")
-
-    def frag(blk, h, w):
-        a, b = sch.get_loops(blk)[-2:]
-        a0, a1 = sch.split(a, [None, h])
-        b0, b1 = sch.split(b, [None, w])
-        sch.reorder(a0, b0, a1, b1)
-        return a1
-
-    la = frag(a_w, 16, 16)
-    lb = frag(b_w, 16, 16)
-
-    def index_map(r, c):
-        return (r // 16, c // 16, *ci.shared_16x16_to_ldmatrix_32x8_layout(r % 16, c % 16))
-
-    sch.transform_layout(a_w, ("write", 0), index_map)
-    sch.transform_layout(b_w, ("write", 0), index_map)
-    sch.transform_layout(c_w, ("read", 0), index_map)
-    sch.tensorize(la, ci.LDMATRIX_f16_A_DYN_INTRIN)
-    sch.tensorize(lb, ci.LDMATRIX_f16_B_DYN_INTRIN)
-    sch.tensorize(sch.get_loops(block)[-3], ci.MMA_f16f16f32_INTRIN)
-    sch.tensorize(sch.get_loops(init)[-2], ci.MMA_fill_16x16_f32_INTRIN)
-    sch.tensorize(sch.get_loops(c_w)[-2], ci.MMA_store_16x16_f32_global_INTRIN)
-    if stages > 1:
-        # k0's body once k1 is pipelined: the two shared copies, then k1's
-        # prologue (the first fragments' ldmatrix), body and epilogue; the
-        # prologue of the next tile is issued before this tile's epilogue
-        sch.annotate(k0, "software_pipeline_stage", [0, 0, stages - 2, stages - 1, stages - 1])
-        sch.annotate(k0, "software_pipeline_order", [0, 1, 3, 2, 4])
-        if use_async:
-            sch.annotate(k0, "software_pipeline_async_stages", [0])
-        sch.annotate(k1, "software_pipeline_stage", [0, 0, 1])
-        sch.annotate(k1, "software_pipeline_order", [0, 1, 2])
-    del a_sh, b_sh
-    return sch
+    return mma_gemm.schedule(func, mma_gemm.match(func), (bm, bn, wm, wn, bk, stages))
 
 
 def main(argv=None) -> int:
@@ -184,7 +101,7 @@ def main(argv=None) -> int:
             row = {"shape": shape, "config": name + ("" if args.no_async else "-async")}
             t0 = time.time()
             try:
-                sch = schedule(gemm_func(m, n, k), m, n, k, bm, bn, wm, wn, bk, st, not args.no_async)
+                sch = schedule(gemm_func(m, n, k), m, n, k, bm, bn, wm, wn, bk, st)
                 with tvm.transform.PassContext(opt_level=3, config={"tirx.use_async_copy": not args.no_async}):
                     lib = tvm.compile(sch.mod, target=target)
                 src = lib.mod.imports[0].inspect_source() if lib.mod.imports else ""

@@ -189,15 +189,18 @@ def _has_cp_async(target) -> bool:
         return False
 
 
-def schedule(func, gemm: Gemm, config: str):
-    """The schedule of `func` under one configuration (raises a ScheduleError
-    where it does not apply)."""
+def schedule(func, gemm: Gemm, config: str | tuple):
+    """The schedule of `func` under one configuration, a name in CONFIGS or
+    its tuple (scripts/mma_gemm_probe.py tries others); raises a
+    ScheduleError where it does not apply."""
     from tvm.s_tir.tensor_intrin import cuda as ci
 
     from ..tvm_compat import register_tensor_intrinsics, s_tir, tvm
 
     register_tensor_intrinsics()
-    bm, bn, wm, wn, bk, stages = CONFIGS[config]
+    bm, bn, wm, wn, bk, stages = CONFIGS[config] if isinstance(config, str) else config
+    if not isinstance(config, str):
+        config = f"{bm}x{bn}x{bk}-w{wm}x{wn}-s{stages}"
     fm, fn = bm // 16 // wm, bn // 16 // wn  # 16x16 fragments per warp along rows, cols
     warps = wm * wn
     sch = s_tir.Schedule(tvm.IRModule({"main": func}))
