@@ -99,11 +99,17 @@ def _flatten(sch, block, n_s: int, extents: list[int]) -> None:
     sch.transform_block_layout(block, tirx.IndexMap.from_func(f, ndim=len(extents)))
 
 
-def _flatten_rows_buffer(sch, block, extents: list[int]) -> None:
-    """A reduction's output ([rows...]) as one row axis."""
+def _flatten_rows_buffer(sch, block) -> None:
+    """A reduction's output ([rows...], as its buffer is shaped: with the
+    unit axes DLight's normalization leaves out of the iterators) as one row
+    axis."""
+    from .kernel_shape import static_int
+
+    shape = [static_int(d) for d in sch.get(block).writes[0].source.shape]
+
     def f(*idx):
         out = idx[0]
-        for i, d in zip(idx[1:], extents[1:]):
+        for i, d in zip(idx[1:], shape[1:]):
             out = out * d + i
         return [out]
 
@@ -114,7 +120,7 @@ def _schedule(sch, infos, n_s: int, n_r: int, extents: list[int]):
     for info in infos:
         _flatten(sch, info.block_rv, n_s, extents)
     for info in infos[:-1]:
-        _flatten_rows_buffer(sch, info.block_rv, extents[:n_s])
+        _flatten_rows_buffer(sch, info.block_rv)
     n_s = n_r = 1
     last = infos[-1].block_rv
     loops = sch.get_loops(last)

@@ -39,6 +39,7 @@ def _kernel(make, target, shape):
 
 @pytest.mark.parametrize("what, make, shape", [
     ("ConvNeXt's LayerNorm, 96 channels", _layer_norm(96), (8, 28, 28, 96)),
+    ("the same at batch 1 (a unit axis DLight's normalization drops)", _layer_norm(96), (1, 56, 56, 96)),
     ("ViT's LayerNorm, 384 features", _layer_norm(384), (8, 197, 384)),
     ("softmax over 197", _softmax, (8, 6, 197, 197)),
 ])
@@ -76,8 +77,9 @@ def test_general_reduction_gives_a_short_row_a_block_of_256(sm90):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make, shape", [(_layer_norm(96), (8, 28, 28, 96)), (_layer_norm(384), (8, 197, 384)),
-                                         (_softmax, (2, 6, 197, 197))], ids=["ln96", "ln384", "softmax197"])
+@pytest.mark.parametrize("make, shape", [(_layer_norm(96), (8, 28, 28, 96)), (_layer_norm(96), (1, 56, 56, 96)),
+                                         (_layer_norm(384), (8, 197, 384)), (_softmax, (2, 6, 197, 197))],
+                         ids=["ln96", "ln96-b1", "ln384", "softmax197"])
 def test_the_warp_a_row_schedule_computes_what_tvms_plain_lowering_does(sm90, make, shape):
     func = _kernel(make, sm90, shape)
     args, want = _reference(func)
