@@ -130,11 +130,21 @@ def match(func) -> Gemm | None:
         if not (written.same_as(a.source) or written.same_as(b.source)):
             return None
         producers.append(blk.name_hint)
-    # after it: injective blocks only
+    # after it: injective blocks only, each reading the GEMM's result (and
+    # what the blocks before it made of that) at its own [i, j]: element-wise,
+    # so that a thread block's epilogue reads its own tile only
     epilogue = []
+    derived = [c.source]
     for blk in blocks[at + 1:]:
-        if any(int(v.iter_type) != 0 for v in blk.iter_vars) or len(blk.writes) != 1:
+        if any(int(v.iter_type) != 0 for v in blk.iter_vars) or len(blk.writes) != 1 or len(blk.iter_vars) != 2:
             return None
+        own = [str(v.var) for v in blk.iter_vars]
+        for r in [*blk.reads, *blk.writes]:
+            if any(r.source.same_as(d) for d in derived) and [str(x) for x in point(r)] != own:
+                return None
+        if [str(x) for x in point(blk.writes[0])] != own:
+            return None
+        derived.append(blk.writes[0].source)
         epilogue.append(blk.name_hint)
     return Gemm(main.name_hint, extents[0], extents[1], extents[2], b_transposed, producers, epilogue)
 
@@ -159,9 +169,13 @@ def _is_multiply_accumulate(body, c_buf) -> bool:
 
 
 def configs_for(gemm: Gemm) -> list[str]:
-    """The configurations whose tiles divide this GEMM."""
-    return [name for name, (bm, bn, _, _, bk, _) in CONFIGS.items()
-            if gemm.m % bm == 0 and gemm.n % bn == 0 and gemm.k % bk == 0]
+    """The configurations whose tiles divide this GEMM and whose pipeline
+    has at least stages - 1 K tiles (with fewer, the `cp.async` waits do
+    not lower: `cp_async_wait_group: immediate operands must become
+    compile-time constants`; with stages - 1, ConvNeXt's K = 96 GEMM took
+    a 4-stage configuration that the kernel check passed on the H200)."""
+    return [name for name, (bm, bn, _, _, bk, stages) in CONFIGS.items()
+            if gemm.m % bm == 0 and gemm.n % bn == 0 and gemm.k % bk == 0 and gemm.k // bk >= stages - 1]
 
 
 def spaces(func, target) -> list:

@@ -247,9 +247,11 @@ def has_records(folder: Path) -> bool:
                for n in (RECORDS, RECORDS + PACKED, journal.MEASURED))
 
 
-def _all_lines(folder: Path, slower_than_default: bool = False) -> tuple[list[str], list[str]]:
+def _all_lines(folder: Path, slower_than_default: bool = False, keep_rejected: bool = False
+               ) -> tuple[list[str], list[str]]:
     """Every workload and record: the compressed files plus any working copy
-    and journal (`slower_than_default`: see check.drop_rejected)."""
+    and journal, less those check.drop_rejected drops (`slower_than_default`:
+    see there), unless `keep_rejected`."""
     workloads, records = tuple(_packed_lines(folder / (name + PACKED)) for name in (WORKLOADS, RECORDS))
     if (folder / RECORDS).is_file():
         try:
@@ -257,6 +259,8 @@ def _all_lines(folder: Path, slower_than_default: bool = False) -> tuple[list[st
         except (json.JSONDecodeError, IndexError):  # a torn line being written: count what is packed
             pass
     workloads, records, _ = journal.fold(workloads, records, folder / journal.MEASURED)
+    if keep_rejected:
+        return workloads, records
     return workloads, kernel_check.drop_rejected(folder, workloads, records, slower_than_default)
 
 
@@ -474,11 +478,11 @@ def trials_done(folder: Path, task_mods: list) -> list[tuple[int, float | None]]
 
 def marked(folder: Path, task_mods: list, markers: list[str]) -> list[set]:
     """For each task: which of `markers` (strings, e.g. passes/mma_gemm.py's
-    configuration names) appear in any of its records, valid or not, over
-    every record as `trials_done` counts them."""
+    configuration names) appear in any of its records: valid, failed, or
+    rejected by the kernel check."""
     from ..tvm_compat import ms
 
-    workloads, records = _all_lines(Path(folder))
+    workloads, records = _all_lines(Path(folder), keep_rejected=True)
     shash_of = [json.loads(ln)[0] for ln in workloads]
     found: dict[str, set] = {}
     for ln in records:

@@ -35,6 +35,7 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
             self.task = None
             self.context = None
             self.seeds = []
+            self.searching = False  # whether the evolutionary search has spaces (other than ours)
 
         def _initialize_with_tune_context(self, context):
             self.inner._initialize_with_tune_context(context)
@@ -43,11 +44,19 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
                 self.task = journal.task(context)
 
         def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None):
-            self.inner.pre_tuning(min(max_trials, budget), num_trials_per_iter, design_spaces, database, cost_model)
+            from ..passes import mma_gemm
+
+            # (our fixed kernels are measured as seeds only: in the evolutionary search they would be most of
+            # the initial population, without a decision to mutate, and measured again)
+            rest = [s for s in design_spaces if not mma_gemm.is_ours(s.mod)]
+            self.searching = bool(rest)
+            if rest:
+                self.inner.pre_tuning(min(max_trials, budget), num_trials_per_iter, rest, database, cost_model)
             self.seeds = _seeds(self.context, design_spaces, database, seed_configs) if budget > 0 else []
 
         def post_tuning(self):
-            self.inner.post_tuning()
+            if self.searching:
+                self.inner.post_tuning()
 
         def generate_measure_candidates(self):
             if deadline is not None and time.time() >= deadline:
@@ -55,14 +64,15 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
             if any(e.is_set() for e in stop):
                 return None
             candidates, self.seeds = self.seeds or None, []
-            if candidates is None:
+            if candidates is None and self.searching:
                 candidates = self.inner.generate_measure_candidates()
             if journal is not None and candidates is not None:
                 journal.offer(self.task, candidates)
             return candidates
 
         def notify_runner_results(self, measure_candidates, results):
-            self.inner.notify_runner_results(measure_candidates, results)
+            if self.searching:
+                self.inner.notify_runner_results(measure_candidates, results)
 
         def clone(self):
             return _make_deadline_search(deadline, budget, population, generations, stop, journal, seed_configs)
@@ -97,9 +107,27 @@ def _seeds(context, design_spaces, database, configs=None) -> list:
             space.trace.apply_to_schedule(sch, remove_postproc=True)
             if all(p.apply(sch) for p in postprocs):
                 out.append(ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True)))
+                continue
         except Exception as e:  # noqa: BLE001 - a postprocessor that raises rejects the kernel, as in the search
             log.debug("tune: an mma_gemm seed rejected (%s)", e)
+        _record_failure(database, context, space)
     return out
+
+
+def _record_failure(database, context, space) -> None:
+    """A configuration the postprocessors reject (more shared memory than
+    this GPU allows, say) recorded as failed, so that the plan does not
+    offer it again on every run (tune._plan)."""
+    from ..tvm_compat import ms
+
+    if database is None:
+        return
+    try:
+        database.commit_tuning_record(ms.database.TuningRecord(
+            space.trace, database.commit_workload(context.mod), [1e10], context.target,  # (as MetaSchedule records a failure)
+            ms.arg_info.ArgInfo.from_prim_func(context.mod["main"])))
+    except Exception as e:  # noqa: BLE001 - then it is offered again next time: never worse than that
+        log.debug("tune: a rejected mma_gemm configuration not recorded (%s)", e)
 
 
 def _design_space(task_mod, target, seed: int, attempts: int = 8):

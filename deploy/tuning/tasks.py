@@ -159,14 +159,16 @@ def _is_reshape(func) -> bool:
 
 
 def order(p: dict) -> tuple:
-    """Sort key of tune plans' entries, first to tune first: most trials
-    left; then, among kernels timed under their default schedules
+    """Sort key of tune plans' entries, first to tune first: those with
+    configurations of our mma.sync GEMM to measure (tune._plan); then most
+    trials left; then, among kernels timed under their default schedules
     (`check.time_defaults`), the most time per run (weight x time); then the
     most FLOPs per run. MetaSchedule's task scheduler gives the tasks one
     round each in this order before it chooses by gradient, so a short chunk
     reaches only the first few (a 3-minute chunk, ~4 tasks per lane)."""
     timed = p.get("default_us")
-    return (-p["left"], timed is None, -(timed or 0.0) * p["weight"], -p["flops"] * p["weight"])
+    return (not p.get("mma_missing"), -p["left"], timed is None, -(timed or 0.0) * p["weight"],
+            -p["flops"] * p["weight"])
 
 
 def stored_module(db, mod):

@@ -185,10 +185,12 @@ def _plan(all_tasks, db_dir: Path, profile: Profile, default_us: dict | None = N
     left of its budget; and the trials left overall.
 
     A task our mma.sync GEMM takes (passes/mma_gemm.py) also lists the
-    configurations its database has no record of (`mma_missing`), and is
-    given at least that many trials, also where the database holds its
-    `trials` already (not with TRIALS=0): a database tuned before that
-    schedule existed gets it measured once."""
+    configurations its database has no record of, valid or not
+    (`mma_missing`), and is given at least that many trials, also where the
+    database holds its `trials` already (then no other task is given any;
+    not with TRIALS=0): a database tuned before that schedule existed gets
+    it measured once. A configuration the search's postprocessors reject is
+    recorded as a failure (search._seeds), so it is not offered again."""
     flops = {t.task_name: task_loop.task_flops(t) for t in all_tasks}
     us = default_us or {}
     ranked = sorted(all_tasks, key=lambda t: (t.task_name not in us, -us.get(t.task_name, 0.0) * t.weight,
@@ -205,8 +207,12 @@ def _plan(all_tasks, db_dir: Path, profile: Profile, default_us: dict | None = N
                      "done": done, "best_s": best, "left": max(left, len(todo)), "mma_missing": todo})
     # (over every task: trials spent on tasks another MAX_TASKS choice kept count towards TRIALS too)
     total_done = sum(done for done, _ in done_all.values())
+    room = max(0, profile.trials - total_done)
+    if room == 0:  # TRIALS reached: only our configurations are measured (tasks.order puts them first)
+        for p in plan:
+            p["left"] = len(p["mma_missing"])
     extra = sum(len(p["mma_missing"]) for p in plan)
-    global_left = min(max(0, profile.trials - total_done, extra), sum(p["left"] for p in plan))
+    global_left = min(room + extra, sum(p["left"] for p in plan))
     return plan, global_left
 
 
@@ -226,8 +232,15 @@ def _mma_missing(tasks, db_dir: Path, tvm_target) -> dict[str, list[str]]:
         return {}
     have = dbs.marked(db_dir, [m for m, _ in applies.values()], list(mma_gemm.CONFIGS)) if dbs.has_records(db_dir) \
         else [set()] * len(applies)
-    return {name: [c for c in configs if c not in got] for (name, (_, configs)), got in zip(applies.items(), have)
-            if [c for c in configs if c not in got]}
+    out = {}
+    for (name, (mod, configs)), got in zip(applies.items(), have):
+        missing = [c for c in configs if c not in got]
+        if missing:  # (only those that schedule here: one that raises is never a candidate, never recorded)
+            made = {mma_gemm.config_of(s.mod) for s in mma_gemm.spaces(mod["main"], tvm_target)}
+            missing = [c for c in missing if c in made]
+        if missing:
+            out[name] = missing
+    return out
 
 
 def _outcome(plan: list[dict], db_dir: Path, stats: dict, elapsed: float, deadline: float | None) -> dict:

@@ -69,6 +69,34 @@ def test_it_declines_batched_matmuls_and_shapes_16_does_not_divide():
     assert mma_gemm.match(_gemm(n=1000)) is None
 
 
+def _gemm_then(epilogue):
+    """A 256^3 GEMM whose epilogue computes `epilogue(c, i, j)` from its result c."""
+    from tvm import te
+
+    a = te.placeholder((_i64(256), _i64(256)), "float16", name="A")
+    b = te.placeholder((_i64(256), _i64(256)), "float16", name="B")
+    r = te.reduce_axis((_i64(0), _i64(256)), name="k")
+    c = te.compute((_i64(256), _i64(256)), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"),
+                                                              axis=r), name="C")
+    e = te.compute((_i64(256), _i64(256)), lambda i, j: epilogue(c, i, j).astype("float16"), name="E")
+    return te.create_prim_func([a, b, e])
+
+
+def test_it_declines_an_epilogue_that_reads_the_result_outside_its_own_element():
+    """A thread block's epilogue reads its own tile of the accumulators only:
+    a shifted or transposed read of the result is not this schedule's."""
+    assert mma_gemm.match(_gemm_then(lambda c, i, j: c[i, j] * 2)) is not None
+    assert mma_gemm.match(_gemm_then(lambda c, i, j: c[i, (j + 1) % 256])) is None
+    assert mma_gemm.match(_gemm_then(lambda c, i, j: c[j, i])) is None
+    assert mma_gemm.match(_gemm_then(lambda c, i, j: c[i, j] + c[i, 0])) is None
+
+
+def test_a_pipeline_gets_at_least_stages_minus_one_k_tiles():
+    k64 = mma_gemm.configs_for(mma_gemm.match(_gemm(k=64)))
+    assert k64 and all(mma_gemm.CONFIGS[c][4] == 32 and mma_gemm.CONFIGS[c][5] <= 3 for c in k64)
+    assert mma_gemm.configs_for(mma_gemm.match(_gemm(k=32))) == []
+
+
 @pytest.mark.parametrize("b_transposed,epilogue", [(False, True), (True, True), (False, False)],
                          ids=["epilogue", "weight-NK", "no-epilogue"])
 def test_every_configuration_builds_for_sm90_with_cp_async_ldmatrix_and_mma(sm90, b_transposed, epilogue):
@@ -210,6 +238,39 @@ def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90,
                      cost_model=ms.cost_model.RandomModel())
     again = {mma_gemm.config_of(c.sch.mod) for c in ctx2.generate_measure_candidates()}
     assert mma_gemm.config_of(done.sch.mod) not in again and len(again) == len(mma_gemm.CONFIGS) - 1
+    # after the seeds, the evolutionary search draws from MetaSchedule's spaces only (ours are fixed kernels)
+    for _ in range(2):
+        later = ctx2.generate_measure_candidates()
+        assert later and not any(mma_gemm.is_ours(c.sch.mod) for c in later)
+    # the plan's list, where given, is what is measured: none here
+    ctx3 = ms.TuneContext(mod=mod, target=sm90, space_generator=space,
+                          search_strategy=tune_search._make_deadline_search(None, 64, 32, 2, seed_configs=[]),
+                          task_name="gemm", rand_state=1)
+    ctx3.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=ctx3.generate_design_space(),
+                    database=db, cost_model=ms.cost_model.RandomModel())
+    assert not any(mma_gemm.is_ours(c.sch.mod) for c in ctx3.generate_measure_candidates())
+
+
+def test_a_configuration_this_gpu_cannot_run_is_recorded_as_failed(tmp_path):
+    """On sm_86 (99 KB of shared memory a block) the postprocessors reject the
+    largest tiles: each is recorded as a failure, so the plan does not offer
+    it again."""
+    sm86 = tvm.target.Target({"kind": "cuda", "arch": "sm_86", "max_shared_memory_per_block": 49152,
+                              "max_threads_per_block": 1024, "thread_warp_size": 32, "registers_per_block": 65536})
+    mod = tvm.IRModule({"main": _gemm()})
+    space, _ = tune_search._design_space(mod, sm86, seed=1)
+    db = ms.database.MemoryDatabase()
+    ctx = ms.TuneContext(mod=mod, target=sm86, space_generator=space,
+                         search_strategy=tune_search._make_deadline_search(None, 64, 32, 2), task_name="gemm",
+                         rand_state=1)
+    ctx.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=ctx.generate_design_space(), database=db,
+                   cost_model=ms.cost_model.RandomModel())
+    measured = {mma_gemm.config_of(c.sch.mod) for c in ctx.generate_measure_candidates()}
+    failed = set()
+    for rec in db.get_all_tuning_records():
+        failed |= {c for c in mma_gemm.CONFIGS if f'"{c}"' in str(rec.trace)}
+        assert [float(x) for x in rec.run_secs] == [1e10]
+    assert failed and not failed & measured and failed | measured == set(mma_gemm.CONFIGS)
 
 
 @pytest.mark.gpu
@@ -244,19 +305,32 @@ def test_the_plan_gives_a_done_database_the_configurations_it_lacks(sm90, tmp_pa
     from types import SimpleNamespace
 
     from deploy.tuning import database as dbs
+    from deploy.tuning import tasks as tune_tasks
     from deploy.tuning import tune
 
-    tasks = [SimpleNamespace(task_name="gemm", dispatched=[tvm.IRModule({"main": _gemm()})], weight=1)]
+    gemm = SimpleNamespace(task_name="gemm", dispatched=[tvm.IRModule({"main": _gemm()})], weight=1)
+    batched = SimpleNamespace(task_name="bmm", dispatched=[tvm.IRModule({"main": _gemm(batch=4)})], weight=1)
     done = SimpleNamespace(trials=64, trials_per_task=64, max_tasks=0)
-    monkeypatch.setattr(dbs, "trials_done", lambda folder, mods: [(64, 1e-5)] * len(mods))
+    counts = {"gemm": (64, 1e-5), "bmm": (0, None)}  # TRIALS reached by the GEMM's records alone
+    monkeypatch.setattr(dbs, "trials_done", lambda folder, mods: [
+        counts["bmm" if mma_gemm.match(m["main"]) is None else "gemm"] for m in mods])
     monkeypatch.setattr(dbs, "has_records", lambda folder: True)
     monkeypatch.setattr(dbs, "marked", lambda folder, mods, markers: [{"128x128x32-w2x2-s3"}] * len(mods))
-    (p,), left = tune._plan(tasks, tmp_path, done, None, sm90)
+    (p,), left = tune._plan([gemm], tmp_path, done, None, sm90)
     assert p["mma_missing"] == [c for c in mma_gemm.CONFIGS if c != "128x128x32-w2x2-s3"]
     assert p["left"] == left == len(mma_gemm.CONFIGS) - 1
-    (p,), left = tune._plan(tasks, tmp_path, SimpleNamespace(trials=0, trials_per_task=64, max_tasks=0), None, sm90)
+    # TRIALS reached: the other task gets nothing, and ours comes first
+    plan, left = tune._plan([batched, gemm], tmp_path, done, None, sm90)
+    by = {q["name"]: q for q in plan}
+    assert (by["bmm"]["left"], by["gemm"]["left"], left) == (0, 7, 7)
+    assert sorted(plan, key=tune_tasks.order)[0]["name"] == "gemm"
+    # TRIALS not reached: what is left of it, plus ours
+    plan, left = tune._plan([batched, gemm], tmp_path, SimpleNamespace(trials=96, trials_per_task=64, max_tasks=0),
+                            None, sm90)
+    assert left == 32 + 7 and {q["name"]: q["left"] for q in plan} == {"bmm": 64, "gemm": 7}
+    (p,), left = tune._plan([gemm], tmp_path, SimpleNamespace(trials=0, trials_per_task=64, max_tasks=0), None, sm90)
     assert (p["mma_missing"], p["left"], left) == ([], 0, 0)
-    (p,), left = tune._plan(tasks, tmp_path, done, None, targets.resolve("llvm").tvm_target())
+    (p,), left = tune._plan([gemm], tmp_path, done, None, targets.resolve("llvm").tvm_target())
     assert (p["mma_missing"], left) == ([], 0)
 
 
