@@ -65,7 +65,15 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
                 return None
             candidates, self.seeds = self.seeds or None, []
             if candidates is None and self.searching:
-                candidates = self.inner.generate_measure_candidates()
+                from ..passes import mma_gemm
+
+                for _ in range(3):  # (its population also replays the database's best records, ours among them)
+                    batch = self.inner.generate_measure_candidates()
+                    if batch is None:
+                        break
+                    candidates = [c for c in batch if not mma_gemm.is_ours(c.sch.mod)] or None
+                    if candidates is not None:
+                        break
             if journal is not None and candidates is not None:
                 journal.offer(self.task, candidates)
             return candidates
