@@ -209,6 +209,16 @@ def test_verify_gpu_code_takes_the_opt_in_shared_memory_limit_for_these_kernels_
     assert not ours.apply(other)
 
 
+def _searching(mod, target, space, db, **search):
+    """A tuning context over `space` with our DeadlineSearch, ready to hand out batches."""
+    ctx = ms.TuneContext(mod=mod, target=target, space_generator=space,
+                         search_strategy=tune_search._make_deadline_search(None, 64, 32, 2, **search),
+                         task_name="gemm", rand_state=1)
+    ctx.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=ctx.generate_design_space(), database=db,
+                   cost_model=ms.cost_model.RandomModel())
+    return ctx
+
+
 def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90, tmp_path):
     """tuning/search.py: the design spaces of a GEMM task include ours, and
     the first batch the search hands out holds each of them, postprocessed;
@@ -218,24 +228,15 @@ def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90,
     mod = tvm.IRModule({"main": func})
     space, cache = tune_search._design_space(mod, sm90, seed=1)
     db = ms.database.MemoryDatabase()
-    search = tune_search._make_deadline_search(None, 64, 32, 2)
-    ctx = ms.TuneContext(mod=mod, target=sm90, space_generator=space, search_strategy=search, task_name="gemm",
-                         rand_state=1)
-    spaces = ctx.generate_design_space()
+    ctx = _searching(mod, sm90, space, db)
     assert cache.get("own") == 8 and cache["own_rule"] == tune_search.MMA_GEMM
-    ctx.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=spaces, database=db,
-                    cost_model=ms.cost_model.RandomModel())
     first = ctx.generate_measure_candidates()
     assert sorted(mma_gemm.config_of(c.sch.mod) for c in first) == sorted(mma_gemm.CONFIGS)
     # one of them recorded: the next search leaves it out
     done = first[0]
     db.commit_tuning_record(ms.database.TuningRecord(done.sch.trace, db.commit_workload(mod), [1e-5], sm90,
                                                      done.args_info))
-    ctx2 = ms.TuneContext(mod=mod, target=sm90, space_generator=space,
-                          search_strategy=tune_search._make_deadline_search(None, 64, 32, 2), task_name="gemm",
-                          rand_state=1)
-    ctx2.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=ctx2.generate_design_space(), database=db,
-                     cost_model=ms.cost_model.RandomModel())
+    ctx2 = _searching(mod, sm90, space, db)
     again = {mma_gemm.config_of(c.sch.mod) for c in ctx2.generate_measure_candidates()}
     assert mma_gemm.config_of(done.sch.mod) not in again and len(again) == len(mma_gemm.CONFIGS) - 1
     # after the seeds, the evolutionary search draws from MetaSchedule's spaces only (ours are fixed kernels)
@@ -243,11 +244,7 @@ def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90,
         later = ctx2.generate_measure_candidates()
         assert later and not any(mma_gemm.is_ours(c.sch.mod) for c in later)
     # the plan's list, where given, is what is measured: none here
-    ctx3 = ms.TuneContext(mod=mod, target=sm90, space_generator=space,
-                          search_strategy=tune_search._make_deadline_search(None, 64, 32, 2, seed_configs=[]),
-                          task_name="gemm", rand_state=1)
-    ctx3.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=ctx3.generate_design_space(),
-                    database=db, cost_model=ms.cost_model.RandomModel())
+    ctx3 = _searching(mod, sm90, space, db, seed_configs=[])
     assert not any(mma_gemm.is_ours(c.sch.mod) for c in ctx3.generate_measure_candidates())
 
 
@@ -260,11 +257,7 @@ def test_a_configuration_this_gpu_cannot_run_is_recorded_as_failed(tmp_path):
     mod = tvm.IRModule({"main": _gemm()})
     space, _ = tune_search._design_space(mod, sm86, seed=1)
     db = ms.database.MemoryDatabase()
-    ctx = ms.TuneContext(mod=mod, target=sm86, space_generator=space,
-                         search_strategy=tune_search._make_deadline_search(None, 64, 32, 2), task_name="gemm",
-                         rand_state=1)
-    ctx.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=ctx.generate_design_space(), database=db,
-                   cost_model=ms.cost_model.RandomModel())
+    ctx = _searching(mod, sm86, space, db)
     measured = {mma_gemm.config_of(c.sch.mod) for c in ctx.generate_measure_candidates()}
     failed = set()
     for rec in db.get_all_tuning_records():
