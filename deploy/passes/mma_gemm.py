@@ -22,7 +22,8 @@ GEMM, and 55.5 against 82.2 us for ViT's fc1 under today's tuned WMMA):
 
 Each configuration (`CONFIGS`) is one design space without decisions, so
 the search measures each once (`tuning/search.py` measures them first);
-those whose tiles do not divide the GEMM are left out. A two-stage
+those whose tiles do not divide the GEMM, or whose pipeline would have
+fewer than `stages - 1` K tiles, are left out (`configs_for`). A two-stage
 pipeline is not offered: it computed wrong results on every shape on the
 H200 (results/h200/2026-12-04/mma-gemm-probe/).
 
@@ -31,7 +32,9 @@ It applies to a kernel with one reduction block computing
 an fp32 C, whose inputs are function parameters or each written by one
 injective block reading parameters (pad_gemm's row padding, staged in
 shared memory as it is computed: the rows past the end are zero-filled),
-and injective blocks after it, the last writing the kernel's output.
+and injective 2-D blocks after it, each reading the GEMM's result (or
+what the blocks before it made of it) element-wise, at its own [i, j], the
+last writing the kernel's output.
 Batched matmuls (attention) and GEMMs with a dimension that 16 does not
 divide are left to MetaSchedule's rules; 1x1 convolutions and
 `[batch, seq, K]` matmuls take this schedule once `--flat-gemm` makes them
