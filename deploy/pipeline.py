@@ -262,7 +262,10 @@ UNTUNED_KEY = "untuned-key.json"
 
 def _own_spaces_note(own: dict) -> str:
     """', 8 with our short-reduction space, 4 with our mma.sync GEMM' ({task: rule})."""
-    names = {"short-reduction": "short-reduction space", "mma-gemm": "mma.sync GEMM"}
+    from .passes.schedule import SHORT_REDUCTION
+    from .tuning.search import MMA_GEMM
+
+    names = {SHORT_REDUCTION: "short-reduction space", MMA_GEMM: "mma.sync GEMM"}
     counts = {rule: sum(1 for r in own.values() if r == rule) for rule in names}
     return "".join(f", {n} with our {names[rule]}" for rule, n in counts.items() if n)
 

@@ -183,8 +183,8 @@ def configs_for(gemm: Gemm) -> list[str]:
 
 def spaces(func, target) -> list:
     """One Schedule per configuration that divides the GEMM (none where
-    `match` declines, the target is not CUDA or lacks sm_80's `cp.async`)."""
-    if target.kind.name != "cuda" or not _has_cp_async(target):
+    `match` declines or the target is not `available`)."""
+    if not available(target):
         return []
     gemm = match(func)
     if gemm is None:
@@ -198,10 +198,16 @@ def spaces(func, target) -> list:
     return out
 
 
-def _has_cp_async(target) -> bool:
-    arch = str(target.attrs.get("arch", "")) if target.attrs else ""
+def _arch(target) -> str:
+    return str(target.attrs.get("arch", "")) if target.attrs else ""
+
+
+def available(target) -> bool:
+    """Whether the target is CUDA with sm_80's `cp.async`."""
+    if target.kind.name != "cuda":
+        return False
     try:
-        return int("".join(ch for ch in arch.split("_")[-1] if ch.isdigit())) >= 80
+        return int("".join(ch for ch in _arch(target).split("_")[-1] if ch.isdigit())) >= 80
     except ValueError:
         return False
 
@@ -340,19 +346,15 @@ def verify_postproc(target):
     memory limit for kernels of this schedule (their shared memory is
     dynamic; TVM's runtime raises the limit at launch) and the target's own
     for every other kernel."""
-    from ..tvm_compat import PassContext, derived_object, ms
+    from ..tvm_compat import derived_object, ms, tvm
     from . import tensor_core_smem
 
-    arch = str(target.attrs.get("arch", "")) if target.attrs else ""
-    limit = OPT_IN_SHARED_MEMORY.get(arch)
-    stock = ms.postproc.VerifyGPUCode()
+    limit = OPT_IN_SHARED_MEMORY.get(_arch(target))
     if limit is None:
-        return stock
+        return ms.postproc.VerifyGPUCode()
     config = dict(target.export())
     config["max_shared_memory_per_block"] = limit
     config.pop("tag", None)
-    from ..tvm_compat import tvm
-
     relaxed_target = tvm.target.Target(config)
 
     @derived_object
@@ -370,10 +372,7 @@ def verify_postproc(target):
                 return self.stock.apply(sch)
             # lowered as our TIR pipeline lowers a tensor-core kernel
             # (tensor_core_smem.py: StorageRewrite mistypes its accumulator otherwise)
-            outer = PassContext.current()
-            config = dict(outer.config)
-            config[tensor_core_smem.OPTION] = True
-            with PassContext(opt_level=outer.opt_level, config=config):
+            with tensor_core_smem.tensor_core_context():
                 return self.relaxed.apply(sch)
 
         def clone(self):

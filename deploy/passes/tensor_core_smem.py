@@ -36,39 +36,48 @@ _TENSOR_CORE_MARKERS = ("wmma.", "tvm_mma_sync", "tvm_load_matrix_sync", "m16n8k
                         "ptx_mma", "ldmatrix")
 
 
-def _pipelines_copies(func) -> bool:
-    """Whether a scheduled PrimFunc asks for asynchronous copies in a
-    software pipeline (passes/mma_gemm.py: `cp.async`)."""
-    return "software_pipeline_async_stages" in func.script(show_meta=False)
+_ASYNC_MARKER = "software_pipeline_async_stages"  # a scheduled kernel that asks for cp.async (passes/mma_gemm.py)
+
+
+def _has_tensor_cores(text: str) -> bool:
+    return any(m in text for m in _TENSOR_CORE_MARKERS)
 
 
 def uses_tensor_cores(func) -> bool:
     """Whether a PrimFunc computes on tensor cores (read from its TVMScript:
     TVM 0.27 exposes no TIR visitor to Python)."""
-    text = func.script(show_meta=False)
-    return any(m in text for m in _TENSOR_CORE_MARKERS)
+    return _has_tensor_cores(func.script(show_meta=False))
+
+
+def tensor_core_context(async_copy: bool = False):
+    """The current PassContext with `OPTION` set, and `ASYNC_COPY` where
+    asked: how a tensor-core kernel is lowered (the pipeline below, and
+    passes/mma_gemm.py's VerifyGPUCode)."""
+    from ..tvm_compat import PassContext
+
+    outer = PassContext.current()
+    config = dict(outer.config)
+    config[OPTION] = True
+    if async_copy:
+        config[ASYNC_COPY] = True
+    return PassContext(opt_level=outer.opt_level, config=config,
+                       required_pass=list(outer.required_pass), disabled_pass=list(outer.disabled_pass))
 
 
 def _pipeline_factory():
-    from ..tvm_compat import PassContext, default_tir_pipeline, tirx, tvm
+    from ..tvm_compat import default_tir_pipeline, tirx, tvm
     from . import mma_epilogue  # (the other workaround its tensor-core kernels need, applied first)
 
     stock, finalize_host, finalize_device = default_tir_pipeline()
 
     @tvm.transform.module_pass(opt_level=0, name="DeployTIRPipeline")
     def pipeline(mod, _ctx):
-        tc = {gv: mma_epilogue.apply_to_func(f) for gv, f in mod.functions.items()
-              if isinstance(f, tirx.PrimFunc) and uses_tensor_cores(f)}
+        texts = {gv: f.script(show_meta=False) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+        tc = {gv: mma_epilogue.apply_to_func(mod[gv]) for gv, text in texts.items() if _has_tensor_cores(text)}
         if not tc:
             return stock(mod)
         rest = {gv: f for gv, f in mod.functions.items() if gv not in tc}
-        outer = PassContext.current()
-        config = dict(outer.config)
-        config[OPTION] = True
-        if any(_pipelines_copies(f) for f in tc.values()):
-            config[ASYNC_COPY] = True
-        with PassContext(opt_level=outer.opt_level, config=config,
-                         required_pass=list(outer.required_pass), disabled_pass=list(outer.disabled_pass)):
+        with tensor_core_context(async_copy=any(_ASYNC_MARKER in texts[gv] for gv in tc)):
             lowered_tc = stock(tvm.IRModule(tc, attrs=mod.attrs))
         if not rest:
             return lowered_tc

@@ -221,13 +221,14 @@ def _mma_missing(tasks, db_dir: Path, tvm_target) -> dict[str, list[str]]:
     database has no record of}, on CUDA targets with cp.async."""
     from ..passes import mma_gemm
 
-    if tvm_target is None or tvm_target.kind.name != "cuda" or not mma_gemm._has_cp_async(tvm_target):
+    if tvm_target is None or not mma_gemm.available(tvm_target):
         return {}
     applies = {}
     for t in tasks:
         gemm = mma_gemm.match(t.dispatched[0]["main"])
-        if gemm is not None and mma_gemm.configs_for(gemm):
-            applies[t.task_name] = (t.dispatched[0], mma_gemm.configs_for(gemm))
+        configs = mma_gemm.configs_for(gemm) if gemm is not None else []
+        if configs:
+            applies[t.task_name] = (t.dispatched[0], configs)
     if not applies:
         return {}
     have = dbs.marked(db_dir, [m for m, _ in applies.values()], list(mma_gemm.CONFIGS)) if dbs.has_records(db_dir) \
