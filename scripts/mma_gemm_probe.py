@@ -1,15 +1,19 @@
 """How fast can a tensor-core GEMM that TVM 0.27 generates run, written by hand
 instead of drawn by MetaSchedule's rules? Builds fp16 GEMMs (fp32
-accumulation and output) under deploy/passes/mma_gemm.py's `mma.sync`
-schedule (m16n8k16 through TVM's 16x16x16 intrinsics, operands staged in
-dynamic shared memory by 16-byte copies, `ldmatrix` into registers, and a
-software pipeline over the K tiles: `cp.async`, unless `--no-async`), in
-configurations beyond the tuner's (two stages among them). Each config is one block tile and
-pipeline depth. On a GPU it checks the result against PyTorch and times
-both (TVM's time_evaluator; torch.matmul, i.e. cuBLAS, with CUDA events);
+accumulation) under deploy/passes/mma_gemm.py's `mma.sync` schedule
+(m16n8k16 through TVM's 16x16x16 intrinsics, operands staged in dynamic
+shared memory by 16-byte copies, `ldmatrix` into registers, and a software
+pipeline over the K tiles: `cp.async`, unless `--no-async`), built as the
+package builds them (our TIR pipeline), in configurations beyond the
+tuner's: a two-stage pipeline, and any of `mma_gemm.name_of`'s form, e.g.
+`128x128x32-w2x2-s3-b3-f0` (compiled for 3 blocks per SM, fragments not
+double-buffered). `--epilogue` adds a model's epilogue (`gemm_func`). On a
+GPU it checks the result against PyTorch and times both (TVM's
+time_evaluator; torch, i.e. cuBLAS (+ its GELU kernel), with CUDA events);
 without one it only builds (`--target cuda:sm_90`), to see what lowers.
 
     python scripts/mma_gemm_probe.py --shapes 4096x4096x4096,6400x1536x384 --out DIR
+    python scripts/mma_gemm_probe.py --epilogue gelu --shapes 6272x1536x384 --configs 128x128x32-w2x2-s4 --out DIR
 
 Writes DIR/probe.json and DIR/probe.md.
 """
@@ -32,29 +36,60 @@ from deploy.passes import mma_gemm  # noqa: E402 - after the path (no TVM import
 CONFIGS = {"128x128x32-w2x2-s2": (128, 128, 2, 2, 32, 2), **mma_gemm.CONFIGS}
 
 
-def gemm_func(m: int, n: int, k: int):
-    from tvm import te
+EPILOGUES = ("none", "bias", "gelu", "gelu-mul", "gelu-f32")
+
+
+def gemm_func(m: int, n: int, k: int, epilogue: str = "none"):
+    """C = A @ B in fp32 of fp16 operands, then the epilogue: `none` (C is
+    the output), `bias` (fp16(C) + bias: a model's dense layer), `gelu`
+    (then GELU as exported: x * (1 + erf(x / sqrt 2)) * 0.5, in fp16, as
+    ViT's and ConvNeXt's fc1), `gelu-mul` (x * (1 / sqrt 2) instead of the
+    division), `gelu-f32` (the same GELU computed in fp32 on C + bias, cast
+    to fp16 once at the end)."""
+    from tvm import te, tirx
 
     a = te.placeholder((m, k), "float16", name="A")
     b = te.placeholder((k, n), "float16", name="B")
     r = te.reduce_axis((0, k), name="k")
     c = te.compute((m, n), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r),
                    name="C")
-    return te.create_prim_func([a, b, c])
+    if epilogue == "none":
+        return te.create_prim_func([a, b, c])
+    bias = te.placeholder((n,), "float16", name="bias")
+    if epilogue == "gelu-f32":
+        h = te.compute((m, n), lambda i, j: c[i, j] + bias[j].astype("float32"), name="H")
+        out = te.compute((m, n), lambda i, j: (h[i, j] * (te.erf(h[i, j] * tirx.const(0.7071067811865476, "float32"))
+                                                          + tirx.const(1, "float32"))
+                                               * tirx.const(0.5, "float32")).astype("float16"), name="D")
+        return te.create_prim_func([a, b, bias, out])
+    h = te.compute((m, n), lambda i, j: c[i, j].astype("float16") + bias[j], name="H")
+    if epilogue == "bias":
+        return te.create_prim_func([a, b, bias, h])
+    half = "float16"
+    if epilogue == "gelu":
+        s = te.compute((m, n), lambda i, j: h[i, j] / tirx.const(1.4142135623730951, half), name="S")
+    else:
+        s = te.compute((m, n), lambda i, j: h[i, j] * tirx.const(0.7071067811865476, half), name="S")
+    e = te.compute((m, n), lambda i, j: te.erf(s[i, j]) + tirx.const(1, half), name="E")
+    g = te.compute((m, n), lambda i, j: h[i, j] * e[i, j], name="G")
+    out = te.compute((m, n), lambda i, j: g[i, j] * tirx.const(0.5, half), name="D")
+    return te.create_prim_func([a, b, bias, out])
 
 
-def schedule(func, m: int, n: int, k: int, bm: int, bn: int, wm: int, wn: int, bk: int, stages: int):
+def schedule(func, m: int, n: int, k: int, bm: int, bn: int, wm: int, wn: int, bk: int, stages: int, *knobs):
     """deploy/passes/mma_gemm.py's schedule under this configuration. Raises
     when the shape does not tile (M % bm, N % bn, K % bk)."""
     if m % bm or n % bn or k % bk:
         raise ValueError(f"{m}x{n}x{k} does not tile by {bm}x{bn}x{bk}")
-    return mma_gemm.schedule(func, mma_gemm.match(func), (bm, bn, wm, wn, bk, stages))
+    return mma_gemm.schedule(func, mma_gemm.match(func), (bm, bn, wm, wn, bk, stages, *knobs))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="4096x4096x4096,6400x1536x384,6400x384x1536,6400x1152x384")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="names in CONFIGS, or any of mma_gemm.name_of's form (e.g. 128x128x32-w2x2-s4-b3-f0)")
+    p.add_argument("--epilogue", default="none", choices=EPILOGUES, help="see gemm_func")
     p.add_argument("--target", default=None, help="default: cuda on a GPU, else cuda:sm_90")
     p.add_argument("--no-async", action="store_true")
     p.add_argument("--out", required=True)
@@ -65,6 +100,7 @@ def main(argv=None) -> int:
 
     gpu = tvm.cuda(0).exist
     from deploy import targets
+    from deploy.passes import tensor_core_smem
 
     target = targets.resolve(args.target or ("cuda" if gpu else "cuda:sm_90")).tvm_target()
     out = Path(args.out)
@@ -81,41 +117,60 @@ def main(argv=None) -> int:
             rng = np.random.default_rng(0)
             a_np = (rng.standard_normal((m, k)) / 8).astype("float16")
             b_np = (rng.standard_normal((k, n)) / 8).astype("float16")
-            ta, tb = torch.from_numpy(a_np).cuda(), torch.from_numpy(b_np).cuda()
-            ref = (ta.float() @ tb.float()).cpu().numpy()
+            bias_np = (rng.standard_normal(n) / 8).astype("float16")
+            ta, tb, tbias = (torch.from_numpy(x).cuda() for x in (a_np, b_np, bias_np))
+            ref = ta.float() @ tb.float()
+            if args.epilogue != "none":
+                ref = ref.half() + tbias
+            if args.epilogue.startswith("gelu"):
+                ref = torch.nn.functional.gelu(ref.float())
+            ref = ref.float().cpu().numpy()
+
+            def cublas(ta=ta, tb=tb, tbias=tbias):  # (with the GELU as a second kernel)
+                if args.epilogue == "none":
+                    return torch.matmul(ta, tb)
+                out = torch.addmm(tbias, ta, tb)
+                return torch.nn.functional.gelu(out) if args.epilogue.startswith("gelu") else out
+
             for _ in range(10):
-                torch.matmul(ta, tb)
+                cublas()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(100):
-                torch.matmul(ta, tb)
+                cublas()
             end.record()
             torch.cuda.synchronize()
             t_us = start.elapsed_time(end) / 100 * 1e3
-            rows.append({"shape": shape, "config": "torch.matmul (cuBLAS)", "us": round(t_us, 2),
+            rows.append({"shape": shape, "config": "torch (cuBLAS)", "us": round(t_us, 2),
                          "tflops": round(flop / t_us / 1e6, 1)})
             print(rows[-1], flush=True)
         for name in args.configs.split(","):
-            bm, bn, wm, wn, bk, st = CONFIGS[name]
+            config = CONFIGS[name] if name in CONFIGS else mma_gemm.config_from_name(name)
             row = {"shape": shape, "config": name + ("" if args.no_async else "-async")}
             t0 = time.time()
             try:
-                sch = schedule(gemm_func(m, n, k), m, n, k, bm, bn, wm, wn, bk, st)
-                with tvm.transform.PassContext(opt_level=3, config={"tirx.use_async_copy": not args.no_async}):
-                    lib = tvm.compile(sch.mod, target=target)
+                sch = schedule(gemm_func(m, n, k, args.epilogue), m, n, k, *config)
+                mod = tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")})
+                if args.no_async:
+                    with tvm.transform.PassContext(opt_level=3):
+                        lib = tvm.compile(mod, target=target)
+                else:  # as the package builds it (our TIR pipeline turns cp.async on)
+                    with tvm.transform.PassContext(opt_level=3):
+                        lib = tvm.compile(mod, target=target, tir_pipeline=tensor_core_smem.register())
                 src = lib.mod.imports[0].inspect_source() if lib.mod.imports else ""
                 row.update(build_s=round(time.time() - t0, 1), cp_async="cp.async" in src,
                            ldmatrix="ldmatrix" in src, mma="mma.sync" in src)
                 if gpu:
                     dev = tvm.cuda(0)
-                    a, b = tvm.runtime.tensor(a_np, dev), tvm.runtime.tensor(b_np, dev)
-                    d = tvm.runtime.tensor(np.zeros((m, n), "float32"), dev)
-                    lib["main"](a, b, d)
+                    ins = [a_np, b_np] if args.epilogue == "none" else [a_np, b_np, bias_np]
+                    arrays = [tvm.runtime.tensor(x, dev) for x in ins]
+                    d = tvm.runtime.tensor(np.zeros((m, n), "float32" if args.epilogue == "none" else "float16"), dev)
+                    lib["main"](*arrays, d)
                     got = d.numpy().astype("float32")
                     rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
                     row["rel_l2"] = f"{rel:.2e}"
-                    ev = lib.mod.time_evaluator("main", dev, number=50, repeat=5)(a, b, d)
+                    ev = lib.mod.time_evaluator("main", dev, number=50, repeat=5)(*arrays, d)
                     t_us = float(np.median(ev.results)) * 1e6
                     row.update(us=round(t_us, 2), tflops=round(flop / t_us / 1e6, 1))
             except Exception as e:  # noqa: BLE001 - a probe records what fails
@@ -124,8 +179,9 @@ def main(argv=None) -> int:
             rows.append(row)
             print(row, flush=True)
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"
-    (out / "probe.json").write_text(json.dumps({"device": dev_name, "target": str(target), "rows": rows}, indent=1))
-    lines = [f"device: {dev_name}; target: {target}", "",
+    (out / "probe.json").write_text(json.dumps({"device": dev_name, "target": str(target), "rows": rows,
+                                                "epilogue": args.epilogue}, indent=1))
+    lines = [f"device: {dev_name}; target: {target}; epilogue: {args.epilogue} (scripts/mma_gemm_probe.py)", "",
              "| shape MxNxK | config | us | TFLOP/s | rel_l2 | cp.async | error |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['config']} | {r.get('us', '')} | {r.get('tflops', '')} | "

@@ -36,6 +36,13 @@ _TENSOR_CORE_MARKERS = ("wmma.", "tvm_mma_sync", "tvm_load_matrix_sync", "m16n8k
                         "ptx_mma", "ldmatrix")
 
 
+# A scheduled kernel's block annotation (passes/mma_gemm.py): the blocks per
+# SM to compile it for, `__launch_bounds__`' second argument. TVM reads it
+# from a statement attribute that its schedules cannot write, so the
+# pipeline sets it on the lowered kernel.
+MIN_BLOCKS = "deploy.min_blocks_per_sm"
+_MIN_BLOCKS_ATTR = "tirx.launch_bounds_min_blocks_per_sm"
+
 _ASYNC_MARKER = "software_pipeline_async_stages"  # a scheduled kernel that asks for cp.async (passes/mma_gemm.py)
 
 
@@ -79,6 +86,7 @@ def _pipeline_factory():
         rest = {gv: f for gv, f in mod.functions.items() if gv not in tc}
         with tensor_core_context(async_copy=any(_ASYNC_MARKER in texts[gv] for gv in tc)):
             lowered_tc = stock(tvm.IRModule(tc, attrs=mod.attrs))
+        lowered_tc = _launch_bounds(lowered_tc, {gv.name_hint: texts[gv] for gv in tc})
         if not rest:
             return lowered_tc
         out = stock(tvm.IRModule(rest, attrs=mod.attrs))
@@ -86,6 +94,30 @@ def _pipeline_factory():
         return out
 
     return pipeline, finalize_host, finalize_device
+
+
+def _launch_bounds(mod, texts: dict):
+    """`mod` with MIN_BLOCKS of each kernel (read from its scheduled
+    TVMScript, `texts` by function name) set on its device functions."""
+    import re
+
+    from ..tvm_compat import tirx
+
+    wanted = {}
+    for name, text in texts.items():
+        found = re.search(rf'"{re.escape(MIN_BLOCKS)}": (\d+)', text)
+        if found:
+            wanted[name] = int(found.group(1))
+    if not wanted:
+        return mod
+    mod = mod.shallow_copy() if hasattr(mod, "shallow_copy") else mod
+    for gv, f in list(mod.functions.items()):
+        if not isinstance(f, tirx.PrimFunc) or not f.attrs or "calling_conv" not in f.attrs:
+            continue
+        for name, blocks in wanted.items():
+            if gv.name_hint.startswith(name + "_kernel"):
+                mod[gv] = f.with_attr(_MIN_BLOCKS_ATTR, blocks)
+    return mod
 
 
 def register() -> str:

@@ -113,6 +113,33 @@ def test_every_configuration_builds_for_sm90_with_cp_async_ldmatrix_and_mma(sm90
             assert "*(uint2*)(G_ptr + " in src or "*(half4*)(G_ptr + " in src
 
 
+def test_a_configuration_name_carries_its_launch_bounds_and_fragment_buffering(sm90):
+    """The probe's knobs (scripts/mma_gemm_probe.py): `-b3` compiles the
+    kernel for 3 blocks per SM (`__launch_bounds__(128, 3)`, set by our TIR
+    pipeline on the lowered kernel), `-f0` leaves the ldmatrix fragments
+    single-buffered; the tuner's configurations set neither."""
+    import re
+
+    assert mma_gemm.config_from_name("128x128x32-w2x2-s3-b3-f0") == (128, 128, 2, 2, 32, 3, 3, 0)
+    for name in [*mma_gemm.CONFIGS, "64x128x32-w2x2-s4-b4", "128x128x32-w2x2-s4-f0"]:
+        assert mma_gemm.name_of(mma_gemm.config_from_name(name)) == name
+    for bad in ["128x128x32", "128x128x32-w2x2-s3-z1", "axbxc-w2x2-s3"]:
+        with pytest.raises(ValueError, match="not a configuration name"):
+            mma_gemm.config_from_name(bad)
+    func = _gemm()
+    gemm = mma_gemm.match(func)
+
+    def source(config):
+        sch = mma_gemm.schedule(func, gemm, config)
+        return tune_builder.lean_build(sch.mod, sm90, None).imports[0].inspect_source()
+
+    stock, knobs = source("128x128x32-w2x2-s3"), source(mma_gemm.config_from_name("128x128x32-w2x2-s3-b3-f0"))
+    assert re.findall(r"__launch_bounds__\([^)]*\)", stock) == ["__launch_bounds__(128)"] * 2
+    assert "__launch_bounds__(128, 3)" in knobs and "mma.sync" in knobs
+    # double-buffered fragments: one warp buffer of both K steps' fragments
+    assert "B_shared_dyn_warp_ptr[2048]" in stock and "B_shared_dyn_warp_ptr[2048]" not in knobs
+
+
 _FRESH_BUILD = """
 import sys, tvm
 from deploy import targets
@@ -229,16 +256,17 @@ def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90,
     space, cache = tune_search._design_space(mod, sm90, seed=1)
     db = ms.database.MemoryDatabase()
     ctx = _searching(mod, sm90, space, db)
-    assert cache.get("own") == 8 and cache["own_rule"] == tune_search.MMA_GEMM
+    tiling = mma_gemm.configs_for(mma_gemm.match(func))
+    assert len(tiling) >= 8 and cache.get("own") == len(tiling) and cache["own_rule"] == tune_search.MMA_GEMM
     first = ctx.generate_measure_candidates()
-    assert sorted(mma_gemm.config_of(c.sch.mod) for c in first) == sorted(mma_gemm.CONFIGS)
+    assert sorted(mma_gemm.config_of(c.sch.mod) for c in first) == sorted(tiling)
     # one of them recorded: the next search leaves it out
     done = first[0]
     db.commit_tuning_record(ms.database.TuningRecord(done.sch.trace, db.commit_workload(mod), [1e-5], sm90,
                                                      done.args_info))
     ctx2 = _searching(mod, sm90, space, db)
     again = {mma_gemm.config_of(c.sch.mod) for c in ctx2.generate_measure_candidates()}
-    assert mma_gemm.config_of(done.sch.mod) not in again and len(again) == len(mma_gemm.CONFIGS) - 1
+    assert mma_gemm.config_of(done.sch.mod) not in again and len(again) == len(tiling) - 1
     # after the seeds, the evolutionary search draws from MetaSchedule's spaces only (ours are fixed kernels)
     for _ in range(2):
         later = ctx2.generate_measure_candidates()
@@ -263,7 +291,8 @@ def test_a_configuration_this_gpu_cannot_run_is_recorded_as_failed(tmp_path):
     for rec in db.get_all_tuning_records():
         failed |= {c for c in mma_gemm.CONFIGS if f'"{c}"' in str(rec.trace)}
         assert [float(x) for x in rec.run_secs] == [1e10]
-    assert failed and not failed & measured and failed | measured == set(mma_gemm.CONFIGS)
+    tiling = set(mma_gemm.configs_for(mma_gemm.match(_gemm())))
+    assert failed and not failed & measured and failed | measured == tiling
 
 
 @pytest.mark.gpu
@@ -310,8 +339,9 @@ def test_the_plan_gives_a_done_database_the_configurations_it_lacks(sm90, tmp_pa
     monkeypatch.setattr(dbs, "has_records", lambda folder: True)
     monkeypatch.setattr(dbs, "marked", lambda folder, mods, markers: [{"128x128x32-w2x2-s3"}] * len(mods))
     (p,), left = tune._plan([gemm], tmp_path, done, None, sm90)
-    assert p["mma_missing"] == [c for c in mma_gemm.CONFIGS if c != "128x128x32-w2x2-s3"]
-    assert p["left"] == left == len(mma_gemm.CONFIGS) - 1
+    tiling = mma_gemm.configs_for(mma_gemm.match(_gemm()))
+    assert p["mma_missing"] == [c for c in tiling if c != "128x128x32-w2x2-s3"]
+    assert p["left"] == left == len(tiling) - 1
     # TRIALS reached: the other task gets nothing, and ours comes first
     plan, left = tune._plan([batched, gemm], tmp_path, done, None, sm90)
     by = {q["name"]: q for q in plan}
