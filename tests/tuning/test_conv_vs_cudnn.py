@@ -1,0 +1,64 @@
+"""scripts/conv_vs_cudnn.py: a database's convolutions against torch's conv2d
+on the same shapes (cuDNN on the GPU machine; here, torch on the CPU, which
+checks the script, not the comparison)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DB = ROOT / "tuning_logs" / "resnet50" / "cuda-sm_90-nvidia-h200" / "fp16-nhwc-b64"
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("conv_vs_cudnn", ROOT / "scripts" / "conv_vs_cudnn.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_convolution_is_read_from_the_buffers_shapes():
+    p = _script().conv_params
+    same = p(["64,56,56,64", "64,3,3,64", "1,1,1,64", "64,56,56,64"])
+    assert (same["kernel"], same["stride"], same["padding"]) == (3, 1, 1)
+    assert same["gflop"] == pytest.approx(2 * 64 * 56 * 56 * 64 * 9 * 64 / 1e9)
+    assert p(["64,56,56,128", "128,3,3,128", "1,1,1,128", "64,28,28,128"])["stride"] == 2
+    down = p(["64,56,56,256", "512,1,1,256", "1,1,1,512", "64,28,28,512"])
+    assert (down["kernel"], down["stride"], down["padding"]) == (1, 2, 0)
+    stem = p(["64,224,224,3", "64,7,7,3", "1,1,1,64", "64,112,112,64"])
+    assert (stem["kernel"], stem["stride"], stem["padding"]) == (7, 2, 3)
+    assert p(["200704,64", "64,256", "1,256", "200704,256"]) is None  # a GEMM
+    assert p(["64,56,56,64", "64,3,3,32", "64,56,56,64"]) is None  # grouped
+    assert p(["64,56,56,64", "64,3,3,64", "64,50,50,64"]) is None  # no stride gives that output
+
+
+def test_a_table_of_the_databases_convolutions(tmp_path):
+    if not (DB / "database_workload.json.xz").is_file():
+        pytest.skip("the committed ResNet-50 batch-64 database is not in this checkout")
+    mod = _script()
+    out = tmp_path / "out"
+    assert mod.main([str(DB), "--out", str(out), "--device", "cpu", "--dtype", "float32", "--iters", "1",
+                     "--limit", "1"]) == 0
+    got = json.loads((out / "conv_vs_cudnn.json").read_text())
+    (row,) = got["rows"]
+    want = next(r for r in mod.db_kernels.rows(DB) if r["workload"] == row["workload"])
+    assert row["tvm_us"] == round(min(t for t in (want["best_us"], want["default_us"]) if t), 2)
+    assert row["torch_us"] > 0 and row["tvm_tflops"] == pytest.approx(row["gflop"] / row["tvm_us"] * 1e3, rel=1e-2)
+    assert "| TVM / torch |" in (out / "conv_vs_cudnn.md").read_text()
+
+
+def test_bad_inputs_get_one_line_and_exit_2(tmp_path, capsys):
+    mod = _script()
+    assert mod.main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "no tuning database" in capsys.readouterr().err
+    if DB.is_dir():
+        import torch
+
+        if not torch.cuda.is_available():
+            assert mod.main([str(DB), "--out", str(tmp_path / "o")]) == 2
+            assert "no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
