@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import db_kernels  # noqa: E402 - scripts/db_kernels.py, beside this file
+import probe_common  # noqa: E402 - scripts/probe_common.py
 
 
 def conv_params(shapes: list[str]) -> dict | None:
@@ -70,17 +71,9 @@ def time_torch(p: dict, device: str, dtype: str, iters: int) -> float:
     def call():
         return torch.nn.functional.conv2d(x, wt, b, stride=p["stride"], padding=p["padding"])
 
-    for _ in range(3):
-        call()
     if device == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters * 1e3
+        return probe_common.cuda_event_us(call, iters=iters)
+    call()
     t0 = time.perf_counter()
     for _ in range(iters):
         call()

@@ -21,12 +21,14 @@ Writes DIR/probe.json and DIR/probe.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import probe_common  # noqa: E402 - scripts/probe_common.py, beside this file
 
 from deploy.passes import mma_gemm  # noqa: E402 - after the path (no TVM import at this point)
 
@@ -132,16 +134,7 @@ def main(argv=None) -> int:
                 out = torch.addmm(tbias, ta, tb)
                 return torch.nn.functional.gelu(out) if args.epilogue.startswith("gelu") else out
 
-            for _ in range(10):
-                cublas()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(100):
-                cublas()
-            end.record()
-            torch.cuda.synchronize()
-            t_us = start.elapsed_time(end) / 100 * 1e3
+            t_us = probe_common.cuda_event_us(cublas)
             rows.append({"shape": shape, "config": "torch (cuBLAS)", "us": round(t_us, 2),
                          "tflops": round(flop / t_us / 1e6, 1)})
             print(rows[-1], flush=True)
@@ -162,31 +155,17 @@ def main(argv=None) -> int:
                 row.update(build_s=round(time.time() - t0, 1), cp_async="cp.async" in src,
                            ldmatrix="ldmatrix" in src, mma="mma.sync" in src)
                 if gpu:
-                    dev = tvm.cuda(0)
                     ins = [a_np, b_np] if args.epilogue == "none" else [a_np, b_np, bias_np]
-                    arrays = [tvm.runtime.tensor(x, dev) for x in ins]
-                    d = tvm.runtime.tensor(np.zeros((m, n), "float32" if args.epilogue == "none" else "float16"), dev)
-                    lib["main"](*arrays, d)
-                    got = d.numpy().astype("float32")
-                    rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-                    row["rel_l2"] = f"{rel:.2e}"
-                    ev = lib.mod.time_evaluator("main", dev, number=50, repeat=5)(*arrays, d)
-                    t_us = float(np.median(ev.results)) * 1e6
-                    row.update(us=round(t_us, 2), tflops=round(flop / t_us / 1e6, 1))
+                    row.update(probe_common.run_and_time(lib, ins, (m, n), "float32" if args.epilogue == "none"
+                                                         else "float16", ref, flop))
             except Exception as e:  # noqa: BLE001 - a probe records what fails
-                lines = str(e).strip().splitlines()
-                row["error"] = (lines[-1] if lines else type(e).__name__)[:200]
+                row["error"] = probe_common.error_line(e)
             rows.append(row)
             print(row, flush=True)
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"
-    (out / "probe.json").write_text(json.dumps({"device": dev_name, "target": str(target), "rows": rows,
-                                                "epilogue": args.epilogue}, indent=1))
-    lines = [f"device: {dev_name}; target: {target}; epilogue: {args.epilogue} (scripts/mma_gemm_probe.py)", "",
-             "| shape MxNxK | config | us | TFLOP/s | rel_l2 | cp.async | error |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['shape']} | {r['config']} | {r.get('us', '')} | {r.get('tflops', '')} | "
-                     f"{r.get('rel_l2', '')} | {r.get('cp_async', '')} | {r.get('error', '')} |")
-    (out / "probe.md").write_text("\n".join(lines) + "\n")
+    probe_common.write_results(
+        out, f"device: {dev_name}; target: {target}; epilogue: {args.epilogue} (scripts/mma_gemm_probe.py)",
+        {"device": dev_name, "target": str(target), "epilogue": args.epilogue}, rows, "cp_async")
     return 0
 
 

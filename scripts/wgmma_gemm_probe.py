@@ -38,13 +38,15 @@ process. `tests/passes/test_wgmma_probe.py` fails once TVM no longer needs it.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import probe_common  # noqa: E402 - scripts/probe_common.py, beside this file
 
 TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 BM, BK = 128, 64  # rows a CTA computes (two m64 wgmmas), K columns a stage holds (128 bytes: the swizzle's width)
@@ -229,16 +231,7 @@ def main(argv=None) -> int:
                 y = torch.addmm(tbias, ta, tb.T)
                 return torch.nn.functional.gelu(y) if args.epilogue == "gelu" else y
 
-            for _ in range(10):
-                cublas()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(100):
-                cublas()
-            end.record()
-            torch.cuda.synchronize()
-            t_us = start.elapsed_time(end) / 100 * 1e3
+            t_us = probe_common.cuda_event_us(cublas)
             rows.append({"shape": shape, "config": "torch (cuBLAS)", "us": round(t_us, 2),
                          "tflops": round(flop / t_us / 1e6, 1)})
             print(rows[-1], flush=True)
@@ -252,31 +245,18 @@ def main(argv=None) -> int:
                     row.update(build_s=round(time.time() - t0, 1), wgmma="wgmma.mma_async" in src,
                                tma="cp.async.bulk.tensor" in src)
                     if gpu:
-                        dev = tvm.cuda(0)
-                        ins = [tvm.runtime.tensor(x, dev) for x in (a_np, b_np, bias_np)]
-                        c = tvm.runtime.tensor(np.zeros((m, n), "float16"), dev)
-                        lib["main"](*ins, c)
-                        got = c.numpy().astype("float32")
-                        row["rel_l2"] = f"{float(np.linalg.norm(got - ref) / np.linalg.norm(ref)):.2e}"
-                        ev = lib.time_evaluator("main", dev, number=50, repeat=5)(*ins, c)
-                        t_us = float(np.median(ev.results)) * 1e6
-                        row.update(us=round(t_us, 2), tflops=round(flop / t_us / 1e6, 1))
+                        row.update(probe_common.run_and_time(lib, [a_np, b_np, bias_np], (m, n), "float16", ref,
+                                                             flop))
                     else:
                         row["ptxas"] = nvcc_usage(src, out)
                 except Exception as e:  # noqa: BLE001 - a probe records what fails
-                    lines = str(e).strip().splitlines()
-                    row["error"] = (lines[-1] if lines else type(e).__name__)[:200]
+                    row["error"] = probe_common.error_line(e)
                 rows.append(row)
                 print(row, flush=True)
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"
-    (out / "probe.json").write_text(json.dumps({"device": dev_name, "epilogue": args.epilogue, "rows": rows},
-                                               indent=1) + "\n")
-    lines = [f"device: {dev_name}; target sm_90a; epilogue: {args.epilogue} (scripts/wgmma_gemm_probe.py)", "",
-             "| shape MxNxK | config | us | TFLOP/s | rel_l2 | ptxas | error |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['shape']} | {r['config']} | {r.get('us', '')} | {r.get('tflops', '')} | "
-                     f"{r.get('rel_l2', '')} | {r.get('ptxas', '')} | {r.get('error', '')} |")
-    (out / "probe.md").write_text("\n".join(lines) + "\n")
+    probe_common.write_results(
+        out, f"device: {dev_name}; target sm_90a; epilogue: {args.epilogue} (scripts/wgmma_gemm_probe.py)",
+        {"device": dev_name, "epilogue": args.epilogue}, rows, "ptxas")
     return 0
 
 

@@ -1,0 +1,69 @@
+"""What the GEMM probes in scripts/ share: how they time a kernel (torch's by
+CUDA events, TVM's by its time_evaluator, the median of its repeats; in
+microseconds a call) and how they write their results (probe.json and a
+probe.md table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def cuda_event_us(fn, iters: int = 100, warmup: int = 10) -> float:
+    """Microseconds a call of `fn` (which launches torch CUDA work) takes."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def tvm_us(lib, dev, *args, number: int = 50, repeat: int = 5) -> float:
+    """Microseconds a call of a built TVM module's `main` takes (median of the repeats)."""
+    import numpy as np
+
+    ev = lib.time_evaluator("main", dev, number=number, repeat=repeat)(*args)
+    return float(np.median(ev.results)) * 1e6
+
+
+def run_and_time(lib, inputs: list, out_shape, out_dtype: str, ref, flop: float) -> dict:
+    """Runs a built GEMM's `main` on the GPU (inputs as NumPy arrays, then
+    the output), and returns its rel_l2 against `ref`, its time and TFLOP/s."""
+    import numpy as np
+
+    from deploy.tvm_compat import tvm
+
+    dev = tvm.cuda(0)
+    arrays = [tvm.runtime.tensor(x, dev) for x in inputs]
+    out = tvm.runtime.tensor(np.zeros(out_shape, out_dtype), dev)
+    lib["main"](*arrays, out)
+    got = out.numpy().astype("float32")
+    t_us = tvm_us(lib.mod, dev, *arrays, out)
+    return {"rel_l2": f"{float(np.linalg.norm(got - ref) / np.linalg.norm(ref)):.2e}", "us": round(t_us, 2),
+            "tflops": round(flop / t_us / 1e6, 1)}
+
+
+def error_line(e: Exception) -> str:
+    """The last line of an exception's message (a probe records what fails, no trace)."""
+    lines = str(e).strip().splitlines()
+    return (lines[-1] if lines else type(e).__name__)[:200]
+
+
+def write_results(out: Path, header: str, meta: dict, rows: list[dict], extra_column: str) -> None:
+    """probe.json ({**meta, "rows": rows}) and probe.md: `header`, then a
+    row per measurement (shape, config, us, TFLOP/s, rel_l2, the row's
+    `extra_column` entry, error)."""
+    (out / "probe.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    lines = [header, "", f"| shape MxNxK | config | us | TFLOP/s | rel_l2 | {extra_column} | error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['config']} | {r.get('us', '')} | {r.get('tflops', '')} | "
+                     f"{r.get('rel_l2', '')} | {r.get(extra_column, '')} | {r.get('error', '')} |")
+    (out / "probe.md").write_text("\n".join(lines) + "\n")
