@@ -15,7 +15,10 @@ C[M, N] fp16 = epilogue(A[M, K] @ B[N, K]^T + bias[N]), fp32 accumulation.
   (`runtime.cuTensorMapEncodeTiled`).
 - The epilogue (bias; `--epilogue gelu`: GELU in fp32 with erf) is applied to
   the accumulators in registers and written to global memory as fp16.
-- Shapes must tile: M % 128, N % BN, K % 64.
+- Shapes must tile: M % 128, N % BN, K % 64 (fp16) or 32 (tf32).
+- `--dtype tf32`: fp32 operands, bias and output, the products on TF32 tensor
+  cores (`wgmma ... k8 .tf32`; issue 19's TF32 option), checked against
+  strict fp32 and timed beside cuBLAS with `allow_tf32`.
 
 It is built with TVM's `tirx` TIR pipeline for `sm_90a` (`wgmma` needs the
 `a` target). On a GPU the probe checks the result against PyTorch and times
@@ -49,8 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_common  # noqa: E402 - scripts/probe_common.py, beside this file
 
 TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-BM, BK = 128, 64  # rows a CTA computes (two m64 wgmmas), K columns a stage holds (128 bytes: the swizzle's width)
+BM = 128  # rows a CTA computes (two m64 wgmmas)
+SWIZZLE_BYTES = 128  # a stage's K extent in bytes: the TMA swizzle's width (64 fp16 or 32 fp32 columns)
 EPILOGUES = ("bias", "gelu")
+# dtype: (element type in memory, bytes, wgmma's K per instruction, its input type, its transpose immediates)
+DTYPES = {"fp16": ("float16", 2, 16, "f16", (0, 0)), "tf32": ("float32", 4, 8, "tf32", ())}
 
 
 def target():
@@ -72,25 +78,34 @@ def _fix_noop_barrier_codegen() -> None:
         return res[0] if isinstance(res, tuple) else res
 
 
-def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: str = "bias"):
-    """The kernel as a PrimFunc (global symbol `main`)."""
+def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: str = "bias",
+              dtype: str = "fp16"):
+    """The kernel as a PrimFunc (global symbol `main`). `dtype` fp16: fp16
+    operands, bias and output; tf32: fp32 operands, bias and output, the
+    products on TF32 tensor cores (what PyTorch's matmul does with
+    `allow_tf32`)."""
     from tvm.script import tirx as T
 
-    if m % BM or n % bn or k % BK:
-        raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x{BK}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    elem, ebytes, kstep, wtype, trans = DTYPES[dtype]
+    bk = SWIZZLE_BYTES // ebytes
+    if m % BM or n % bn or k % bk:
+        raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x{bk}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
     gelu = epilogue == "gelu"
-    k_tiles, grid_m, grid_n = k // BK, m // BM, n // bn
-    a_tile, b_tile = BM * BK, bn * BK  # elements a stage holds
-    stage_bytes = (a_tile + b_tile) * 2
+    k_tiles, grid_m, grid_n = k // bk, m // BM, n // bn
+    a_tile, b_tile = BM * bk, bn * bk  # elements a stage holds
+    stage_bytes = (a_tile + b_tile) * ebytes
+    step_bytes = kstep * ebytes  # one wgmma's K extent: 32 bytes for either type
     nacc = bn // 2  # fp32 accumulators a thread holds for one m64 x bn wgmma
-    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16"
+    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k{kstep}.f32.{wtype}.{wtype}"
     prologue = min(stages, k_tiles)
     # cuTensorMapEncodeTiled: global dims (2), global stride (bytes), box (2), element strides (2),
     # interleave, swizzle (3: 128 bytes), L2 promotion, out-of-bounds fill
-    a_map_args = [k, m, k * 2, BK, BM, 1, 1, 0, 3, 2, 0]
-    b_map_args = [k, n, k * 2, BK, bn, 1, 1, 0, 3, 2, 0]
+    a_map_args = [k, m, k * ebytes, bk, BM, 1, 1, 0, 3, 2, 0]
+    b_map_args = [k, n, k * ebytes, bk, bn, 1, 1, 0, 3, 2, 0]
 
     def accs(acc, h):
         return [acc[h * nacc + i] for i in range(nacc)]
@@ -98,21 +113,21 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
     # fmt: off
     @T.prim_func
     def gemm(a_ptr: T.handle, b_ptr: T.handle, bias_ptr: T.handle, c_ptr: T.handle):
-        A = T.match_buffer(a_ptr, (m, k), "float16", align=16)
-        B = T.match_buffer(b_ptr, (n, k), "float16", align=16)
-        bias = T.match_buffer(bias_ptr, (n,), "float16", align=16)
-        C = T.match_buffer(c_ptr, (m, n), "float16", align=16)
+        A = T.match_buffer(a_ptr, (m, k), elem, align=16)
+        B = T.match_buffer(b_ptr, (n, k), elem, align=16)
+        bias = T.match_buffer(bias_ptr, (n,), elem, align=16)
+        C = T.match_buffer(c_ptr, (m, n), elem, align=16)
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, "float16", 2, A.data, *a_map_args)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, elem, 2, A.data, *a_map_args)
         B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, "float16", 2, B.data, *b_map_args)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, elem, 2, B.data, *b_map_args)
 
         T.device_entry()
         bx = T.cta_id([grid_m * grid_n])
         tx = T.thread_id([128])
-        arena = T.alloc_buffer((stages * (a_tile + b_tile),), "float16", scope="shared.dyn", align=1024)
-        A_s = T.decl_buffer((stages, BM, BK), "float16", data=arena.data, scope="shared.dyn")
-        B_s = T.decl_buffer((stages, bn, BK), "float16", data=arena.data, elem_offset=stages * a_tile,
+        arena = T.alloc_buffer((stages * (a_tile + b_tile),), elem, scope="shared.dyn", align=1024)
+        A_s = T.decl_buffer((stages, BM, bk), elem, data=arena.data, scope="shared.dyn")
+        B_s = T.decl_buffer((stages, bn, bk), elem, data=arena.data, elem_offset=stages * a_tile,
                             scope="shared.dyn")
         bars = T.alloc_shared((stages,), "uint64")
         acc = T.alloc_local((2 * nacc,), "float32")
@@ -130,8 +145,8 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
         T.cuda.cta_sync()
         if tx == 0:  # the ring's first tiles
             for s in T.unroll(prologue):
-                T.ptx[TMA_LOAD](A_s.ptr_to([s, 0, 0]), T.address_of(A_map), s * BK, m0, bars.ptr_to([s]))
-                T.ptx[TMA_LOAD](B_s.ptr_to([s, 0, 0]), T.address_of(B_map), s * BK, n0, bars.ptr_to([s]))
+                T.ptx[TMA_LOAD](A_s.ptr_to([s, 0, 0]), T.address_of(A_map), s * bk, m0, bars.ptr_to([s]))
+                T.ptx[TMA_LOAD](B_s.ptr_to([s, 0, 0]), T.address_of(B_map), s * bk, n0, bars.ptr_to([s]))
                 T.ptx.mbarrier.arrive.expect_tx.shared.b64(bars.ptr_to([s]), T.uint32(stage_bytes))
         # descriptors of stage 0; a step's own offset is added in 16-byte units
         # (desc_a ... d_b: TVMScript's declared locals above, which ruff cannot see)
@@ -142,21 +157,21 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
             for i in T.unroll(2 * nacc):
                 T.cuda.wgmma.noop_barrier(acc[i])
             T.ptx.wgmma.fence.sync.aligned()
-            for kk in T.unroll(BK // 16):
-                d_b = desc_b + T.Cast("uint64", ((kt % stages) * b_tile * 2 + kk * 32) // 16)  # noqa: F821
+            for kk in T.unroll(bk // kstep):
+                d_b = desc_b + T.Cast("uint64", ((kt % stages) * b_tile * ebytes + kk * step_bytes) // 16)  # noqa: F821
                 for h in T.unroll(2):
                     d_a = desc_a + T.Cast(  # noqa: F821
-                        "uint64", ((kt % stages) * a_tile * 2 + h * 64 * BK * 2 + kk * 32) // 16)
+                        "uint64", ((kt % stages) * a_tile * ebytes + h * 64 * bk * ebytes + kk * step_bytes) // 16)
                     # scale-d false on the first step: the accumulators start at zero
-                    T.ptx[mma](*accs(acc, h), d_a, d_b, kt * (BK // 16) + kk > 0, 1, 1, 0, 0)
+                    T.ptx[mma](*accs(acc, h), d_a, d_b, kt * (bk // kstep) + kk > 0, 1, 1, *trans)
             T.ptx.wgmma.commit_group.sync.aligned()
             T.ptx.wgmma.wait_group.sync.aligned(0)
             for i in T.unroll(2 * nacc):
                 T.cuda.wgmma.noop_barrier(acc[i])
             if tx == 0 and kt + stages < k_tiles:  # this slot's wgmmas are done: refill it
-                T.ptx[TMA_LOAD](A_s.ptr_to([kt % stages, 0, 0]), T.address_of(A_map), (kt + stages) * BK, m0,
+                T.ptx[TMA_LOAD](A_s.ptr_to([kt % stages, 0, 0]), T.address_of(A_map), (kt + stages) * bk, m0,
                                 bars.ptr_to([kt % stages]))
-                T.ptx[TMA_LOAD](B_s.ptr_to([kt % stages, 0, 0]), T.address_of(B_map), (kt + stages) * BK, n0,
+                T.ptx[TMA_LOAD](B_s.ptr_to([kt % stages, 0, 0]), T.address_of(B_map), (kt + stages) * bk, n0,
                                 bars.ptr_to([kt % stages]))
                 T.ptx.mbarrier.arrive.expect_tx.shared.b64(bars.ptr_to([kt % stages]), T.uint32(stage_bytes))
         # epilogue: the m64nN accumulator layout -> (+ bias, GELU) -> fp16
@@ -168,10 +183,10 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
                         col = T.meta_var(n0 + i * 8 + (tx % 4) * 2 + c)
                         x = T.meta_var(acc[h * nacc + i * 4 + r * 2 + c] + T.Cast("float32", bias[col]))
                         if gelu:
-                            C[row, col] = T.Cast("float16", T.float32(0.5) * x
+                            C[row, col] = T.Cast(elem, T.float32(0.5) * x
                                                  * (T.float32(1) + T.erf(x * T.float32(0.7071067811865476))))
                         else:
-                            C[row, col] = T.Cast("float16", x)
+                            C[row, col] = T.Cast(elem, x)
     # fmt: on
     return gemm.with_attr("global_symbol", "main")
 
@@ -201,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--bn", default="128", help="tile columns to try, e.g. 64,128")
     p.add_argument("--stages", default="4", help="ring depths to try, e.g. 3,4")
     p.add_argument("--epilogue", default="bias", choices=EPILOGUES)
+    p.add_argument("--dtype", default="fp16", choices=tuple(DTYPES),
+                   help="tf32: fp32 operands on TF32 tensor cores, checked against strict fp32")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -218,35 +235,38 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         m, n, k = (int(x) for x in shape.split("x"))
         flop = 2.0 * m * n * k
+        elem = DTYPES[args.dtype][0]
         if gpu:
             rng = np.random.default_rng(0)
-            a_np = (rng.standard_normal((m, k)) / 8).astype("float16")
-            b_np = (rng.standard_normal((n, k)) / 8).astype("float16")
-            bias_np = (rng.standard_normal(n) / 8).astype("float16")
+            a_np = (rng.standard_normal((m, k)) / 8).astype(elem)
+            b_np = (rng.standard_normal((n, k)) / 8).astype(elem)
+            bias_np = (rng.standard_normal(n) / 8).astype(elem)
             ta, tb, tbias = (torch.from_numpy(x).cuda() for x in (a_np, b_np, bias_np))
+            torch.backends.cuda.matmul.allow_tf32 = False  # the reference: strict fp32
             ref = ta.float() @ tb.float().T + tbias.float()
             ref = (torch.nn.functional.gelu(ref) if args.epilogue == "gelu" else ref).cpu().numpy()
+            torch.backends.cuda.matmul.allow_tf32 = args.dtype == "tf32"  # cuBLAS on TF32 tensor cores
 
             def cublas(ta=ta, tb=tb, tbias=tbias):
                 y = torch.addmm(tbias, ta, tb.T)
                 return torch.nn.functional.gelu(y) if args.epilogue == "gelu" else y
 
             t_us = probe_common.cuda_event_us(cublas)
-            rows.append({"shape": shape, "config": "torch (cuBLAS)", "us": round(t_us, 2),
+            rows.append({"shape": shape, "config": f"torch (cuBLAS, {args.dtype})", "us": round(t_us, 2),
                          "tflops": round(flop / t_us / 1e6, 1)})
             print(rows[-1], flush=True)
         for bn in (int(x) for x in args.bn.split(",")):
             for stages in (int(x) for x in args.stages.split(",")):
-                row = {"shape": shape, "config": f"wgmma 128x{bn}x64-s{stages}"}
+                bk = SWIZZLE_BYTES // DTYPES[args.dtype][1]
+                row = {"shape": shape, "config": f"wgmma {args.dtype} 128x{bn}x{bk}-s{stages}"}
                 t0 = time.time()
                 try:
-                    lib = build(make_gemm(m, n, k, bn, stages, args.epilogue))
+                    lib = build(make_gemm(m, n, k, bn, stages, args.epilogue, args.dtype))
                     src = lib.mod.imports[0].inspect_source()
                     row.update(build_s=round(time.time() - t0, 1), wgmma="wgmma.mma_async" in src,
                                tma="cp.async.bulk.tensor" in src)
                     if gpu:
-                        row.update(probe_common.run_and_time(lib, [a_np, b_np, bias_np], (m, n), "float16", ref,
-                                                             flop))
+                        row.update(probe_common.run_and_time(lib, [a_np, b_np, bias_np], (m, n), elem, ref, flop))
                     else:
                         row["ptxas"] = nvcc_usage(src, out)
                 except Exception as e:  # noqa: BLE001 - a probe records what fails
@@ -255,8 +275,8 @@ def main(argv=None) -> int:
                 print(row, flush=True)
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"
     probe_common.write_results(
-        out, f"device: {dev_name}; target sm_90a; epilogue: {args.epilogue} (scripts/wgmma_gemm_probe.py)",
-        {"device": dev_name, "epilogue": args.epilogue}, rows, "ptxas")
+        out, f"device: {dev_name}; target sm_90a; {args.dtype}, epilogue {args.epilogue} (scripts/wgmma_gemm_probe.py)",
+        {"device": dev_name, "dtype": args.dtype, "epilogue": args.epilogue}, rows, "ptxas")
     return 0
 
 

@@ -30,12 +30,24 @@ def test_it_builds_for_sm90a_with_wgmma_and_tma(epilogue):
     assert ("erff(" in src[src.index("main_kernel"):]) == (epilogue == "gelu")
 
 
+def test_a_tf32_gemm_of_fp32_operands():
+    probe = _script()
+    lib = probe.build(probe.make_gemm(256, 128, 64, bn=64, stages=2, dtype="tf32"))
+    src = lib.mod.imports[0].inspect_source()
+    assert "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32" in src
+    assert "float* __restrict__ C_ptr" in src or "float* C_ptr" in src
+    with pytest.raises(ValueError, match="does not tile"):  # (32 fp32 columns a stage)
+        probe.make_gemm(256, 128, 48, dtype="tf32")
+
+
 def test_shapes_that_do_not_tile_and_unknown_epilogues_are_refused():
     probe = _script()
     with pytest.raises(ValueError, match="does not tile"):
         probe.make_gemm(100, 128, 128)
     with pytest.raises(ValueError, match="unknown epilogue"):
         probe.make_gemm(128, 128, 128, epilogue="relu6")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        probe.make_gemm(128, 128, 128, dtype="bf16")
 
 
 _STOCK = """
@@ -58,10 +70,10 @@ def test_tvm_still_needs_the_noop_barrier_codegen_fix():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("epilogue", ["bias", "gelu"])
-def test_it_computes_what_pytorch_computes(tmp_path, epilogue):
+@pytest.mark.parametrize("dtype,epilogue", [("fp16", "bias"), ("fp16", "gelu"), ("tf32", "bias")])
+def test_it_computes_what_pytorch_computes(tmp_path, dtype, epilogue):
     probe = _script()
     assert probe.main(["--shapes", "512x256x384", "--bn", "64,128", "--stages", "2,4", "--epilogue", epilogue,
-                       "--out", str(tmp_path)]) == 0
+                       "--dtype", dtype, "--out", str(tmp_path)]) == 0
     rows = [r for r in json.loads((tmp_path / "probe.json").read_text())["rows"] if r["config"].startswith("wgmma")]
     assert len(rows) == 4 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
