@@ -15,7 +15,9 @@ C[M, N] fp16 = epilogue(A[M, K] @ B[N, K]^T + bias[N]), fp32 accumulation.
   (`runtime.cuTensorMapEncodeTiled`).
 - The epilogue (bias; `--epilogue gelu`: GELU in fp32 with erf) is applied to
   the accumulators in registers and written to global memory as fp16.
-- Shapes must tile: M % 128, N % BN, K % 64 (fp16) or 32 (tf32).
+- N % BN and K % 64 (fp16) or 32 (tf32) must be 0; BN a multiple of 8 up to
+  256. M need not be a multiple of 128: TMA reads the rows past it as zeros,
+  and they are not written.
 - `--dtype tf32`: fp32 operands, bias and output, the products on TF32 tensor
   cores (`wgmma ... k8 .tf32`; issue 19's TF32 option), checked against
   strict fp32 and timed beside cuBLAS with `allow_tf32`.
@@ -90,12 +92,13 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
         raise ValueError(f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
     elem, ebytes, kstep, wtype, trans = DTYPES[dtype]
     bk = SWIZZLE_BYTES // ebytes
-    if m % BM or n % bn or k % bk:
-        raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x{bk}")
+    if n % bn or k % bk or bn % 8 or not 8 <= bn <= 256:
+        raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x{bk} (N % {bn}, K % {bk}; "
+                         f"the tile's columns a multiple of 8 up to 256)")
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
     gelu = epilogue == "gelu"
-    k_tiles, grid_m, grid_n = k // bk, m // BM, n // bn
+    k_tiles, grid_m, grid_n = k // bk, (m + BM - 1) // BM, n // bn  # (rows past M: TMA reads zeros)
     a_tile, b_tile = BM * bk, bn * bk  # elements a stage holds
     stage_bytes = (a_tile + b_tile) * ebytes
     step_bytes = kstep * ebytes  # one wgmma's K extent: 32 bytes for either type
@@ -182,11 +185,12 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
                         row = T.meta_var(m0 + h * 64 + (tx // 32) * 16 + (tx % 32) // 4 + r * 8)
                         col = T.meta_var(n0 + i * 8 + (tx % 4) * 2 + c)
                         x = T.meta_var(acc[h * nacc + i * 4 + r * 2 + c] + T.Cast("float32", bias[col]))
-                        if gelu:
-                            C[row, col] = T.Cast(elem, T.float32(0.5) * x
-                                                 * (T.float32(1) + T.erf(x * T.float32(0.7071067811865476))))
-                        else:
-                            C[row, col] = T.Cast(elem, x)
+                        if row < m:
+                            if gelu:
+                                C[row, col] = T.Cast(elem, T.float32(0.5) * x
+                                                     * (T.float32(1) + T.erf(x * T.float32(0.7071067811865476))))
+                            else:
+                                C[row, col] = T.Cast(elem, x)
     # fmt: on
     return gemm.with_attr("global_symbol", "main")
 

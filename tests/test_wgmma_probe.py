@@ -43,7 +43,9 @@ def test_a_tf32_gemm_of_fp32_operands():
 def test_shapes_that_do_not_tile_and_unknown_epilogues_are_refused():
     probe = _script()
     with pytest.raises(ValueError, match="does not tile"):
-        probe.make_gemm(100, 128, 128)
+        probe.make_gemm(128, 100, 128)
+    with pytest.raises(ValueError, match="does not tile"):
+        probe.make_gemm(128, 128, 128, bn=12)
     with pytest.raises(ValueError, match="unknown epilogue"):
         probe.make_gemm(128, 128, 128, epilogue="relu6")
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -69,11 +71,23 @@ def test_tvm_still_needs_the_noop_barrier_codegen_fix():
     assert r.returncode != 0 and "'TensorLoad' object has no attribute 'dtype'" in r.stderr
 
 
+def test_rows_past_a_multiple_of_128_are_guarded_and_96_columns_tile():
+    probe = _script()
+
+    def branches(m):
+        src = probe.build(probe.make_gemm(m, 192, 64, bn=96, stages=2)).mod.imports[0].inspect_source()
+        assert "m64n96k16" in src
+        return src[src.index("main_kernel"):].count("if (")
+
+    assert branches(200) > branches(256)  # (the stores of rows 200 to 255 guarded; none at 256)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,epilogue", [("fp16", "bias"), ("fp16", "gelu"), ("tf32", "bias")])
 def test_it_computes_what_pytorch_computes(tmp_path, dtype, epilogue):
+    """A ragged M (ViT's 6,304 rows are not a multiple of 128) and 96 columns too."""
     probe = _script()
-    assert probe.main(["--shapes", "512x256x384", "--bn", "64,128", "--stages", "2,4", "--epilogue", epilogue,
+    assert probe.main(["--shapes", "400x192x384", "--bn", "64,96", "--stages", "2,4", "--epilogue", epilogue,
                        "--dtype", dtype, "--out", str(tmp_path)]) == 0
     rows = [r for r in json.loads((tmp_path / "probe.json").read_text())["rows"] if r["config"].startswith("wgmma")]
     assert len(rows) == 4 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
