@@ -15,9 +15,10 @@ C[M, N] fp16 = epilogue(A[M, K] @ B[N, K]^T + bias[N]), fp32 accumulation.
   (`runtime.cuTensorMapEncodeTiled`).
 - The epilogue (bias; `--epilogue gelu`: GELU in fp32 with erf) is applied to
   the accumulators in registers and written to global memory as fp16.
-- N % BN and K % 64 (fp16) or 32 (tf32) must be 0; BN a multiple of 8 up to
-  256. M need not be a multiple of 128: TMA reads the rows past it as zeros,
-  and they are not written.
+- N % BN must be 0, BN a multiple of 8 up to 256, K a multiple of one
+  wgmma's 16 (fp16) or 8 (tf32). Neither M nor K need fill the tiles: TMA
+  reads the rows past M and the columns past K as zeros (a stage holds 64
+  fp16 or 32 fp32 columns), and rows past M are not written.
 - `--dtype tf32`: fp32 operands, bias and output, the products on TF32 tensor
   cores (`wgmma ... k8 .tf32`; issue 19's TF32 option), checked against
   strict fp32 and timed beside cuBLAS with `allow_tf32`.
@@ -92,13 +93,14 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
         raise ValueError(f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
     elem, ebytes, kstep, wtype, trans = DTYPES[dtype]
     bk = SWIZZLE_BYTES // ebytes
-    if n % bn or k % bk or bn % 8 or not 8 <= bn <= 256:
-        raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x{bk} (N % {bn}, K % {bk}; "
+    if n % bn or bn % 8 or not 8 <= bn <= 256 or k % kstep:
+        raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x{kstep} (N % {bn}, K % {kstep}; "
                          f"the tile's columns a multiple of 8 up to 256)")
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
     gelu = epilogue == "gelu"
-    k_tiles, grid_m, grid_n = k // bk, (m + BM - 1) // BM, n // bn  # (rows past M: TMA reads zeros)
+    # (rows past M and columns past K: TMA reads zeros, which add nothing)
+    k_tiles, grid_m, grid_n = (k + bk - 1) // bk, (m + BM - 1) // BM, n // bn
     a_tile, b_tile = BM * bk, bn * bk  # elements a stage holds
     stage_bytes = (a_tile + b_tile) * ebytes
     step_bytes = kstep * ebytes  # one wgmma's K extent: 32 bytes for either type

@@ -36,14 +36,16 @@ def test_a_tf32_gemm_of_fp32_operands():
     src = lib.mod.imports[0].inspect_source()
     assert "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32" in src
     assert "float* __restrict__ C_ptr" in src or "float* C_ptr" in src
-    with pytest.raises(ValueError, match="does not tile"):  # (32 fp32 columns a stage)
-        probe.make_gemm(256, 128, 48, dtype="tf32")
+    with pytest.raises(ValueError, match="does not tile"):  # (wgmma's K for tf32: 8)
+        probe.make_gemm(256, 128, 44, dtype="tf32")
 
 
 def test_shapes_that_do_not_tile_and_unknown_epilogues_are_refused():
     probe = _script()
     with pytest.raises(ValueError, match="does not tile"):
         probe.make_gemm(128, 100, 128)
+    with pytest.raises(ValueError, match="does not tile"):
+        probe.make_gemm(128, 128, 40)
     with pytest.raises(ValueError, match="does not tile"):
         probe.make_gemm(128, 128, 128, bn=12)
     with pytest.raises(ValueError, match="unknown epilogue"):
@@ -85,9 +87,10 @@ def test_rows_past_a_multiple_of_128_are_guarded_and_96_columns_tile():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,epilogue", [("fp16", "bias"), ("fp16", "gelu"), ("tf32", "bias")])
 def test_it_computes_what_pytorch_computes(tmp_path, dtype, epilogue):
-    """A ragged M (ViT's 6,304 rows are not a multiple of 128) and 96 columns too."""
+    """A ragged M (ViT's 6,304 rows are not a multiple of 128), 96 columns,
+    and K = 96 (ConvNeXt's stage 1: half of the second K tile past the end)."""
     probe = _script()
-    assert probe.main(["--shapes", "400x192x384", "--bn", "64,96", "--stages", "2,4", "--epilogue", epilogue,
+    assert probe.main(["--shapes", "400x192x96", "--bn", "64,96", "--stages", "2,4", "--epilogue", epilogue,
                        "--dtype", dtype, "--out", str(tmp_path)]) == 0
     rows = [r for r in json.loads((tmp_path / "probe.json").read_text())["rows"] if r["config"].startswith("wgmma")]
     assert len(rows) == 4 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
