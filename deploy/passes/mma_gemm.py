@@ -289,11 +289,14 @@ def schedule(func, gemm: Gemm, config: str | tuple):
     if out is not None:  # the accumulators through a shared tile, the epilogue as C is written
         sch.set_scope(c_w, 0, "shared.dyn")
         sch.reverse_compute_at(out, bx)
-        f = sch.fuse(*sch.get_loops(out)[1:])
-        _, t1, t2, t3 = sch.split(f, [None, warps, 32, EPILOGUE_VECTOR])
+        rows, cols = sch.get_loops(out)[1:]
+        # each thread's elements within one row, so that they stay contiguous
+        # (fused over the whole tile, a row of 96 left TVM unable to vectorize)
+        cols, vec = sch.split(cols, [None, EPILOGUE_VECTOR])
+        _, t1, t2 = sch.split(sch.fuse(rows, cols), [None, warps, 32])
         sch.bind(t2, "threadIdx.x")
         sch.bind(t1, "threadIdx.y")
-        sch.vectorize(t3)
+        sch.vectorize(vec)
         store = ci.MMA_store_16x16_f32_shared_dyn_INTRIN
     else:
         store = ci.MMA_store_16x16_f32_global_INTRIN
@@ -348,7 +351,7 @@ def _knobs(knobs) -> tuple:
 
 def config_from_name(name: str) -> tuple:
     """The configuration tuple of a name in `name_of`'s form (a name in
-    CONFIGS among them)."""
+    CONFIGS among them); raises ValueError for any other string."""
     if name in CONFIGS:
         return CONFIGS[name]
     try:
@@ -356,12 +359,17 @@ def config_from_name(name: str) -> tuple:
         bm, bn, bk = (int(x) for x in head.split("x"))
         warps, stage, *extra = rest.split("-")
         wm, wn = (int(x) for x in warps.split("x"))
+        keys = [e[0] for e in extra]
         knobs = {e[0]: int(e[1:]) for e in extra}
-        if not stage.startswith("s") or set(knobs) - {"b", "f"}:
-            raise ValueError(name)
-        return (bm, bn, wm, wn, bk, int(stage[1:]), knobs.get("b", 0), knobs.get("f", 1))
-    except ValueError:
-        raise ValueError(f"not a configuration name: {name!r} (e.g. 128x128x32-w2x2-s4, 128x128x32-w2x2-s3-b3-f0)") from None
+        config = (bm, bn, wm, wn, bk, int(stage[1:]), knobs.get("b", 0), knobs.get("f", 1))
+        ok = (stage.startswith("s") and config[5] >= 2 and len(keys) == len(set(keys)) and set(keys) <= {"b", "f"}
+              and knobs.get("b", 1) >= 1 and knobs.get("f", 0) == 0 and min(bm, bn, wm, wn, bk) > 0
+              and bm % (16 * wm) == 0 and bn % (16 * wn) == 0 and bk % 16 == 0)
+    except (ValueError, IndexError):
+        ok = False
+    if not ok or name_of(config) != name:
+        raise ValueError(f"not a configuration name: {name!r} (e.g. 128x128x32-w2x2-s4, 128x128x32-w2x2-s3-b3-f0)")
+    return config
 
 
 def name_of(config: tuple) -> str:

@@ -115,7 +115,7 @@ def _launch_bounds(mod, texts: dict):
         if not isinstance(f, tirx.PrimFunc) or not f.attrs or "calling_conv" not in f.attrs:
             continue
         for name, blocks in wanted.items():
-            if gv.name_hint.startswith(name + "_kernel"):
+            if re.fullmatch(re.escape(name) + r"_kernel(_\d+)?", gv.name_hint):  # (TVM's names for its kernels)
                 mod[gv] = f.with_attr(_MIN_BLOCKS_ATTR, blocks)
     return mod
 

@@ -97,12 +97,16 @@ def test_a_pipeline_gets_at_least_stages_minus_one_k_tiles():
     assert mma_gemm.configs_for(mma_gemm.match(_gemm(k=32))) == []
 
 
-@pytest.mark.parametrize("b_transposed,epilogue", [(False, True), (True, True), (False, False)],
-                         ids=["epilogue", "weight-NK", "no-epilogue"])
-def test_every_configuration_builds_for_sm90_with_cp_async_ldmatrix_and_mma(sm90, b_transposed, epilogue):
+@pytest.mark.parametrize("b_transposed,epilogue,n", [(False, True, 256), (True, True, 256), (False, False, 256),
+                                                     (True, True, 384)],
+                         ids=["epilogue", "weight-NK", "no-epilogue", "N384-weight-NK"])
+def test_every_configuration_builds_for_sm90_with_cp_async_ldmatrix_and_mma(sm90, b_transposed, epilogue, n):
     """Built as the tuner builds a candidate (`lean_build`, our TIR
-    pipeline, which turns on TVM's cp.async for these kernels)."""
-    func = _gemm(b_transposed=b_transposed, epilogue=epilogue)
+    pipeline, which turns on TVM's cp.async for these kernels); N = 384
+    also takes the 128x96 tile."""
+    func = _gemm(b_transposed=b_transposed, epilogue=epilogue, n=n)
+    if n % 96 == 0:
+        assert "128x96x32-w4x1-s4" in mma_gemm.configs_for(mma_gemm.match(func))
     spaces = mma_gemm.spaces(func, sm90)
     assert len(spaces) == len(mma_gemm.configs_for(mma_gemm.match(func)))
     for sch in spaces:
@@ -123,7 +127,9 @@ def test_a_configuration_name_carries_its_launch_bounds_and_fragment_buffering(s
     assert mma_gemm.config_from_name("128x128x32-w2x2-s3-b3-f0") == (128, 128, 2, 2, 32, 3, 3, 0)
     for name in [*mma_gemm.CONFIGS, "64x128x32-w2x2-s4-b4", "128x128x32-w2x2-s4-f0"]:
         assert mma_gemm.name_of(mma_gemm.config_from_name(name)) == name
-    for bad in ["128x128x32", "128x128x32-w2x2-s3-z1", "axbxc-w2x2-s3"]:
+    for bad in ["128x128x32", "128x128x32-w2x2-s3-z1", "axbxc-w2x2-s3", "128x128x32-w2x2-s4-", "128x128x32-w2x2-s4--b3",
+                "128x128x32-w2x2-s4-f2", "128x128x32-w2x2-s4-b0", "128x128x32-w2x2-s4-f1", "128x128x32-w2x2-s4-b3-b4",
+                "128x128x32-w2x2-s1", "100x128x32-w2x2-s4", "128x128x24-w2x2-s4"]:
         with pytest.raises(ValueError, match="not a configuration name"):
             mma_gemm.config_from_name(bad)
     func = _gemm()
@@ -300,7 +306,7 @@ def test_a_configuration_this_gpu_cannot_run_is_recorded_as_failed(tmp_path):
 def test_every_configuration_computes_what_tvms_plain_lowering_does(sm90, b_transposed):
     """On the GPU: each configuration against the same kernel unscheduled,
     lowered for the CPU (a ViT-like padded GEMM with its epilogue)."""
-    func = _gemm(m=800, padded=896, n=512, k=384, b_transposed=b_transposed)
+    func = _gemm(m=800, padded=896, n=384, k=384, b_transposed=b_transposed)  # (N = 384: the 128x96 tile too)
     from deploy.tvm_compat import ms as _ms
 
     info = _ms.arg_info.ArgInfo.from_prim_func(func)
