@@ -1,19 +1,22 @@
 """Each convolution of a tuning database against cuDNN on the same shape.
 
 For every workload of a database that is a 2-D convolution in NHWC with
-OHWI weights (ResNet-50's, at the database's batch), the time the package
-would run it in (the faster of its best tuned record and its default
-schedule, as the kernel check decides; `scripts/db_kernels.py` reads them)
-beside PyTorch's `conv2d` with a bias on the same shape (cuDNN, channels
-last, `cudnn.benchmark`, CUDA events), each with its TFLOP/s against the
-GPU's fp16 peak. What issue 19 asks where a target is out of reach: the best
+OHWI weights (ResNet-50's, at the database's batch), TVM's time for it: the
+faster of its best record's mean time at tuning and its default schedule's
+time from the kernel check, as `scripts/db_kernels.py` reads them (records
+the check rejected are not left out, and the build picks by the check's
+own verdicts, so read it as what the package runs within noise), beside
+PyTorch's `conv2d` with a bias on the same shape (cuDNN, channels last,
+`cudnn.benchmark`, CUDA events), each with its TFLOP/s against the GPU's
+peak. What issue 19 asks where a target is out of reach: the best
 kernel found for each large convolution against cuDNN.
 
     python3 scripts/conv_vs_cudnn.py tuning_logs/resnet50/cuda-sm_90-nvidia-h200/fp16-nhwc-b64 --out DIR
 
 Writes DIR/conv_vs_cudnn.md and .json. The convolution's parameters are read
-from the buffers' shapes: the padding is (kernel - 1) / 2, the stride the
-one that gives the output's size. The TVM time includes the kernel's fused
+from the buffers' shapes: the padding is (kernel - 1) / 2 (none where the
+kernel and the stride are equal, a patchifying stem), the stride the one
+that gives the output's size. The TVM time includes the kernel's fused
 epilogue (bias, ReLU, a residual add); cuDNN's row has the bias only.
 `--device cpu --dtype float32` runs the same table on the CPU (a check of
 the script, not a comparison).
@@ -45,8 +48,8 @@ def conv_params(shapes: list[str]) -> dict | None:
     (n, h, w, c), (o, kh, kw, ci), (n2, oh, ow, o2) = dims[0], dims[1], dims[-1]
     if n != n2 or o != o2 or ci != c or kh != kw:
         return None
-    pad = (kh - 1) // 2
     for stride in (1, 2, 3, 4):
+        pad = 0 if kh == stride else (kh - 1) // 2
         if (h + 2 * pad - kh) // stride + 1 == oh and (w + 2 * pad - kw) // stride + 1 == ow:
             return {"batch": n, "height": h, "width": w, "in_channels": c, "out_channels": o, "kernel": kh,
                     "stride": stride, "padding": pad, "out_height": oh, "out_width": ow,
@@ -92,8 +95,13 @@ def main(argv=None) -> int:
     if not (a.folder / "database_workload.json.xz").is_file() and not (a.folder / "database_workload.json").is_file():
         print(f"error: no tuning database in {a.folder} | expected database_workload.json(.xz) there", file=sys.stderr)
         return 2
-    if a.iters < 1:
-        print(f"error: --iters must be at least 1 | got {a.iters}", file=sys.stderr)
+    if a.iters < 1 or a.limit < 0:
+        print(f"error: --iters must be at least 1 and --limit at least 0 | got {a.iters}, {a.limit}", file=sys.stderr)
+        return 2
+    precision = a.folder.name.split("-")[0]  # (…/<profile>-b<batch>: fp16-nhwc-b64)
+    if precision in ("fp16", "fp32") and precision != {"float16": "fp16", "float32": "fp32"}[a.dtype]:
+        print(f"error: --dtype {a.dtype} against a {precision} database | give --dtype "
+              f"{'float16' if precision == 'fp16' else 'float32'}", file=sys.stderr)
         return 2
     import torch
 

@@ -96,6 +96,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-async", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    shapes = probe_common.parse_shapes(args.shapes)
+    if shapes is None:
+        return 2
+    configs = {}
+    for name in args.configs.split(","):
+        try:
+            configs[name] = CONFIGS[name] if name in CONFIGS else mma_gemm.config_from_name(name)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     import numpy as np
     import tvm
@@ -111,8 +121,8 @@ def main(argv=None) -> int:
     torch = None
     if gpu:
         import torch
-    for shape in args.shapes.split(","):
-        m, n, k = (int(x) for x in shape.split("x"))
+    for m, n, k in shapes:
+        shape = f"{m}x{n}x{k}"
         flop = 2.0 * m * n * k
         ref = None
         if gpu:
@@ -138,8 +148,7 @@ def main(argv=None) -> int:
             rows.append({"shape": shape, "config": "torch (cuBLAS)", "us": round(t_us, 2),
                          "tflops": round(flop / t_us / 1e6, 1)})
             print(rows[-1], flush=True)
-        for name in args.configs.split(","):
-            config = CONFIGS[name] if name in CONFIGS else mma_gemm.config_from_name(name)
+        for name, config in configs.items():
             row = {"shape": shape, "config": name + ("" if args.no_async else "-async")}
             t0 = time.time()
             try:
@@ -158,6 +167,8 @@ def main(argv=None) -> int:
                     ins = [a_np, b_np] if args.epilogue == "none" else [a_np, b_np, bias_np]
                     row.update(probe_common.run_and_time(lib, ins, (m, n), "float32" if args.epilogue == "none"
                                                          else "float16", ref, flop))
+                elif src:  # registers and spills, from nvcc (compiled as NVRTC would on the GPU)
+                    row["ptxas"] = probe_common.nvcc_usage(src, name, "sm_90")
             except Exception as e:  # noqa: BLE001 - a probe records what fails
                 row["error"] = probe_common.error_line(e)
             rows.append(row)
@@ -165,8 +176,9 @@ def main(argv=None) -> int:
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"
     probe_common.write_results(
         out, f"device: {dev_name}; target: {target}; epilogue: {args.epilogue} (scripts/mma_gemm_probe.py)",
-        {"device": dev_name, "target": str(target), "epilogue": args.epilogue}, rows, "cp_async")
-    return 0
+        {"device": dev_name, "target": str(target), "epilogue": args.epilogue}, rows,
+        "cp_async" if gpu else "ptxas")
+    return probe_common.exit_code(rows)
 
 
 if __name__ == "__main__":

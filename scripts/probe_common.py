@@ -6,6 +6,9 @@ probe.md table)."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -67,3 +70,49 @@ def write_results(out: Path, header: str, meta: dict, rows: list[dict], extra_co
         lines.append(f"| {r['shape']} | {r['config']} | {r.get('us', '')} | {r.get('tflops', '')} | "
                      f"{r.get('rel_l2', '')} | {r.get(extra_column, '')} | {r.get('error', '')} |")
     (out / "probe.md").write_text("\n".join(lines) + "\n")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]] | None:
+    """`MxNxK,...` as tuples; None (after one line on stderr) where it is not that."""
+    shapes = []
+    for part in text.split(","):
+        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", part.strip()):
+            print(f"error: not a GEMM shape: {part!r} | expected MxNxK, e.g. 6272x1536x384", file=sys.stderr)
+            return None
+        shapes.append(tuple(int(x) for x in part.strip().split("x")))
+    return shapes
+
+
+def parse_ints(text: str, what: str) -> list[int] | None:
+    """`a,b,...` positive integers; None (after one line on stderr) where not."""
+    if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", text.strip()):
+        print(f"error: {what} must be positive integers separated by commas | got {text!r}", file=sys.stderr)
+        return None
+    return [int(x) for x in text.split(",")]
+
+
+def exit_code(rows: list[dict]) -> int:
+    """0 where at least one configuration built (and, on a GPU, ran); 1
+    where every one failed (each failure is in the results)."""
+    ours = [r for r in rows if not r["config"].startswith("torch")]
+    return 0 if any("error" not in r for r in ours) else 1
+
+
+def nvcc_usage(src: str, name: str, arch: str) -> str:
+    """ptxas's registers/spills line for a kernel's CUDA source, compiled
+    with nvcc in a temporary folder; the error's last line where nvcc
+    fails, '' where there is none."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="probe-nvcc-") as tmp:
+        path = Path(tmp) / (re.sub(r"[^\w.-]", "_", name) + ".cu")
+        path.write_text(src)
+        try:
+            r = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", str(path.with_suffix(".cubin")),
+                                "--resource-usage", str(path)], capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    if r.returncode:
+        return "nvcc failed: " + (r.stderr.strip().splitlines() or ["?"])[-1][:150]
+    info = [ln.split(":", 1)[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("ptxas info")]
+    return " ".join(i for i in info if "registers" in i or "spill" in i)

@@ -15,7 +15,8 @@ C[M, N] fp16 = epilogue(A[M, K] @ B[N, K]^T + bias[N]), fp32 accumulation.
   (`runtime.cuTensorMapEncodeTiled`).
 - The epilogue (bias; `--epilogue gelu`: GELU in fp32 with erf) is applied to
   the accumulators in registers and written to global memory as fp16.
-- N % BN must be 0, BN a multiple of 8 up to 256, K a multiple of one
+- N % BN must be 0, BN a multiple of 8 up to 256 (at 256 ptxas spills:
+  255 registers), K a multiple of one
   wgmma's 16 (fp16) or 8 (tf32). Neither M nor K need fill the tiles: TMA
   reads the rows past M and the columns past K as zeros (a stage holds 64
   fp16 or 32 fp32 columns), and rows past M are not written.
@@ -38,13 +39,12 @@ reads `reg.dtype`, which a buffer load (a `TensorLoad`) no longer has:
 `AttributeError: 'TensorLoad' object has no attribute 'dtype'`
 (tvm/backend/cuda/cpp/asm.py). `_fix_noop_barrier_codegen` registers that
 codegen again, reading the dtype as the PTX engine does. Scope: this script's
-process. `tests/passes/test_wgmma_probe.py` fails once TVM no longer needs it.
+process. `tests/test_wgmma_probe.py` fails once TVM no longer needs it.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +56,7 @@ import probe_common  # noqa: E402 - scripts/probe_common.py, beside this file
 
 TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 BM = 128  # rows a CTA computes (two m64 wgmmas)
+SHARED_MEMORY = 232448 - 1024  # sm_90's opt-in dynamic shared memory a block, less the barriers' and alignment's
 SWIZZLE_BYTES = 128  # a stage's K extent in bytes: the TMA swizzle's width (64 fp16 or 32 fp32 columns)
 EPILOGUES = ("bias", "gelu")
 # dtype: (element type in memory, bytes, wgmma's K per instruction, its input type, its transpose immediates)
@@ -96,6 +97,10 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
     if n % bn or bn % 8 or not 8 <= bn <= 256 or k % kstep:
         raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x{kstep} (N % {bn}, K % {kstep}; "
                          f"the tile's columns a multiple of 8 up to 256)")
+    smem = stages * (BM + bn) * SWIZZLE_BYTES
+    if smem > SHARED_MEMORY:
+        raise ValueError(f"{stages} stages of 128x{bn} tiles need {smem // 1024} KB of shared memory; "
+                         f"a block has {SHARED_MEMORY // 1024} KB on sm_90")
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
     gelu = epilogue == "gelu"
@@ -204,18 +209,6 @@ def build(func):
     return tvm.compile(tvm.IRModule({"main": func}), target=target(), tir_pipeline="tirx")
 
 
-def nvcc_usage(src: str, folder: Path) -> str:
-    """ptxas's registers/spills line for the kernel's CUDA source ('' without nvcc)."""
-    path = folder / "kernel.cu"
-    path.write_text(src)
-    try:
-        r = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-o", str(folder / "kernel.cubin"), "--resource-usage",
-                            str(path)], capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return " ".join(ln.split(":", 1)[-1].strip() for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="6272x1536x384,6400x384x1536,4096x4096x4096", help="MxNxK,...")
@@ -226,6 +219,10 @@ def main(argv=None) -> int:
                    help="tf32: fp32 operands on TF32 tensor cores, checked against strict fp32")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    shapes = probe_common.parse_shapes(args.shapes)
+    bns, stage_list = probe_common.parse_ints(args.bn, "--bn"), probe_common.parse_ints(args.stages, "--stages")
+    if shapes is None or bns is None or stage_list is None:
+        return 2
 
     import numpy as np
 
@@ -238,8 +235,8 @@ def main(argv=None) -> int:
     if gpu:
         import torch
     rows = []
-    for shape in args.shapes.split(","):
-        m, n, k = (int(x) for x in shape.split("x"))
+    for m, n, k in shapes:
+        shape = f"{m}x{n}x{k}"
         flop = 2.0 * m * n * k
         elem = DTYPES[args.dtype][0]
         if gpu:
@@ -261,8 +258,8 @@ def main(argv=None) -> int:
             rows.append({"shape": shape, "config": f"torch (cuBLAS, {args.dtype})", "us": round(t_us, 2),
                          "tflops": round(flop / t_us / 1e6, 1)})
             print(rows[-1], flush=True)
-        for bn in (int(x) for x in args.bn.split(",")):
-            for stages in (int(x) for x in args.stages.split(",")):
+        for bn in bns:
+            for stages in stage_list:
                 bk = SWIZZLE_BYTES // DTYPES[args.dtype][1]
                 row = {"shape": shape, "config": f"wgmma {args.dtype} 128x{bn}x{bk}-s{stages}"}
                 t0 = time.time()
@@ -274,7 +271,7 @@ def main(argv=None) -> int:
                     if gpu:
                         row.update(probe_common.run_and_time(lib, [a_np, b_np, bias_np], (m, n), elem, ref, flop))
                     else:
-                        row["ptxas"] = nvcc_usage(src, out)
+                        row["ptxas"] = probe_common.nvcc_usage(src, row["config"], "sm_90a")
                 except Exception as e:  # noqa: BLE001 - a probe records what fails
                     row["error"] = probe_common.error_line(e)
                 rows.append(row)
@@ -283,7 +280,9 @@ def main(argv=None) -> int:
     probe_common.write_results(
         out, f"device: {dev_name}; target sm_90a; {args.dtype}, epilogue {args.epilogue} (scripts/wgmma_gemm_probe.py)",
         {"device": dev_name, "dtype": args.dtype, "epilogue": args.epilogue}, rows, "ptxas")
-    return 0
+    if gpu:
+        torch.backends.cuda.matmul.allow_tf32 = False  # (PyTorch's default, for a caller in this process)
+    return probe_common.exit_code(rows)
 
 
 if __name__ == "__main__":

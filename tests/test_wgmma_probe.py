@@ -88,9 +88,11 @@ def test_rows_past_a_multiple_of_128_are_guarded_and_96_columns_tile():
 @pytest.mark.parametrize("dtype,epilogue", [("fp16", "bias"), ("fp16", "gelu"), ("tf32", "bias")])
 def test_it_computes_what_pytorch_computes(tmp_path, dtype, epilogue):
     """A ragged M (ViT's 6,304 rows are not a multiple of 128), 96 columns,
-    and K = 96 (ConvNeXt's stage 1: half of the second K tile past the end)."""
+    K = 96 (ConvNeXt's stage 1: half of the second K tile past the end), and
+    K = 592 (more K tiles than stages: the ring refills, its barriers' phase
+    flips, and a tail)."""
     probe = _script()
-    assert probe.main(["--shapes", "400x192x96", "--bn", "64,96", "--stages", "2,4", "--epilogue", epilogue,
+    assert probe.main(["--shapes", "400x192x96,400x192x592", "--bn", "64,96", "--stages", "2,4", "--epilogue", epilogue,
                        "--dtype", dtype, "--out", str(tmp_path)]) == 0
     rows = [r for r in json.loads((tmp_path / "probe.json").read_text())["rows"] if r["config"].startswith("wgmma")]
-    assert len(rows) == 4 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
+    assert len(rows) == 8 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows

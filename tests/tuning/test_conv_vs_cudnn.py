@@ -31,6 +31,8 @@ def test_the_convolution_is_read_from_the_buffers_shapes():
     assert (down["kernel"], down["stride"], down["padding"]) == (1, 2, 0)
     stem = p(["64,224,224,3", "64,7,7,3", "1,1,1,64", "64,112,112,64"])
     assert (stem["kernel"], stem["stride"], stem["padding"]) == (7, 2, 3)
+    patches = p(["32,224,224,3", "96,4,4,3", "1,1,1,96", "32,56,56,96"])  # (ConvNeXt's stem)
+    assert (patches["kernel"], patches["stride"], patches["padding"]) == (4, 4, 0)
     assert p(["200704,64", "64,256", "1,256", "200704,256"]) is None  # a GEMM
     assert p(["64,56,56,64", "64,3,3,32", "64,56,56,64"]) is None  # grouped
     assert p(["64,56,56,64", "64,3,3,64", "64,50,50,64"]) is None  # no stride gives that output
@@ -42,10 +44,16 @@ def test_a_table_of_the_databases_convolutions(tmp_path):
     mod = _script()
     out = tmp_path / "out"
     assert mod.main([str(DB), "--out", str(out), "--device", "cpu", "--dtype", "float32", "--iters", "1",
+                     "--limit", "1"]) == 2  # (an fp16 database: the dtype must match)
+    fp32 = tmp_path / "fp32-nhwc-b64"  # (the same database under an fp32 profile's name, to run on the CPU)
+    fp32.mkdir()
+    for f in DB.iterdir():
+        (fp32 / f.name).write_bytes(f.read_bytes())
+    assert mod.main([str(fp32), "--out", str(out), "--device", "cpu", "--dtype", "float32", "--iters", "1",
                      "--limit", "1"]) == 0
     got = json.loads((out / "conv_vs_cudnn.json").read_text())
     (row,) = got["rows"]
-    want = next(r for r in mod.db_kernels.rows(DB) if r["workload"] == row["workload"])
+    want = next(r for r in mod.db_kernels.rows(fp32) if r["workload"] == row["workload"])
     assert row["tvm_us"] == round(min(t for t in (want["best_us"], want["default_us"]) if t), 2)
     assert row["torch_us"] > 0 and row["tvm_tflops"] == pytest.approx(row["gflop"] / row["tvm_us"] * 1e3, rel=1e-2)
     assert "| TVM / torch |" in (out / "conv_vs_cudnn.md").read_text()
@@ -55,6 +63,9 @@ def test_bad_inputs_get_one_line_and_exit_2(tmp_path, capsys):
     mod = _script()
     assert mod.main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "no tuning database" in capsys.readouterr().err
+    if DB.is_dir():
+        assert mod.main([str(DB), "--out", str(tmp_path / "o"), "--limit", "-1"]) == 2
+        assert "--limit at least 0" in capsys.readouterr().err
     if DB.is_dir():
         import torch
 
