@@ -330,12 +330,11 @@ def schedule(func, gemm: Gemm, config: str | tuple):
     # k0's body once k1 is pipelined: the two shared copies, then k1's
     # prologue (the first fragments' ldmatrix), body and epilogue; the next
     # tile's prologue is issued before this tile's epilogue
-    if fragment_pipeline:
-        sch.annotate(k0, "software_pipeline_stage", [0, 0, stages - 2, stages - 1, stages - 1])
-        sch.annotate(k0, "software_pipeline_order", [0, 1, 3, 2, 4])
-    else:  # k0's body: the two shared copies, then k1
-        sch.annotate(k0, "software_pipeline_stage", [0, 0, stages - 1])
-        sch.annotate(k0, "software_pipeline_order", [0, 1, 2])
+    # (without it, k0's body is the two shared copies, then k1)
+    stage, order = (([0, 0, stages - 2, stages - 1, stages - 1], [0, 1, 3, 2, 4]) if fragment_pipeline
+                    else ([0, 0, stages - 1], [0, 1, 2]))
+    sch.annotate(k0, "software_pipeline_stage", stage)
+    sch.annotate(k0, "software_pipeline_order", order)
     sch.annotate(k0, "software_pipeline_async_stages", [0])
     if fragment_pipeline:
         sch.annotate(k1, "software_pipeline_stage", [0, 0, 1])
@@ -359,15 +358,15 @@ def config_from_name(name: str) -> tuple:
         bm, bn, bk = (int(x) for x in head.split("x"))
         warps, stage, *extra = rest.split("-")
         wm, wn = (int(x) for x in warps.split("x"))
-        keys = [e[0] for e in extra]
         knobs = {e[0]: int(e[1:]) for e in extra}
         config = (bm, bn, wm, wn, bk, int(stage[1:]), knobs.get("b", 0), knobs.get("f", 1))
-        ok = (stage.startswith("s") and config[5] >= 2 and len(keys) == len(set(keys)) and set(keys) <= {"b", "f"}
-              and knobs.get("b", 1) >= 1 and knobs.get("f", 0) == 0 and min(bm, bn, wm, wn, bk) > 0
-              and bm % (16 * wm) == 0 and bn % (16 * wn) == 0 and bk % 16 == 0)
+        # (the name written back must be this one: that refuses unknown, repeated or default-valued
+        # knobs, b0, f1, f2 and a stage count without its "s")
+        ok = (config[5] >= 2 and min(bm, bn, wm, wn, bk) > 0 and bm % (16 * wm) == 0 and bn % (16 * wn) == 0
+              and bk % 16 == 0 and name_of(config) == name)
     except (ValueError, IndexError):
         ok = False
-    if not ok or name_of(config) != name:
+    if not ok:
         raise ValueError(f"not a configuration name: {name!r} (e.g. 128x128x32-w2x2-s4, 128x128x32-w2x2-s3-b3-f0)")
     return config
 

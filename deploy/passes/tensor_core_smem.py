@@ -97,8 +97,9 @@ def _pipeline_factory():
 
 
 def _launch_bounds(mod, texts: dict):
-    """`mod` with MIN_BLOCKS of each kernel (read from its scheduled
-    TVMScript, `texts` by function name) set on its device functions."""
+    """`mod` (the pipeline's own lowered module, updated in place) with
+    MIN_BLOCKS of each kernel (read from its scheduled TVMScript, `texts` by
+    function name) set on its device functions."""
     import re
 
     from ..tvm_compat import tirx
@@ -110,7 +111,6 @@ def _launch_bounds(mod, texts: dict):
             wanted[name] = int(found.group(1))
     if not wanted:
         return mod
-    mod = mod.shallow_copy() if hasattr(mod, "shallow_copy") else mod
     for gv, f in list(mod.functions.items()):
         if not isinstance(f, tirx.PrimFunc) or not f.attrs or "calling_conv" not in f.attrs:
             continue
