@@ -21,8 +21,8 @@ Writes DIR/probe.json and DIR/probe.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -86,6 +86,21 @@ def schedule(func, m: int, n: int, k: int, bm: int, bn: int, wm: int, wn: int, b
     return mma_gemm.schedule(func, mma_gemm.match(func), (bm, bn, wm, wn, bk, stages, *knobs))
 
 
+def build(m: int, n: int, k: int, config: tuple, epilogue: str, target, no_async: bool):
+    """One configuration's kernel, built as the package builds it (our TIR
+    pipeline, which turns cp.async on), or without cp.async."""
+    import tvm
+
+    from deploy.passes import tensor_core_smem
+
+    sch = schedule(gemm_func(m, n, k, epilogue), m, n, k, *config)
+    mod = tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")})
+    with tvm.transform.PassContext(opt_level=3):
+        if no_async:
+            return tvm.compile(mod, target=target)
+        return tvm.compile(mod, target=target, tir_pipeline=tensor_core_smem.register())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="4096x4096x4096,6400x1536x384,6400x384x1536,6400x1152x384")
@@ -112,7 +127,6 @@ def main(argv=None) -> int:
 
     gpu = tvm.cuda(0).exist
     from deploy import targets
-    from deploy.passes import tensor_core_smem
 
     target = targets.resolve(args.target or ("cuda" if gpu else "cuda:sm_90")).tvm_target()
     out = Path(args.out)
@@ -124,7 +138,7 @@ def main(argv=None) -> int:
     for m, n, k in shapes:
         shape = f"{m}x{n}x{k}"
         flop = 2.0 * m * n * k
-        ref = None
+        run_args = None  # (on the GPU: run_and_time's arguments)
         if gpu:
             rng = np.random.default_rng(0)
             a_np = (rng.standard_normal((m, k)) / 8).astype("float16")
@@ -144,35 +158,16 @@ def main(argv=None) -> int:
                 out = torch.addmm(tbias, ta, tb)
                 return torch.nn.functional.gelu(out) if args.epilogue.startswith("gelu") else out
 
-            t_us = probe_common.cuda_event_us(cublas)
-            rows.append({"shape": shape, "config": "torch (cuBLAS)", "us": round(t_us, 2),
-                         "tflops": round(flop / t_us / 1e6, 1)})
-            print(rows[-1], flush=True)
+            rows.append(probe_common.torch_row(shape, "torch (cuBLAS)", cublas, flop))
+            out_dtype = "float32" if args.epilogue == "none" else "float16"
+            ins = [a_np, b_np] if args.epilogue == "none" else [a_np, b_np, bias_np]
+            run_args = (ins, (m, n), out_dtype, ref, flop)
         for name, config in configs.items():
-            row = {"shape": shape, "config": name + ("" if args.no_async else "-async")}
-            t0 = time.time()
-            try:
-                sch = schedule(gemm_func(m, n, k, args.epilogue), m, n, k, *config)
-                mod = tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")})
-                if args.no_async:
-                    with tvm.transform.PassContext(opt_level=3):
-                        lib = tvm.compile(mod, target=target)
-                else:  # as the package builds it (our TIR pipeline turns cp.async on)
-                    with tvm.transform.PassContext(opt_level=3):
-                        lib = tvm.compile(mod, target=target, tir_pipeline=tensor_core_smem.register())
-                src = lib.mod.imports[0].inspect_source() if lib.mod.imports else ""
-                row.update(build_s=round(time.time() - t0, 1), cp_async="cp.async" in src,
-                           ldmatrix="ldmatrix" in src, mma="mma.sync" in src)
-                if gpu:
-                    ins = [a_np, b_np] if args.epilogue == "none" else [a_np, b_np, bias_np]
-                    row.update(probe_common.run_and_time(lib, ins, (m, n), "float32" if args.epilogue == "none"
-                                                         else "float16", ref, flop))
-                elif src:  # registers and spills, from nvcc (compiled as NVRTC would on the GPU)
-                    row["ptxas"] = probe_common.nvcc_usage(src, name, "sm_90")
-            except Exception as e:  # noqa: BLE001 - a probe records what fails
-                row["error"] = probe_common.error_line(e)
-            rows.append(row)
-            print(row, flush=True)
+            rows.append(probe_common.measure(
+                {"shape": shape, "config": name + ("" if args.no_async else "-async")},
+                functools.partial(build, m, n, k, config, args.epilogue, target, args.no_async),
+                {"cp_async": "cp.async", "ldmatrix": "ldmatrix", "mma": "mma.sync"},
+                run_args, "sm_90"))
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"
     probe_common.write_results(
         out, f"device: {dev_name}; target: {target}; epilogue: {args.epilogue} (scripts/mma_gemm_probe.py)",

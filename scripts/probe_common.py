@@ -1,6 +1,7 @@
-"""What the GEMM probes in scripts/ share: how they time a kernel (torch's by
-CUDA events, TVM's by its time_evaluator, the median of its repeats; in
-microseconds a call) and how they write their results (probe.json and a
+"""What the kernel probes in scripts/ share: how they time a kernel (torch's
+by CUDA events, TVM's by its time_evaluator, the median of its repeats; in
+microseconds a call), how the GEMM probes measure a configuration and the
+cuBLAS row beside it, and how they write their results (probe.json and a
 probe.md table)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -28,12 +30,41 @@ def cuda_event_us(fn, iters: int = 100, warmup: int = 10) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
-def tvm_us(lib, dev, *args, number: int = 50, repeat: int = 5) -> float:
-    """Microseconds a call of a built TVM module's `main` takes (median of the repeats)."""
+def tvm_us(lib, dev, *args, name: str = "main", number: int = 50, repeat: int = 5) -> float:
+    """Microseconds a call of a built TVM module's function `name` takes (median of the repeats)."""
     import numpy as np
 
-    ev = lib.time_evaluator("main", dev, number=number, repeat=repeat)(*args)
+    ev = lib.time_evaluator(name, dev, number=number, repeat=repeat)(*args)
     return float(np.median(ev.results)) * 1e6
+
+
+def torch_row(shape: str, config: str, fn, flop: float) -> dict:
+    """The row of torch's own kernels (`fn`, timed by CUDA events) on a GEMM shape, printed."""
+    t_us = cuda_event_us(fn)
+    row = {"shape": shape, "config": config, "us": round(t_us, 2), "tflops": round(flop / t_us / 1e6, 1)}
+    print(row, flush=True)
+    return row
+
+
+def measure(row: dict, build, checks: dict, run_args: tuple | None, arch: str) -> dict:
+    """`row` (shape, config) with what building one configuration gave:
+    `build()`'s time, which of `checks` ({field: text}) its CUDA source
+    holds, then on the GPU (`run_args`: run_and_time's arguments after the
+    module) its rel_l2 and time, else nvcc's registers for `arch`; where
+    anything raises, its last line as the row's error. Printed."""
+    t0 = time.time()
+    try:
+        lib = build()
+        src = lib.mod.imports[0].inspect_source() if lib.mod.imports else ""
+        row.update(build_s=round(time.time() - t0, 1), **{field: text in src for field, text in checks.items()})
+        if run_args is not None:
+            row.update(run_and_time(lib, *run_args))
+        elif src:  # registers and spills, from nvcc (compiled as NVRTC would on the GPU)
+            row["ptxas"] = nvcc_usage(src, row["config"], arch)
+    except Exception as e:  # noqa: BLE001 - a probe records what fails
+        row["error"] = error_line(e)
+    print(row, flush=True)
+    return row
 
 
 def run_and_time(lib, inputs: list, out_shape, out_dtype: str, ref, flop: float) -> dict:

@@ -16,6 +16,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import probe_common  # noqa: E402 - scripts/probe_common.py, beside this file
 
 CASES = {  # name: (kind, shape)
     "ConvNeXt-T stage 1 LayerNorm": ("ln", (32, 56, 56, 96)),
@@ -82,8 +85,7 @@ def main(argv=None) -> int:
             dev_args = [tvm.runtime.tensor(a, dev) for a in host]
             lib["k"](*dev_args)
             outs[label] = dev_args[-1].numpy().astype("float32")
-            ev = lib.time_evaluator("k", dev, number=100, repeat=5)(*dev_args)
-            row[label + "_us"] = round(float(np.median(ev.results)) * 1e6, 2)
+            row[label + "_us"] = round(probe_common.tvm_us(lib, dev, *dev_args, name="k", number=100), 2)
         row["max_abs_diff"] = float(np.max(np.abs(outs["short_rows"] - outs["general_reduction"])))
         row["speedup"] = round(row["general_reduction_us"] / row["short_rows_us"], 2)
         nbytes = 2 * 2 * int(np.prod(shape))  # read once, written once, fp16

@@ -45,8 +45,8 @@ process. `tests/test_wgmma_probe.py` fails once TVM no longer needs it.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -209,6 +209,11 @@ def build(func):
     return tvm.compile(tvm.IRModule({"main": func}), target=target(), tir_pipeline="tirx")
 
 
+def build_gemm(*args):
+    """`build(make_gemm(*args))`."""
+    return build(make_gemm(*args))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="6272x1536x384,6400x384x1536,4096x4096x4096", help="MxNxK,...")
@@ -235,10 +240,12 @@ def main(argv=None) -> int:
     if gpu:
         import torch
     rows = []
+    elem, ebytes = DTYPES[args.dtype][:2]
+    bk = SWIZZLE_BYTES // ebytes
     for m, n, k in shapes:
         shape = f"{m}x{n}x{k}"
         flop = 2.0 * m * n * k
-        elem = DTYPES[args.dtype][0]
+        run_args = None  # (on the GPU: run_and_time's arguments)
         if gpu:
             rng = np.random.default_rng(0)
             a_np = (rng.standard_normal((m, k)) / 8).astype(elem)
@@ -254,28 +261,15 @@ def main(argv=None) -> int:
                 y = torch.addmm(tbias, ta, tb.T)
                 return torch.nn.functional.gelu(y) if args.epilogue == "gelu" else y
 
-            t_us = probe_common.cuda_event_us(cublas)
-            rows.append({"shape": shape, "config": f"torch (cuBLAS, {args.dtype})", "us": round(t_us, 2),
-                         "tflops": round(flop / t_us / 1e6, 1)})
-            print(rows[-1], flush=True)
+            rows.append(probe_common.torch_row(shape, f"torch (cuBLAS, {args.dtype})", cublas, flop))
+            run_args = ([a_np, b_np, bias_np], (m, n), elem, ref, flop)
         for bn in bns:
             for stages in stage_list:
-                bk = SWIZZLE_BYTES // DTYPES[args.dtype][1]
-                row = {"shape": shape, "config": f"wgmma {args.dtype} 128x{bn}x{bk}-s{stages}"}
-                t0 = time.time()
-                try:
-                    lib = build(make_gemm(m, n, k, bn, stages, args.epilogue, args.dtype))
-                    src = lib.mod.imports[0].inspect_source()
-                    row.update(build_s=round(time.time() - t0, 1), wgmma="wgmma.mma_async" in src,
-                               tma="cp.async.bulk.tensor" in src)
-                    if gpu:
-                        row.update(probe_common.run_and_time(lib, [a_np, b_np, bias_np], (m, n), elem, ref, flop))
-                    else:
-                        row["ptxas"] = probe_common.nvcc_usage(src, row["config"], "sm_90a")
-                except Exception as e:  # noqa: BLE001 - a probe records what fails
-                    row["error"] = probe_common.error_line(e)
-                rows.append(row)
-                print(row, flush=True)
+                rows.append(probe_common.measure(
+                    {"shape": shape, "config": f"wgmma {args.dtype} 128x{bn}x{bk}-s{stages}"},
+                    functools.partial(build_gemm, m, n, k, bn, stages, args.epilogue, args.dtype),
+                    {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor"},
+                    run_args, "sm_90a"))
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"
     probe_common.write_results(
         out, f"device: {dev_name}; target sm_90a; {args.dtype}, epilogue {args.epilogue} (scripts/wgmma_gemm_probe.py)",
