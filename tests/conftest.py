@@ -4,6 +4,7 @@ a CUDA GPU and are skipped without one."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -22,6 +23,16 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package; each
+    script puts what it imports on the path itself)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 SERIAL_DIRS = ("tuning", "serving")  # time-outs, load tests, hung servers: never beside another test

@@ -2,7 +2,6 @@
 TVM 0.27's TIRx. On the CPU machine it is built for sm_90a (every pass and
 CUDA codegen run); on the GPU (`-m gpu`) it computes what PyTorch computes."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("wgmma_gemm_probe", ROOT / "scripts" / "wgmma_gemm_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("wgmma_gemm_probe")
 
 
 @pytest.mark.parametrize("epilogue", ["bias", "gelu"])

@@ -2,23 +2,19 @@
 on the same shapes (cuDNN on the GPU machine; here, torch on the CPU, which
 checks the script, not the comparison)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from ..conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 DB = ROOT / "tuning_logs" / "resnet50" / "cuda-sm_90-nvidia-h200" / "fp16-nhwc-b64"
 
 
 def _script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("conv_vs_cudnn", ROOT / "scripts" / "conv_vs_cudnn.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("conv_vs_cudnn")
 
 
 def test_the_convolution_is_read_from_the_buffers_shapes():

@@ -1,22 +1,20 @@
 """scripts/db_kernels.py: one line per workload of a committed database, with
 the default schedule's time from the kernel check where it has one."""
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from ..conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 DB = ROOT / "tuning_logs" / "resnet50" / "cuda-sm_90-nvidia-h200" / "fp16-nhwc-b64"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("db_kernels", ROOT / "scripts" / "db_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("db_kernels")
 
 
 @pytest.fixture
