@@ -144,6 +144,7 @@ def prepare(args):
         split_k=getattr(args, "split_k", None),
         flat_gemm=getattr(args, "flat_gemm", None),
         pad_gemm=getattr(args, "pad_gemm", None),
+        implicit_gemm=getattr(args, "implicit_gemm", None),
         budget=args.budget,
     )
     if _nonempty(getattr(args, "dim_buckets", None)):
@@ -500,6 +501,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flat-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="1x1 NHWC convolutions and batched-row matmuls as 2-D GEMMs with their epilogues "
                         "(candidates for the mma.sync tensor-core rule; changes the kernels to tune)")
+    p.add_argument("--implicit-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC convolutions with kernels larger than 1x1 as implicit GEMMs with their epilogues "
+                        "(candidates for the mma.sync GEMM schedules; changes the kernels to tune)")
     p.add_argument("--pad-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="pad GEMM rows whose count tiles badly to a multiple of 128 inside the kernel "
                         "(on by default for CUDA; changes those kernels)")

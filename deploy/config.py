@@ -119,6 +119,10 @@ class Profile:
     # 128 inside the kernel (passes.pad_gemm; ViT's 32 x 197 tokens): lets the
     # tuner draw tiles its perfect tiling cannot. Changes those kernels.
     pad_gemm: bool = False
+    # NHWC convolutions with a kernel larger than 1x1 as implicit GEMMs with
+    # their epilogues (passes.implicit_gemm): the tensor-core GEMM schedules
+    # take them. Changes those kernels.
+    implicit_gemm: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +369,9 @@ def _check_values(obj, where: str) -> None:
         if obj.flat_gemm and obj.layout == "NCHWc":
             raise ConfigError(f"invalid {where}.flat_gemm", "true with layout NCHWc",
                               "layout = \"NHWC\" (1x1 convolutions are rewritten in NHWC only), or flat_gemm = false")
+        if obj.implicit_gemm and obj.layout != "NHWC":
+            raise ConfigError(f"invalid {where}.implicit_gemm", f"true with layout {obj.layout}",
+                              "layout = \"NHWC\" (convolutions become implicit GEMMs in NHWC only), or implicit_gemm = false")
         if obj.pad_gemm and obj.layout == "NCHWc":
             raise ConfigError(f"invalid {where}.pad_gemm", "true with layout NCHWc",
                               "pad_gemm = false (GEMM rows are padded for the CUDA tensor-core schedules)")

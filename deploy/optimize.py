@@ -14,9 +14,11 @@ relax/backend/cuda/pipeline.py):
                     before data movement moved after it (passes.movement)
   split_k           small-row convolutions' reductions split (passes.split_k; asked for)
   flat_gemm         1x1 convolutions and batched-row matmuls as 2-D GEMMs
-                    (passes.flat_gemm; asked for)
+                    (passes.flat_gemm; asked for), and with implicit_gemm KxK
+                    convolutions as implicit GEMMs (passes.implicit_gemm; asked for)
   epilogues         otherwise: a 2-D matmul's elementwise epilogue carried in 2-D
-                    where its output is reshaped to more dimensions (passes.flat_gemm)
+                    where its output is reshaped to more dimensions (passes.flat_gemm);
+                    named implicit_gemm where that is asked for without flat_gemm
   fusion            legalize to TIR and fuse into kernels (an fp32 cast before a
                     mean inside the mean's kernel: passes.mean_cast), GEMM rows that
                     tile badly padded inside their kernels (passes.pad_gemm; CUDA): the
@@ -110,9 +112,11 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), *fold()]))
     if profile.flat_gemm:
-        out.append(("flat_gemm", [flat_gemm(), *fold()]))
+        out.append(("flat_gemm", [flat_gemm(convs=profile.implicit_gemm), *fold()]))
     else:
-        out.append(("epilogues", [flat_epilogues(pad_rows=profile.pad_gemm), T.CanonicalizeBindings(), *fold()]))
+        out.append(("implicit_gemm" if profile.implicit_gemm else "epilogues",
+                    [flat_epilogues(pad_rows=profile.pad_gemm, convs=profile.implicit_gemm), T.CanonicalizeBindings(),
+                     *fold()]))
     out.append(
         (
             "fusion",

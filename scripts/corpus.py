@@ -213,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="", help="comma list (default: the whole registry)")
     ap.add_argument("--layout", default="", help="the convolutions' layout (default: the target's, see deploy/config.py)")
     ap.add_argument("--flat-gemm", action="store_true", help="the profile's flat_gemm (passes/flat_gemm.py)")
+    ap.add_argument("--implicit-gemm", action="store_true",
+                    help="the profile's implicit_gemm (passes/implicit_gemm.py; NHWC: on llvm with --layout NHWC)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--baselines", action="store_true", help="time the alternatives in the same run")
@@ -233,6 +235,9 @@ def main(argv=None) -> int:
     if args.flat_gemm and target.kind == "llvm" and args.layout != "NHWC":
         print("error: --flat-gemm on llvm needs --layout NHWC (the CPU's default layout is NCHWc)", file=sys.stderr)
         return 2
+    if args.implicit_gemm and target.kind == "llvm" and args.layout != "NHWC":
+        print("error: --implicit-gemm on llvm needs --layout NHWC (the CPU's default layout is NCHWc)", file=sys.stderr)
+        return 2
     names = [n.strip() for n in args.models.split(",") if n.strip()] or models.names()
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()] or \
         (["fp16"] if target.kind == "cuda" else ["fp32"])
@@ -246,6 +251,7 @@ def main(argv=None) -> int:
     commands = report.get("commands") or ([report["command"]] if "command" in report else [])
     report.update({"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
                    "layout": args.layout or "default", "flat_gemm": args.flat_gemm,
+                   "implicit_gemm": args.implicit_gemm,
                    "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
                    "commands": [*commands, command]})
     results = {(r["model"], r["precision"]): r for r in report["results"]}
@@ -256,7 +262,8 @@ def main(argv=None) -> int:
         report["results"] = list(results.values())
         artifacts.write_json_atomic(path, report)  # after every model: a killed run keeps what it did
 
-    extra = {**({"layout": args.layout} if args.layout else {}), **({"flat_gemm": True} if args.flat_gemm else {})}
+    extra = {**({"layout": args.layout} if args.layout else {}), **({"flat_gemm": True} if args.flat_gemm else {}),
+             **({"implicit_gemm": True} if args.implicit_gemm else {})}
     jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, extra)
             for n in names for p in precisions if args.force or (n, p) not in results]
     try:

@@ -90,12 +90,13 @@ def error_line(e: Exception) -> str:
     return (lines[-1] if lines else type(e).__name__)[:200]
 
 
-def write_results(out: Path, header: str, meta: dict, rows: list[dict], extra_column: str) -> None:
+def write_results(out: Path, header: str, meta: dict, rows: list[dict], extra_column: str,
+                  shape_column: str = "shape MxNxK") -> None:
     """probe.json ({**meta, "rows": rows}) and probe.md: `header`, then a
     row per measurement (shape, config, us, TFLOP/s, rel_l2, the row's
     `extra_column` entry, error)."""
     (out / "probe.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-    lines = [header, "", f"| shape MxNxK | config | us | TFLOP/s | rel_l2 | {extra_column} | error |",
+    lines = [header, "", f"| {shape_column} | config | us | TFLOP/s | rel_l2 | {extra_column} | error |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['config']} | {r.get('us', '')} | {r.get('tflops', '')} | "

@@ -32,13 +32,21 @@ def nhwc_ohwi(conv_attrs) -> bool:
     return (a.data_layout, a.kernel_layout, str(a.out_layout or "NHWC")) == ("NHWC", "OHWI", "NHWC")
 
 
-def relax_function_pass(name: str, make_mutator):
+def relax_function_pass(name: str, make_mutator, emits_functions: bool = False):
     """A module pass that runs a fresh `make_mutator()` (a Relax
-    PyExprMutator) over every Relax function of a copy of the module."""
+    PyExprMutator) over every Relax function of a copy of the module; with
+    `emits_functions`, one `make_mutator(mod)` whose builder's module is the
+    result, so that the PrimFuncs it emits (`builder_.call_te`) join it."""
     from ..tvm_compat import relax, tvm
 
     @tvm.transform.module_pass(opt_level=0, name=name)
     def run(mod, _ctx):
+        if emits_functions:
+            mutator = make_mutator(mod)
+            for gv, func in mod.functions_items():
+                if isinstance(func, relax.Function):
+                    mutator.builder_.update_func(gv, mutator.visit_expr(func))
+            return mutator.builder_.get()
         out = mod.clone()  # a pass must not change its input
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from . import nhwc_ohwi, pruned, relax_function_pass, static_shape
+from . import implicit_gemm, nhwc_ohwi, pruned, relax_function_pass, static_shape, tensor_dtype
 from .pad_gemm import pads
 
 UNARY = frozenset({
@@ -47,12 +47,14 @@ BINARY = frozenset({
 })
 
 
-def flat_gemm(gemms: bool = True, pad_rows: bool = False):
+def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False):
     """A pass: see the module's docstring. `gemms=False` (`flat_epilogues()`)
     rewrites no convolution or matmul, and only carries the epilogues of
     2-D results viewed in more dimensions; with `pad_rows`, it also rewrites
     the N-D matmuls whose row count passes.pad_gemm pads (which only pads a
-    GEMM whose rows are one loop)."""
+    GEMM whose rows are one loop); with `convs`, the convolutions that
+    passes.implicit_gemm takes become implicit GEMMs [N*Ho*Wo, O], their
+    epilogues carried in 2-D as well."""
     from ..tvm_compat import relax, tvm
 
     op = relax.op
@@ -102,6 +104,8 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
             if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
                 return call
             name = call.op.name
+            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call):
+                return self._implicit(call)
             if name == "relax.nn.conv2d" and gemms:
                 return self._conv1x1(call)
             if name == "relax.matmul" and (gemms or pad_rows):
@@ -148,6 +152,17 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
             rhs = self.builder_.emit(op.permute_dims(op.reshape(w, [o, c]), [1, 0]))  # folded for constant weights
             return self._emit_flat(op.matmul(lhs, rhs, out_dtype=a.out_dtype), ys)
 
+        def _implicit(self, call):
+            a = call.attrs
+            x, w = call.args
+            o, r, s, c = static_shape(w)
+            ys = static_shape(call)
+            w2 = self.builder_.emit(op.reshape(w, [o, r * s * c]))  # (folded for constant weights)
+            gemm = self.builder_.call_te(implicit_gemm.conv_as_gemm, x, w2, kernel=(r, s), strides=a.strides,
+                                         padding=a.padding, out_shape=ys, out_dtype=tensor_dtype(call),
+                                         primfunc_name_hint="conv2d_gemm")
+            return self._emit_flat(gemm, ys)
+
         def _matmul(self, call, only_padded: bool = False):
             x, w = call.args
             xs, ws, ys = static_shape(x), static_shape(w), static_shape(call)
@@ -189,10 +204,10 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False):
 
     # The 4-D views nothing reads any more go: a dead consumer of the GEMM
     # would keep FuseOps from fusing its epilogue (no single post-dominator).
-    return pruned("FlatGemm", relax_function_pass("FlatGemm", FlatGemm))
+    return pruned("FlatGemm", relax_function_pass("FlatGemm", FlatGemm, emits_functions=convs))
 
 
-def flat_epilogues(pad_rows: bool = False):
+def flat_epilogues(pad_rows: bool = False, convs: bool = False):
     """The elementwise epilogue of a 2-D matmul whose output is reshaped to
     more dimensions (a transformer's dense layer over batch x sequence rows,
     then GELU, a residual add) carried in 2-D, and the reshape back to 2-D
@@ -201,5 +216,6 @@ def flat_epilogues(pad_rows: bool = False):
     6 x 27 us at batch 32 on the H200). On by default; `flat_gemm()` does
     this too. With `pad_rows` (the profile's `pad_gemm`), N-D matmuls whose
     rows passes.pad_gemm pads become 2-D GEMMs as well (ViT-S/16's attention
-    output projection over 32 x 197 tokens)."""
-    return flat_gemm(gemms=False, pad_rows=pad_rows)
+    output projection over 32 x 197 tokens). With `convs` (the profile's
+    `implicit_gemm`), KxK convolutions become implicit GEMMs as well."""
+    return flat_gemm(gemms=False, pad_rows=pad_rows, convs=convs)

@@ -1,0 +1,84 @@
+"""KxK convolutions as implicit GEMMs: the tensor-core GEMM schedule for them.
+
+Our own rewrite (the profile's `implicit_gemm`, off by default; not a
+workaround). On ResNet-50 at batch 64 on the H200 the 3x3 convolutions are
+where TVM loses to cuDNN: 1.4x to 2.5x its time each, 1.35 ms of the model's
+~3.85 ms against cuDNN's 0.73 (results/h200/2026-12-04/conv-vs-cudnn/). Six
+of the seven run DLight's default; MetaSchedule's tensor-core rules give a
+4-D NHWC convolution WMMA candidates only (no `cp.async`, no pipeline), and
+decline it for `mma.sync` ("The MMA tensor core only supports SSR loops").
+
+A convolution `y[n, h, w, o] = sum x[n, h*s+r-p, w*s+q-p, c] * W[o, r, q, c]`
+(NHWC data, OHWI weights) is a GEMM over rows `i = (n, h, w)` and a
+reduction `k = (r, q, c)`:
+    A[i, k] = x[...] or 0 in the padding     (an injective block: im2col)
+    C[i, o] = sum_k f32(A[i, k]) * f32(W2[o, k])   with W2 = reshape(W, [O, R*S*C])
+The im2col matrix is never stored: in a fused kernel it is a producer block
+that a schedule computes straight into its shared-memory tile (passes.mma_gemm
+stages such a producer as it does pad_gemm's padded rows: the copies are
+predicated `cp.async` where TVM can vectorize them, 16 bytes of channels at a
+time), and MetaSchedule's rules inline it into the GEMM's loads. The pass in
+flat_gemm.py emits this function for each convolution `applies` accepts and
+carries the epilogue (bias, residual, ReLU) in 2-D after it, so that the
+fused kernel is the 2-D GEMM that passes.mma_gemm and the `mma.sync` rule take.
+
+It changes those kernels' workloads, so a database tuned without it does not
+cover them; hence off by default until measured on the GPU.
+"""
+
+from __future__ import annotations
+
+from . import nhwc_ohwi, static_shape, tensor_dtype
+
+VECTOR = 8  # channels per 16-byte fp16 copy: C must be a multiple
+
+
+def applies(call) -> bool:
+    """Whether this Relax conv2d call becomes an implicit GEMM: NHWC/OHWI,
+    one group, no dilation, static shapes, a kernel larger than 1x1 (a 1x1
+    convolution is a plain GEMM: flat_gemm's), fp16 data and weights, and
+    channels a multiple of 8 (a ResNet stem's 3 input channels are left
+    alone) with 16 dividing the output channels."""
+    a = call.attrs
+    if not nhwc_ohwi(a) or int(a.groups) != 1 or [int(d) for d in a.dilation] != [1, 1]:
+        return False
+    x, w = call.args
+    xs, ws = static_shape(x), static_shape(w)
+    if xs is None or ws is None or static_shape(call) is None:
+        return False
+    if tensor_dtype(x) != "float16" or tensor_dtype(w) != "float16":
+        return False
+    o, r, s, c = ws
+    return r * s > 1 and c % VECTOR == 0 and o % 16 == 0
+
+
+def conv_as_gemm(x, w2, kernel: tuple[int, int], strides, padding, out_shape, out_dtype: str):
+    """The TE of one convolution as an implicit GEMM: `x` [N, H, W, C],
+    `w2` [O, R*S*C] (the OHWI weights, reshaped); returns C [N*Ho*Wo, O]
+    in `out_dtype`. `padding` is conv2d's [top, left, bottom, right]."""
+    from tvm import te, tirx
+
+    n, h, wd, c = (int(d) for d in x.shape)
+    o, kk = (int(d) for d in w2.shape)
+    r, s = kernel
+    sh, sw = (int(v) for v in strides)
+    top, left = int(padding[0]), int(padding[1])
+    _, ho, wo, _ = out_shape
+    rows = n * ho * wo
+    padded = any(int(p) for p in padding)
+    zero = tirx.const(0, x.dtype)
+
+    def im2col(i, k):
+        b, pix = i // (ho * wo), i % (ho * wo)
+        y, xq = pix // wo, pix % wo
+        dr, ds, cc = k // (s * c), k // c % s, k % c
+        hi, wi = y * sh + dr - top, xq * sw + ds - left
+        if not padded:
+            return x[b, hi, wi, cc]
+        inside = tirx.all(hi >= 0, hi < h, wi >= 0, wi < wd)
+        return tirx.if_then_else(inside, x[b, hi, wi, cc], zero)
+
+    a = te.compute((rows, kk), im2col, name="im2col")
+    red = te.reduce_axis((0, kk), name="k")
+    return te.compute((rows, o), lambda i, j: te.sum(a[i, red].astype(out_dtype) * w2[j, red].astype(out_dtype),
+                                                    axis=red), name="conv_gemm")

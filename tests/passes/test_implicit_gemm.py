@@ -1,0 +1,179 @@
+"""deploy/passes/implicit_gemm.py (applied by flat_gemm.py): KxK NHWC
+convolutions as implicit GEMMs. The rewrite computes the same, fuses into one
+2-D GEMM kernel with its epilogue, is applied only where meant, and that
+kernel is one our mma.sync schedule takes, its im2col tiles copied by
+predicated cp.async (built for sm_90 here; on the GPU, `-m gpu`, run)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deploy import config, targets
+from deploy.errors import ConfigError
+from deploy.optimize import phases
+from deploy.passes import implicit_gemm, mma_gemm
+from deploy.passes.flat_gemm import flat_epilogues, flat_gemm
+from deploy.tuning import builder as tune_builder
+from deploy.tvm_compat import tvm
+
+from ..conftest import load_script
+from .test_flat_gemm import _args, _bottleneck, _fused, _kernels, _parse, _run
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    return targets.resolve("cuda:sm_90").tvm_target()
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_the_rewrite_computes_the_same_in_one_gemm_kernel_with_its_epilogue(stride):
+    """A 3x3 convolution with its cast, bias, residual add and ReLU, then a
+    second 3x3 convolution of the result (fp16 accumulation): both become
+    implicit GEMMs; the first carries its whole epilogue in 2-D."""
+    mod = _bottleneck(k=3, c=64, o=32, stride=stride)
+    new = flat_epilogues(convs=True)(mod)
+    assert "R.nn.conv2d" not in new.script() and "R.nn.conv2d" in mod.script()  # the input is left as it was
+    args = _args(mod)
+    for ref, got in zip(_run(mod, args), _run(new, args)):
+        assert got.shape == ref.shape
+        assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+    kernels = _kernels(_fused(new))
+    fused = [n for n in kernels if n.startswith("fused_conv2d_gemm")]
+    assert len(fused) == 1 and all(op in fused[0] for op in ("cast", "add", "add1", "relu")), kernels.keys()
+    assert all(n.startswith(("fused_conv2d_gemm", "conv2d_gemm", "reshape")) for n in kernels), kernels.keys()
+    assert "if_then_else" in kernels[fused[0]].script()  # the padding, in the im2col producer
+
+
+def test_flat_gemm_takes_the_1x1_convolutions_and_this_pass_the_rest():
+    new = flat_gemm(convs=True)(_bottleneck(k=1, c=64, o=32))
+    text = new.script()
+    assert "R.matmul" in text and "conv2d_gemm" in text and "R.nn.conv2d" not in text
+
+
+def _conv(x, w, dtype="float16", groups=1, padding=1, dilation=1):
+    return _parse(f"""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor({x}, "{dtype}"), w: R.Tensor({w}, "{dtype}")):
+        with R.dataflow():
+            y = R.nn.conv2d(x, w, padding=[{padding}] * 4, groups={groups}, dilation=[{dilation}, {dilation}],
+                            data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC", out_dtype="float32")
+            R.output(y)
+        return y
+""")
+
+
+@pytest.mark.parametrize("why, x, w, kwargs", [
+    ("a 1x1 kernel (flat_gemm's)", (2, 8, 8, 64), (32, 1, 1, 64), {"padding": 0}),
+    ("3 input channels (a stem: no 16-byte copies)", (2, 8, 8, 3), (32, 3, 3, 3), {}),
+    ("output channels 16 does not divide", (2, 8, 8, 64), (24, 3, 3, 64), {}),
+    ("groups (a depthwise convolution)", (2, 8, 8, 64), (64, 3, 3, 1), {"groups": 64}),
+    ("dilation", (2, 8, 8, 64), (32, 3, 3, 64), {"dilation": 2, "padding": 2}),
+    ("fp32", (2, 8, 8, 64), (32, 3, 3, 64), {"dtype": "float32"}),
+])
+def test_other_convolutions_are_left_alone(why, x, w, kwargs):
+    new = flat_epilogues(convs=True)(_conv(x, w, **kwargs))
+    assert "R.nn.conv2d" in new.script(), why
+
+
+def test_the_phase_and_the_config():
+    cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"implicit_gemm": True}})
+    assert [name for name, _ in phases(cfg.cuda)][-2:] == ["implicit_gemm", "fusion"]
+    assert "implicit_gemm" not in [n for n, _ in phases(config.from_dict({"model": {"source": "tiny_cnn"}}).cuda)]
+    both = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"implicit_gemm": True, "flat_gemm": True}})
+    assert [name for name, _ in phases(both.cuda)][-2:] == ["flat_gemm", "fusion"]
+    for layout in ("NCHWc", "NCHW"):
+        table = {"implicit_gemm": True} if layout == "NCHWc" else {"implicit_gemm": True, "layout": layout}
+        with pytest.raises(ConfigError, match="implicit_gemm"):
+            config.from_dict({"model": {"source": "tiny_cnn"}, ("llvm" if layout == "NCHWc" else "cuda"): table})
+
+
+def _resnet_like_kernel():
+    """ResNet's 3x3 convolution + bias + ReLU in a size the tests build
+    quickly: 2 x 8 x 8 rows (128), K = 9 x 64, 64 output channels."""
+    mod = _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 8, 8, 64), "float16"), w: R.Tensor((64, 3, 3, 64), "float16"),
+             b: R.Tensor((1, 1, 1, 64), "float16")):
+        with R.dataflow():
+            y = R.nn.conv2d(x, w, padding=[1, 1, 1, 1], data_layout="NHWC", kernel_layout="OHWI",
+                            out_layout="NHWC", out_dtype="float32")
+            z = R.nn.relu(R.add(R.astype(y, "float16"), b))
+            R.output(z)
+        return z
+""")
+    kernels = _kernels(_fused(flat_epilogues(convs=True)(mod)))
+    (name,) = [n for n in kernels if n.startswith("fused_conv2d_gemm")]
+    return kernels[name].with_attr("global_symbol", "main")
+
+
+def test_our_mma_schedule_takes_it_and_copies_the_im2col_tiles_by_predicated_cp_async(sm90):
+    func = _resnet_like_kernel()
+    gemm = mma_gemm.match(func)
+    assert gemm is not None and (gemm.m, gemm.n, gemm.k, gemm.b_transposed) == (128, 64, 576, True)
+    assert gemm.producers == ["im2col"]
+    spaces = mma_gemm.spaces(func, sm90)
+    assert spaces
+    src = tune_builder.lean_build(spaces[0].mod, sm90, None).imports[0].inspect_source()
+    # the padding is a predicate of the copy (zero-filled), not a branch around a plain load
+    assert "cp_async_legacy_pred" in src and "mma.sync" in src and "ldmatrix" in src
+
+
+@pytest.mark.gpu
+def test_each_configuration_computes_the_convolution(sm90):
+    """On the GPU: each configuration against the unscheduled kernel lowered for the CPU."""
+    from deploy.tvm_compat import ms
+
+    func = _resnet_like_kernel()
+    info = ms.arg_info.ArgInfo.from_prim_func(func)
+    rng = np.random.default_rng(3)
+    args = [(rng.standard_normal([int(d) for d in a.shape]) / 4).astype(str(a.dtype)) for a in info]
+    cpu = tvm.tirx.build(tvm.IRModule({"main": func}), target="llvm")
+    want = [tvm.runtime.tensor(a) for a in args]
+    cpu["main"](*want)
+    dev = tvm.cuda(0)
+    for sch in mma_gemm.spaces(func, sm90):
+        lib = tune_builder.lean_build(sch.mod, sm90, None)
+        got = [tvm.runtime.tensor(a, dev) for a in args]
+        lib["main"](*got)
+        np.testing.assert_allclose(got[-1].numpy().astype("float32"), want[-1].numpy().astype("float32"),
+                                   rtol=2e-2, atol=2e-2, err_msg=mma_gemm.config_of(sch.mod))
+
+
+def test_the_probe_refuses_a_malformed_convolution_or_configuration(tmp_path, capsys):
+    probe = load_script("implicit_gemm_probe")
+    assert probe.main(["--convs", "64x14x14x256-256-3", "--out", str(tmp_path)]) == 2
+    assert "expected NxHxWxC-O-K-sS" in capsys.readouterr().err
+    assert probe.main(["--configs", "128x128x32-w2x2-s9", "--out", str(tmp_path)]) == 2
+    assert "unknown configuration" in capsys.readouterr().err
+    (c,) = probe.parse_convs("64x56x56x128-128-3-s2")
+    assert (c["out_height"], c["padding"], c["gflop"]) == (28, 1, pytest.approx(2 * 64 * 28 * 28 * 128 * 9 * 128 / 1e9))
+
+
+def test_the_te_is_the_convolution():
+    """conv_as_gemm alone, on llvm, against NumPy: asymmetric stride and
+    padding at the borders."""
+    from tvm import te
+
+    n, h, w, c, o, r = 1, 6, 5, 8, 16, 3
+    x = te.placeholder((n, h, w, c), "float32", name="x")
+    w2 = te.placeholder((o, r * r * c), "float32", name="w")
+    out_shape = (n, (h + 2 - r) // 2 + 1, (w + 2 - r) // 1 + 1, o)
+    gemm = implicit_gemm.conv_as_gemm(x, w2, (r, r), (2, 1), (1, 1, 1, 1), out_shape, "float32")
+    lib = tvm.tirx.build(tvm.IRModule({"main": te.create_prim_func([x, w2, gemm])}), target="llvm")
+    rng = np.random.default_rng(0)
+    xn = rng.standard_normal((n, h, w, c)).astype("float32")
+    wn = rng.standard_normal((o, r, r, c)).astype("float32")
+    got = tvm.runtime.tensor(np.zeros((int(gemm.shape[0]), o), "float32"))
+    lib["main"](tvm.runtime.tensor(xn), tvm.runtime.tensor(wn.reshape(o, -1)), got)
+    xp = np.pad(xn, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    want = np.zeros(out_shape, "float32")
+    for i in range(out_shape[1]):
+        for j in range(out_shape[2]):
+            patch = xp[:, i * 2:i * 2 + r, j:j + r, :]
+            want[:, i, j, :] = np.einsum("nrsc,orsc->no", patch, wn)
+    np.testing.assert_allclose(got.numpy(), want.reshape(-1, o), rtol=1e-5, atol=1e-5)
