@@ -177,3 +177,29 @@ def test_the_te_is_the_convolution():
             patch = xp[:, i * 2:i * 2 + r, j:j + r, :]
             want[:, i, j, :] = np.einsum("nrsc,orsc->no", patch, wn)
     np.testing.assert_allclose(got.numpy(), want.reshape(-1, o), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_128_does_not_divide_are_padded_so_that_128_row_tiles_take_them(sm90):
+    """passes/pad_gemm.py on an implicit GEMM: ResNet-50's 7x7 stage at
+    batch 64 (3,136 rows, a multiple of 64 but not of 128; channels cut to
+    64 here) is padded to 3,200 rows, its im2col inlined into the padded
+    copy: our schedule takes it with 128-row tiles, still predicated copies."""
+    from deploy.passes.pad_gemm import pad_prim_func
+
+    mod = _conv((64, 7, 7, 64), (64, 3, 3, 64))
+    kernels = _kernels(_fused(flat_epilogues(convs=True)(mod)))
+    (name,) = [n for n in kernels if "conv2d_gemm" in n]
+    func = kernels[name].with_attr("global_symbol", "main")
+    assert mma_gemm.match(func).m == 3136
+    padded = pad_prim_func(func)
+    gemm = mma_gemm.match(padded)
+    assert gemm is not None and gemm.m == 3200 and len(gemm.producers) == 1
+    assert "128x64x32-w2x2-s4" in mma_gemm.configs_for(gemm)  # (before: none of 128 rows)
+    sch = mma_gemm.schedule(padded, gemm, "128x64x32-w2x2-s4")
+    src = tune_builder.lean_build(sch.mod, sm90, None).imports[0].inspect_source()
+    assert "cp_async_legacy_pred" in src
+    # the same rows in a plain GEMM (a 1x1 convolution under flat_gemm) are left as they are:
+    # 64 divides them, pad_gemm's rule for every other kernel
+    plain = _kernels(_fused(flat_gemm()(_conv((64, 7, 7, 64), (64, 1, 1, 64), padding=0))))
+    (gemm_name,) = [n for n in plain if n.startswith("matmul") or n.startswith("fused_matmul")]
+    assert mma_gemm.match(plain[gemm_name]).m == 3136 and pad_prim_func(plain[gemm_name]) is None
