@@ -235,8 +235,9 @@ def main(argv=None) -> int:
     if args.flat_gemm and target.kind == "llvm" and args.layout != "NHWC":
         print("error: --flat-gemm on llvm needs --layout NHWC (the CPU's default layout is NCHWc)", file=sys.stderr)
         return 2
-    if args.implicit_gemm and target.kind == "llvm" and args.layout != "NHWC":
-        print("error: --implicit-gemm on llvm needs --layout NHWC (the CPU's default layout is NCHWc)", file=sys.stderr)
+    if args.implicit_gemm and (args.layout or ("NCHWc" if target.kind == "llvm" else "NHWC")) != "NHWC":
+        print(f"error: --implicit-gemm needs the NHWC layout | got {args.layout or 'the CPU default, NCHWc'} "
+              "| expected --layout NHWC (the default on cuda)", file=sys.stderr)
         return 2
     names = [n.strip() for n in args.models.split(",") if n.strip()] or models.names()
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()] or \

@@ -6,7 +6,9 @@ as deploy/passes/implicit_gemm.py writes it (an im2col producer block
 feeding a [N*Ho*Wo, O] GEMM), scheduled by deploy/passes/mma_gemm.py in
 each configuration that tiles it, and built as the package builds it (our
 TIR pipeline: the im2col tiles are predicated 16-byte `cp.async` copies).
-On a GPU each is checked against torch's conv2d and timed beside it (cuDNN,
+Rows that 128 does not divide are padded as the CUDA profile's pad_gemm
+pads them (`--no-pad`: as they are). On a GPU each is checked against
+torch's conv2d and timed beside it (cuDNN,
 channels last, `cudnn.benchmark`: scripts/conv_vs_cudnn.py's `time_torch`);
 without one it only builds, and reports nvcc's registers.
 
@@ -49,6 +51,10 @@ def parse_convs(text: str) -> list[dict] | None:
         n, h, w, c, o, k, s = (int(v) for v in m.groups())
         pad = (k - 1) // 2
         oh, ow = (h + 2 * pad - k) // s + 1, (w + 2 * pad - k) // s + 1
+        if min(h, w) + 2 * pad < k:
+            print(f"error: the kernel is larger than the padded input: {part!r} | expected K <= H + 2 * ((K - 1) // 2)",
+                  file=sys.stderr)
+            return None
         out.append({"name": part.strip(), "batch": n, "height": h, "width": w, "in_channels": c, "out_channels": o,
                     "kernel": k, "stride": s, "padding": pad, "out_height": oh, "out_width": ow,
                     "gflop": 2.0 * n * oh * ow * o * k * k * c / 1e9})
@@ -71,12 +77,20 @@ def conv_func(p: dict):
     return te.create_prim_func([x, w2, bias, y])
 
 
-def build(p: dict, config: str, target):
+def kernel(p: dict, pad: bool):
+    """The PrimFunc as the package has it: conv_func, its rows padded by
+    pad_gemm where it pads them (with `pad`)."""
+    from deploy.passes.pad_gemm import pad_prim_func
+
+    func = conv_func(p)
+    return (pad_prim_func(func) or func) if pad else func
+
+
+def build(func, config: str, target):
     import tvm
 
     from deploy.passes import tensor_core_smem
 
-    func = conv_func(p)
     sch = mma_gemm.schedule(func, mma_gemm.match(func), config)
     mod = tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")})
     with tvm.transform.PassContext(opt_level=3):
@@ -88,8 +102,13 @@ def main(argv=None) -> int:
     p.add_argument("--convs", default=RESNET50_B64)
     p.add_argument("--configs", default="", help="names in mma_gemm.CONFIGS (default: every one that tiles)")
     p.add_argument("--target", default=None, help="default: cuda on a GPU, else cuda:sm_90")
+    p.add_argument("--no-pad", action="store_true", help="leave rows that 128 does not divide as they are")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"error: --out is not a folder: {out} | expected a folder (made if missing)", file=sys.stderr)
+        return 2
     convs = parse_convs(args.convs)
     if convs is None:
         return 2
@@ -107,17 +126,43 @@ def main(argv=None) -> int:
     from deploy import targets
 
     gpu = tvm.cuda(0).exist
-    target = targets.resolve(args.target or ("cuda" if gpu else "cuda:sm_90")).tvm_target()
-    out = Path(args.out)
+    try:
+        target = targets.resolve(args.target or ("cuda" if gpu else "cuda:sm_90")).tvm_target()
+    except Exception as e:  # noqa: BLE001 - a ConfigError or TVM's TargetError: one line
+        print(f"error: --target {args.target}: {probe_common.error_line(e)}", file=sys.stderr)
+        return 2
+    dev_name = "none (built only)"
+    if gpu:
+        import torch
+
+        dev_name = torch.cuda.get_device_name()
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+
+    def save():  # after each convolution: a probe stopped half-way keeps what it measured
+        probe_common.write_results(
+            out, f"device: {dev_name}; target: {target}; fp16 convolution + bias as an implicit GEMM "
+                 "(scripts/implicit_gemm_probe.py)",
+            {"device": dev_name, "target": str(target), "padded": not args.no_pad}, rows,
+            "predicated" if gpu else "ptxas", shape_column="convolution NxHxWxC-O-K-sS")
+
     for c in convs:
         flop = c["gflop"] * 1e9
-        gemm = mma_gemm.match(conv_func(c))
+        try:
+            func = kernel(c, not args.no_pad)
+            gemm = mma_gemm.match(func)
+        except Exception as e:  # noqa: BLE001 - a probe records what fails
+            rows.append({"shape": c["name"], "config": "none", "error": probe_common.error_line(e)})
+            save()
+            continue
         names = [n for n in mma_gemm.configs_for(gemm) if not wanted or n in wanted] if gemm else []
         if not names:
-            rows.append({"shape": c["name"], "config": "none", "error": "no configuration tiles this GEMM"})
+            why = ("no configuration tiles this GEMM" if gemm else
+                   "our schedule does not take it (input channels a multiple of 8, output channels of 16)")
+            rows.append({"shape": c["name"], "config": "none", "error": why})
+            save()
             continue
+        padded = f" (rows {gemm.m})" if gemm.m != c["batch"] * c["out_height"] * c["out_width"] else ""
         run_args = None
         if gpu:
             import torch
@@ -138,20 +183,11 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
             run_args = ([x, w.reshape(co, -1), b], (ref.shape[0], co), "float16", ref, flop)
         for name in names:
-            rows.append(probe_common.measure({"shape": c["name"], "config": name},
-                                             functools.partial(build, c, name, target),
+            rows.append(probe_common.measure({"shape": c["name"], "config": name + padded},
+                                             functools.partial(build, func, name, target),
                                              {"cp_async": "cp.async", "predicated": "cp_async_legacy_pred"},
                                              run_args, "sm_90"))
-    dev_name = "none (built only)"
-    if gpu:
-        import torch
-
-        dev_name = torch.cuda.get_device_name()
-    probe_common.write_results(
-        out, f"device: {dev_name}; target: {target}; fp16 convolution + bias as an implicit GEMM "
-             "(scripts/implicit_gemm_probe.py)",
-        {"device": dev_name, "target": str(target)}, rows, "predicated" if gpu else "ptxas",
-        shape_column="convolution NxHxWxC-O-K-sS")
+        save()
     return probe_common.exit_code(rows)
 
 

@@ -42,11 +42,7 @@ def relax_function_pass(name: str, make_mutator, emits_functions: bool = False):
     @tvm.transform.module_pass(opt_level=0, name=name)
     def run(mod, _ctx):
         if emits_functions:
-            mutator = make_mutator(mod)
-            for gv, func in mod.functions_items():
-                if isinstance(func, relax.Function):
-                    mutator.builder_.update_func(gv, mutator.visit_expr(func))
-            return mutator.builder_.get()
+            return _rebuilt(mod, make_mutator(mod))
         out = mod.clone()  # a pass must not change its input
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):
@@ -72,13 +68,21 @@ def call_rewrite_pass(name: str, rewrite):
                 out = rewrite(self.builder_, mod, call)
                 return call if out is None else out
 
-        mutator = Rewrite(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mutator.builder_.update_func(gv, mutator.visit_expr(func))
-        return mutator.builder_.get()
+        return _rebuilt(mod, Rewrite(mod))
 
     return run
+
+
+def _rebuilt(mod, mutator):
+    """The module of `mutator`'s builder (a PyExprMutator made on `mod`)
+    after it has visited each Relax function of `mod`: with the functions it
+    emitted beside them."""
+    from ..tvm_compat import relax
+
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            mutator.builder_.update_func(gv, mutator.visit_expr(func))
+    return mutator.builder_.get()
 
 
 def pruned(name: str, rewrite):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from . import implicit_gemm, nhwc_ohwi, pruned, relax_function_pass, static_shape, tensor_dtype
+from . import implicit_gemm, pruned, relax_function_pass, static_shape, tensor_dtype
 from .pad_gemm import pads
 
 UNARY = frozenset({
@@ -138,9 +138,8 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False):
 
         def _conv1x1(self, call):
             a = call.attrs
-            if not nhwc_ohwi(a) \
-                    or int(a.groups) != 1 or [int(s) for s in a.strides] != [1, 1] \
-                    or [int(d) for d in a.dilation] != [1, 1] or any(int(p) for p in a.padding):
+            if not implicit_gemm.dense_nhwc(a) or [int(s) for s in a.strides] != [1, 1] \
+                    or any(int(p) for p in a.padding):
                 return call
             x, w = call.args
             xs, ws, ys = static_shape(x), static_shape(w), static_shape(call)

@@ -31,22 +31,29 @@ from __future__ import annotations
 from . import nhwc_ohwi, static_shape, tensor_dtype
 
 VECTOR = 8  # channels per 16-byte fp16 copy: C must be a multiple
+IM2COL = "im2col"  # the producer block's name (passes/pad_gemm.py finds it by it)
+
+
+def dense_nhwc(attrs) -> bool:
+    """A conv2d in NHWC/OHWI with one group and no dilation (what this pass
+    and flat_gemm's 1x1 rewrite both take)."""
+    return nhwc_ohwi(attrs) and int(attrs.groups) == 1 and [int(d) for d in attrs.dilation] == [1, 1]
 
 
 def applies(call) -> bool:
     """Whether this Relax conv2d call becomes an implicit GEMM: NHWC/OHWI,
     one group, no dilation, static shapes, a kernel larger than 1x1 (a 1x1
-    convolution is a plain GEMM: flat_gemm's), fp16 data and weights, and
+    convolution is a plain GEMM: flat_gemm's), fp16 data and weights with an
+    fp32 sum (an fp16 sum is no GEMM our mma.sync schedule takes), and
     channels a multiple of 8 (a ResNet stem's 3 input channels are left
     alone) with 16 dividing the output channels."""
-    a = call.attrs
-    if not nhwc_ohwi(a) or int(a.groups) != 1 or [int(d) for d in a.dilation] != [1, 1]:
+    if not dense_nhwc(call.attrs):
         return False
     x, w = call.args
     xs, ws = static_shape(x), static_shape(w)
     if xs is None or ws is None or static_shape(call) is None:
         return False
-    if tensor_dtype(x) != "float16" or tensor_dtype(w) != "float16":
+    if (tensor_dtype(x), tensor_dtype(w), tensor_dtype(call)) != ("float16", "float16", "float32"):
         return False
     o, r, s, c = ws
     return r * s > 1 and c % VECTOR == 0 and o % 16 == 0
@@ -78,7 +85,7 @@ def conv_as_gemm(x, w2, kernel: tuple[int, int], strides, padding, out_shape, ou
         inside = tirx.all(hi >= 0, hi < h, wi >= 0, wi < wd)
         return tirx.if_then_else(inside, x[b, hi, wi, cc], zero)
 
-    a = te.compute((rows, kk), im2col, name="im2col")
+    a = te.compute((rows, kk), im2col, name=IM2COL)
     red = te.reduce_axis((0, kk), name="k")
     return te.compute((rows, o), lambda i, j: te.sum(a[i, red].astype(out_dtype) * w2[j, red].astype(out_dtype),
                                                     axis=red), name="conv_gemm")

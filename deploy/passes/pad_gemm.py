@@ -46,12 +46,13 @@ from __future__ import annotations
 
 import logging
 
+from .implicit_gemm import IM2COL
+
 log = logging.getLogger(__name__)
 
 MIN_EXTENT = 1024  # rows below this are left alone
 ALIGNED = 64  # extents that are multiples of this already tile well
 MULTIPLE = 128  # pad to this
-IM2COL = "im2col"  # passes/implicit_gemm.py's producer block
 
 
 def pads(rows: int, aligned: int = ALIGNED) -> bool:
@@ -60,7 +61,7 @@ def pads(rows: int, aligned: int = ALIGNED) -> bool:
     return rows >= MIN_EXTENT and rows % aligned != 0
 
 
-def padding_for(extents: list[int], roles: list[str], aligned: int = ALIGNED) -> list[int] | None:
+def padding_for(extents: list[int], roles: list[str], rows_aligned: int = ALIGNED) -> list[int] | None:
     """Per loop, the multiple `pad_einsum` should pad it to (1 = as it is);
     None where nothing needs padding. `roles`: "m" (a loop only the first
     operand reads: the rows), "n" (only the second: the columns), "k" (the
@@ -68,11 +69,13 @@ def padding_for(extents: list[int], roles: list[str], aligned: int = ALIGNED) ->
     loops are left alone: DLight's Matmul rule cannot write such a padded
     kernel's output back ("consumers of the cache-write stage that are not
     properly inlined"), and `flat_epilogues(pad_rows=True)` makes a dense
-    layer's rows one loop before fusion."""
+    layer's rows one loop before fusion. Rows that `rows_aligned` divides
+    are left as they are (MULTIPLE for an implicit GEMM's rows; columns
+    always by ALIGNED)."""
     out = [1] * len(extents)
     for role in ("m", "n"):
         loops = [i for i, r in enumerate(roles) if r == role]
-        if len(loops) == 1 and pads(extents[loops[0]], aligned):
+        if len(loops) == 1 and pads(extents[loops[0]], rows_aligned if role == "m" else ALIGNED):
             out[loops[0]] = MULTIPLE
     return out if any(p > 1 for p in out) else None
 
@@ -112,7 +115,7 @@ def _pad(func):
         in_a, in_b = iv.var in operands[0], iv.var in operands[1]
         roles.append("k" if iv.iter_type == tirx.IterVar.CommReduce
                      else "b" if in_a and in_b else "m" if in_a else "n" if in_b else "b")
-    im2col = [p for p in sch.get_producers(block) if sch.get(p).name_hint == IM2COL]
+    im2col = [p for p in sch.get_producers(block) if sch.get(p).name_hint == IM2COL]  # (an implicit GEMM)
     padding = padding_for(extents, roles, MULTIPLE if im2col else ALIGNED)
     if padding is None:
         return None

@@ -28,12 +28,12 @@ def sm90():
 
 @pytest.mark.parametrize("stride", [1, 2])
 def test_the_rewrite_computes_the_same_in_one_gemm_kernel_with_its_epilogue(stride):
-    """A 3x3 convolution with its cast, bias, residual add and ReLU, then a
-    second 3x3 convolution of the result (fp16 accumulation): both become
-    implicit GEMMs; the first carries its whole epilogue in 2-D."""
+    """A 3x3 convolution (fp32 sum) with its cast, bias, residual add and
+    ReLU becomes an implicit GEMM carrying its whole epilogue in 2-D; the
+    second 3x3 convolution, summed in fp16, is left as it is."""
     mod = _bottleneck(k=3, c=64, o=32, stride=stride)
     new = flat_epilogues(convs=True)(mod)
-    assert "R.nn.conv2d" not in new.script() and "R.nn.conv2d" in mod.script()  # the input is left as it was
+    assert new.script().count("R.nn.conv2d(") == 1 and mod.script().count("R.nn.conv2d(") == 2  # (input unchanged)
     args = _args(mod)
     for ref, got in zip(_run(mod, args), _run(new, args)):
         assert got.shape == ref.shape
@@ -41,17 +41,19 @@ def test_the_rewrite_computes_the_same_in_one_gemm_kernel_with_its_epilogue(stri
     kernels = _kernels(_fused(new))
     fused = [n for n in kernels if n.startswith("fused_conv2d_gemm")]
     assert len(fused) == 1 and all(op in fused[0] for op in ("cast", "add", "add1", "relu")), kernels.keys()
-    assert all(n.startswith(("fused_conv2d_gemm", "conv2d_gemm", "reshape")) for n in kernels), kernels.keys()
+    assert all(n.startswith(("fused_conv2d_gemm", "conv2d", "reshape")) for n in kernels), kernels.keys()
     assert "if_then_else" in kernels[fused[0]].script()  # the padding, in the im2col producer
 
 
-def test_flat_gemm_takes_the_1x1_convolutions_and_this_pass_the_rest():
-    new = flat_gemm(convs=True)(_bottleneck(k=1, c=64, o=32))
-    text = new.script()
-    assert "R.matmul" in text and "conv2d_gemm" in text and "R.nn.conv2d" not in text
+def test_flat_gemm_takes_the_1x1_convolutions_and_this_pass_the_kxk_ones():
+    mod = _bottleneck(k=1, c=64, o=32)
+    text = flat_gemm(convs=True)(mod).script()
+    assert "R.matmul" in text and "R.nn.conv2d(" in text  # (the 3x3 one sums in fp16: left alone)
+    text = flat_gemm(convs=True)(_conv((2, 8, 8, 64), (32, 3, 3, 64))).script()
+    assert "conv2d_gemm" in text and "R.nn.conv2d(" not in text
 
 
-def _conv(x, w, dtype="float16", groups=1, padding=1, dilation=1):
+def _conv(x, w, dtype="float16", groups=1, padding=1, dilation=1, out_dtype="float32", out_layout="NHWC"):
     return _parse(f"""
 @I.ir_module
 class Mod:
@@ -59,7 +61,8 @@ class Mod:
     def main(x: R.Tensor({x}, "{dtype}"), w: R.Tensor({w}, "{dtype}")):
         with R.dataflow():
             y = R.nn.conv2d(x, w, padding=[{padding}] * 4, groups={groups}, dilation=[{dilation}, {dilation}],
-                            data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC", out_dtype="float32")
+                            data_layout="NHWC", kernel_layout="OHWI", out_layout="{out_layout}",
+                            out_dtype="{out_dtype}")
             R.output(y)
         return y
 """)
@@ -69,13 +72,26 @@ class Mod:
     ("a 1x1 kernel (flat_gemm's)", (2, 8, 8, 64), (32, 1, 1, 64), {"padding": 0}),
     ("3 input channels (a stem: no 16-byte copies)", (2, 8, 8, 3), (32, 3, 3, 3), {}),
     ("output channels 16 does not divide", (2, 8, 8, 64), (24, 3, 3, 64), {}),
-    ("groups (a depthwise convolution)", (2, 8, 8, 64), (64, 3, 3, 1), {"groups": 64}),
+    ("two groups of 32 channels", (2, 8, 8, 64), (32, 3, 3, 32), {"groups": 2}),
     ("dilation", (2, 8, 8, 64), (32, 3, 3, 64), {"dilation": 2, "padding": 2}),
     ("fp32", (2, 8, 8, 64), (32, 3, 3, 64), {"dtype": "float32"}),
+    ("an fp16 sum (accumulate = fp16: no GEMM our schedule takes)", (2, 8, 8, 64), (32, 3, 3, 64),
+     {"out_dtype": "float16"}),
+    ("an NCHW output", (2, 8, 8, 64), (32, 3, 3, 64), {"out_layout": "NCHW"}),
 ])
 def test_other_convolutions_are_left_alone(why, x, w, kwargs):
     new = flat_epilogues(convs=True)(_conv(x, w, **kwargs))
     assert "R.nn.conv2d" in new.script(), why
+
+
+def test_the_flag_reaches_the_profile(monkeypatch):
+    from deploy import cli
+
+    monkeypatch.setattr(targets, "resolve", lambda text: targets.TargetInfo(
+        "cuda", '{"arch": "sm_90", "kind": "cuda"}', "sm_90", "NVIDIA H200", False))
+    for flag, want in (("--implicit-gemm", True), ("--no-implicit-gemm", False)):
+        cfg = cli.prepare(cli.parser().parse_args(["run", "-m", "tiny_cnn", flag]))[0]
+        assert cfg.cuda.implicit_gemm is want
 
 
 def test_the_phase_and_the_config():
@@ -90,14 +106,14 @@ def test_the_phase_and_the_config():
             config.from_dict({"model": {"source": "tiny_cnn"}, ("llvm" if layout == "NCHWc" else "cuda"): table})
 
 
-def _resnet_like_kernel():
+def _resnet_like_kernel(n=2, hw=8):
     """ResNet's 3x3 convolution + bias + ReLU in a size the tests build
-    quickly: 2 x 8 x 8 rows (128), K = 9 x 64, 64 output channels."""
-    mod = _parse("""
+    quickly: by default 2 x 8 x 8 rows (128), K = 9 x 64, 64 output channels."""
+    mod = _parse(f"""
 @I.ir_module
 class Mod:
     @R.function
-    def main(x: R.Tensor((2, 8, 8, 64), "float16"), w: R.Tensor((64, 3, 3, 64), "float16"),
+    def main(x: R.Tensor(({n}, {hw}, {hw}, 64), "float16"), w: R.Tensor((64, 3, 3, 64), "float16"),
              b: R.Tensor((1, 1, 1, 64), "float16")):
         with R.dataflow():
             y = R.nn.conv2d(x, w, padding=[1, 1, 1, 1], data_layout="NHWC", kernel_layout="OHWI",
@@ -124,11 +140,17 @@ def test_our_mma_schedule_takes_it_and_copies_the_im2col_tiles_by_predicated_cp_
 
 
 @pytest.mark.gpu
-def test_each_configuration_computes_the_convolution(sm90):
-    """On the GPU: each configuration against the unscheduled kernel lowered for the CPU."""
+@pytest.mark.parametrize("padded", [False, True], ids=["128-rows", "3136-rows-padded"])
+def test_each_configuration_computes_the_convolution(sm90, padded):
+    """On the GPU: each configuration against the unscheduled kernel lowered
+    for the CPU; also with ResNet-50's 7x7 stage's 3,136 rows padded to
+    3,200 by pad_gemm (the rows past the end must not be written)."""
+    from deploy.passes.pad_gemm import pad_prim_func
     from deploy.tvm_compat import ms
 
-    func = _resnet_like_kernel()
+    func = _resnet_like_kernel(64, 7) if padded else _resnet_like_kernel()
+    scheduled = pad_prim_func(func) if padded else func
+    assert (scheduled is not None) and (mma_gemm.match(scheduled).m == (3200 if padded else 128))
     info = ms.arg_info.ArgInfo.from_prim_func(func)
     rng = np.random.default_rng(3)
     args = [(rng.standard_normal([int(d) for d in a.shape]) / 4).astype(str(a.dtype)) for a in info]
@@ -136,7 +158,7 @@ def test_each_configuration_computes_the_convolution(sm90):
     want = [tvm.runtime.tensor(a) for a in args]
     cpu["main"](*want)
     dev = tvm.cuda(0)
-    for sch in mma_gemm.spaces(func, sm90):
+    for sch in mma_gemm.spaces(scheduled, sm90):
         lib = tune_builder.lean_build(sch.mod, sm90, None)
         got = [tvm.runtime.tensor(a, dev) for a in args]
         lib["main"](*got)
@@ -144,37 +166,48 @@ def test_each_configuration_computes_the_convolution(sm90):
                                    rtol=2e-2, atol=2e-2, err_msg=mma_gemm.config_of(sch.mod))
 
 
-def test_the_probe_refuses_a_malformed_convolution_or_configuration(tmp_path, capsys):
+def test_the_probe_refuses_bad_arguments_in_one_line_and_writes_nothing(tmp_path, capsys):
     probe = load_script("implicit_gemm_probe")
-    assert probe.main(["--convs", "64x14x14x256-256-3", "--out", str(tmp_path)]) == 2
-    assert "expected NxHxWxC-O-K-sS" in capsys.readouterr().err
-    assert probe.main(["--configs", "128x128x32-w2x2-s9", "--out", str(tmp_path)]) == 2
-    assert "unknown configuration" in capsys.readouterr().err
+    out = tmp_path / "out"
+    for args, why in (
+        (["--convs", "64x14x14x256-256-3"], "expected NxHxWxC-O-K-sS"),
+        (["--convs", "64x1x1x8-16-4-s1"], "larger than the padded input"),
+        (["--configs", "128x128x32-w2x2-s9"], "unknown configuration"),
+        (["--convs", "2x8x8x64-64-3-s1", "--target", "bogus"], "--target bogus"),
+    ):
+        assert probe.main([*args, "--out", str(out)]) == 2, args
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+    (tmp_path / "file").write_text("")
+    assert probe.main(["--out", str(tmp_path / "file")]) == 2
+    assert "not a folder" in capsys.readouterr().err
     (c,) = probe.parse_convs("64x56x56x128-128-3-s2")
     assert (c["out_height"], c["padding"], c["gflop"]) == (28, 1, pytest.approx(2 * 64 * 28 * 28 * 128 * 9 * 128 / 1e9))
 
 
 def test_the_te_is_the_convolution():
-    """conv_as_gemm alone, on llvm, against NumPy: asymmetric stride and
-    padding at the borders."""
+    """conv_as_gemm alone, on llvm, against NumPy: a 3x5 kernel, strides
+    (2, 1), padding [top 0, left 1, bottom 2, right 1]."""
     from tvm import te
 
-    n, h, w, c, o, r = 1, 6, 5, 8, 16, 3
+    n, h, w, c, o, r, s = 1, 6, 5, 8, 16, 3, 5
+    top, left, bottom, right = 0, 1, 2, 1
     x = te.placeholder((n, h, w, c), "float32", name="x")
-    w2 = te.placeholder((o, r * r * c), "float32", name="w")
-    out_shape = (n, (h + 2 - r) // 2 + 1, (w + 2 - r) // 1 + 1, o)
-    gemm = implicit_gemm.conv_as_gemm(x, w2, (r, r), (2, 1), (1, 1, 1, 1), out_shape, "float32")
+    w2 = te.placeholder((o, r * s * c), "float32", name="w")
+    out_shape = (n, (h + top + bottom - r) // 2 + 1, (w + left + right - s) // 1 + 1, o)
+    gemm = implicit_gemm.conv_as_gemm(x, w2, (r, s), (2, 1), (top, left, bottom, right), out_shape, "float32")
     lib = tvm.tirx.build(tvm.IRModule({"main": te.create_prim_func([x, w2, gemm])}), target="llvm")
     rng = np.random.default_rng(0)
     xn = rng.standard_normal((n, h, w, c)).astype("float32")
-    wn = rng.standard_normal((o, r, r, c)).astype("float32")
+    wn = rng.standard_normal((o, r, s, c)).astype("float32")
     got = tvm.runtime.tensor(np.zeros((int(gemm.shape[0]), o), "float32"))
     lib["main"](tvm.runtime.tensor(xn), tvm.runtime.tensor(wn.reshape(o, -1)), got)
-    xp = np.pad(xn, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    xp = np.pad(xn, ((0, 0), (top, bottom), (left, right), (0, 0)))
     want = np.zeros(out_shape, "float32")
     for i in range(out_shape[1]):
         for j in range(out_shape[2]):
-            patch = xp[:, i * 2:i * 2 + r, j:j + r, :]
+            patch = xp[:, i * 2:i * 2 + r, j:j + s, :]
             want[:, i, j, :] = np.einsum("nrsc,orsc->no", patch, wn)
     np.testing.assert_allclose(got.numpy(), want.reshape(-1, o), rtol=1e-5, atol=1e-5)
 
@@ -203,3 +236,23 @@ def test_rows_128_does_not_divide_are_padded_so_that_128_row_tiles_take_them(sm9
     plain = _kernels(_fused(flat_gemm()(_conv((64, 7, 7, 64), (64, 1, 1, 64), padding=0))))
     (gemm_name,) = [n for n in plain if n.startswith("matmul") or n.startswith("fused_matmul")]
     assert mma_gemm.match(plain[gemm_name]).m == 3136 and pad_prim_func(plain[gemm_name]) is None
+    # an implicit GEMM's columns keep pad_gemm's rule for every kernel: 1,088 (64 divides it) stay
+    wide = _kernels(_fused(flat_epilogues(convs=True)(_conv((2, 16, 32, 64), (1088, 3, 3, 64)))))
+    (wide_name,) = [n for n in wide if "conv2d_gemm" in n]
+    assert mma_gemm.match(wide[wide_name]).m == 1024 and pad_prim_func(wide[wide_name]) is None
+
+
+def test_the_probe_builds_a_convolution_here_and_says_what_it_could_not(tmp_path):
+    """Without a GPU the probe builds (nvcc's registers where nvcc is there)
+    and records, per convolution, why none was built."""
+    import json
+
+    probe = load_script("implicit_gemm_probe")
+    rc = probe.main(["--convs", "2x8x8x64-64-3-s1,2x8x8x3-64-3-s1", "--configs", "128x64x32-w2x2-s4",
+                     "--target", "cuda:sm_90", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "probe.json").read_text())["rows"]
+    built, stem = rows
+    assert built["config"] == "128x64x32-w2x2-s4" and built["predicated"] and "error" not in built
+    assert stem["config"] == "none" and "input channels a multiple of 8" in stem["error"]
+    assert "| 2x8x8x64-64-3-s1 | 128x64x32-w2x2-s4 |" in (tmp_path / "probe.md").read_text()
