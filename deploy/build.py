@@ -135,10 +135,11 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
     db_info, store_info, tuned_mod = None, None, None
     tvm_target = target.tvm_target()
     with tvm_target:
-        store_lines = None
+        store_lines, hashes = None, None
         store_digest = None if store_root is None else kernel_store.digest(Path(store_root), target)
         if store_digest is not None:
-            store_lines = kernel_store.lines_for(Path(store_root), target, kernel_store.module_hashes(mod, tvm_target))
+            hashes = kernel_store.module_hashes(mod, tvm_target)
+            store_lines = kernel_store.lines_for(Path(store_root), target, hashes)
             store_info = {"path": str(kernel_store.folder(Path(store_root), target)), "digest": store_digest,
                           "kernels": len(store_lines[1])}
         if db is not None or store_lines:
@@ -151,6 +152,10 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
                 if database is not None:
                     if db is not None:
                         db_info = {"path": db[0], "digest": dbs.digest(Path(db[0]))}
+                        if own_kernels:  # how much of it this module's kernels use (stale_database)
+                            hashes = kernel_store.module_hashes(mod, tvm_target) if hashes is None else hashes
+                            db_info.update(kernels_with_records=len(hashes & own_kernels),
+                                           records_of_other_kernels=len(own_kernels - hashes))
                     with database:
                         tuned_mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
         t0 = time.time()
@@ -185,6 +190,22 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
     return info, outs
 
 
+def stale_database(info: dict) -> str | None:
+    """A warning where a bucket's own database was tuned for other kernels
+    than the module's (the model or the pipeline changed since): it has
+    tuned records of fewer than half the module's kernels and of more
+    kernels that the module no longer has. None otherwise. (ConvNeXt-T b1,
+    2026-12-04: a database tuned when the model had 45 kernels left 1 of
+    its 25 kernels tuned, and the package ran 2.9x slower than tuned.)"""
+    db = info.get("database") or {}
+    have, other = db.get("kernels_with_records"), db.get("records_of_other_kernels")
+    if have is None or other is None or 2 * have >= info["kernels"] or other <= have:
+        return None
+    return (f"its database has tuned records of {have} of the module's {info['kernels']} kernels and of {other} "
+            f"kernels it no longer has: tuned before the model or the pipeline changed; `make tune` with trials "
+            f"tunes the new ones ({db['path']})")
+
+
 def run(
     profile: Profile,
     target: TargetInfo,
@@ -217,6 +238,9 @@ def run(
         for bucket, (info, outs) in zip(order, results):
             outputs_sig = outs  # the last (largest) bucket's: a dimension's axis has its largest length
             buckets[bucket.label] = info
+            stale = stale_database(info)
+            if stale:
+                log.warning("build: bucket %s: %s", bucket, stale)
             log.info(
                 "build: bucket %s: %d of %d kernels tuned, compiled in %.1f s (schedules: %s%s)",
                 bucket, info["tuned_kernels"], info["kernels"], info["compile_seconds"],

@@ -107,6 +107,10 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     own = build.run(one, llvm_target, exported, opt, a1.databases, keys, tmp_path / "own", cfg.model.name,
                     store_root=db_root)
     assert own.manifest["buckets"]["1"]["store"]["not_in_database"] == 0
+    # how much of its database the module uses: its one tuned kernel, nothing stale
+    mine = own.manifest["buckets"]["1"]
+    assert (mine["database"]["kernels_with_records"], mine["database"]["records_of_other_kernels"]) == (1, 0)
+    assert build.stale_database(mine) is None
 
     # Same budget again: the task has reached it, nothing is redone, and the
     # loopback pool of lanes is not started.
@@ -750,3 +754,18 @@ def test_drop_rejected_ids_only_the_workloads_with_a_rejection(tmp_path, monkeyp
     state["rejected"] = [{"record": ids[2]}]  # no workload named
     (tmp_path / kernel_check.CHECKS).write_text(json.dumps(state))
     assert kernel_check.drop_rejected(tmp_path, workloads, lines) == [lines[0], lines[1], lines[3]]
+
+
+def test_a_database_tuned_for_other_kernels_is_called_stale():
+    from deploy.build import stale_database
+
+    def info(have, other, kernels=25):
+        return {"kernels": kernels, "database": {"path": "db/fp16-nhwc-b1", "kernels_with_records": have,
+                                                 "records_of_other_kernels": other}}
+
+    text = stale_database(info(1, 30))  # ConvNeXt-T b1 on 2026-12-04: 1 of 25, its other records from 45 kernels
+    assert text.startswith("its database has tuned records of 1 of the module's 25 kernels and of 30 kernels")
+    assert "db/fp16-nhwc-b1" in text
+    assert stale_database(info(13, 30)) is None  # half the kernels tuned: not stale, whatever else it holds
+    assert stale_database(info(3, 3)) is None  # few records either way: a database barely tuned
+    assert stale_database(info(0, 0)) is None and stale_database({"kernels": 5, "database": None}) is None
