@@ -5,6 +5,10 @@ cores), the rules without tensor cores (the fallback of
 is needed: design spaces are generated and sampled on the CPU.
 
     python scripts/design_spaces.py --target cuda:sm_90 --batch 1 --out results/cpu/DATE/design-spaces-cuda-b1
+    python scripts/design_spaces.py --models resnet50 --batch 64 --implicit-gemm --out ...   (the profile's implicit_gemm)
+
+A task counts under "our mma.sync" where deploy/passes/mma_gemm.py offers
+it at least one configuration (besides the rules' spaces).
 
 Writes design_spaces.json and design_spaces.md in --out; resumable (models
 already in the JSON are skipped).
@@ -25,17 +29,19 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def census(name: str, target_name: str, batch: int, precision: str, work: Path) -> dict:
+def census(name: str, target_name: str, batch: int, precision: str, work: Path, implicit_gemm: bool = False) -> dict:
     import models
     from deploy import config, export, frontend, optimize, targets
     from deploy.errors import error_line
+    from deploy.passes import mma_gemm
     from deploy.tuning import search, tasks
     from deploy.tvm_compat import ms
 
     target = targets.resolve(target_name)
     spec = models.get(name)
     cfg = config.from_dict({"model": {"source": name},
-                            target.kind: {"buckets": [batch], "tune_buckets": [batch], "precision": precision}})
+                            target.kind: {"buckets": [batch], "tune_buckets": [batch], "precision": precision,
+                                          **({"implicit_gemm": True} if implicit_gemm else {})}})
     entry = {"model": name, "kind": spec.kind, "batch": batch, "precision": precision}
     try:
         ex = export.run(cfg, work / "export")
@@ -46,8 +52,11 @@ def census(name: str, target_name: str, batch: int, precision: str, work: Path) 
         entry["error"] = error_line(e)
         return entry
     rules = collections.Counter()
-    entry["without_tensor_cores"], entry["none"] = {}, {}
+    entry["without_tensor_cores"], entry["none"], entry["mma"] = {}, {}, {}
     for t in found:
+        n_mma = len(mma_gemm.spaces(t.dispatched[0]["main"], target.tvm_target()))
+        if n_mma:
+            entry["mma"][t.task_name] = n_mma
         space, cache = search._design_space(t.dispatched[0], target.tvm_target(), seed=1)
         try:
             ms.TuneContext(mod=t.dispatched[0], target=target.tvm_target(), space_generator=space,
@@ -69,6 +78,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--precision", default="fp16")
     ap.add_argument("--models", default="", help="comma-separated corpus names (default: all)")
+    ap.add_argument("--implicit-gemm", action="store_true", help="the profile's implicit_gemm (passes/implicit_gemm.py)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -85,7 +95,7 @@ def main() -> int:
             continue
         work = Path(tempfile.mkdtemp(prefix=f"ds-{name}-"))
         try:
-            entry = census(name, args.target, args.batch, args.precision, work)
+            entry = census(name, args.target, args.batch, args.precision, work, args.implicit_gemm)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         done.append(entry)
@@ -94,15 +104,21 @@ def main() -> int:
         tmp.replace(path)
         print(f"{name}: " + (entry.get("error") or
               f"{entry['tasks']} tasks, {entry['default']} default rules, {entry['fallback']} without tensor cores, "
-              f"{entry['no_space']} none"), flush=True)
-    lines = [f"# Design spaces of the corpus: {args.target}, {args.precision}, batch {args.batch}", "",
-             f"`python scripts/design_spaces.py --target {args.target} --batch {args.batch} --precision {args.precision}`",
-             "", "| model | tasks | default rules | without tensor cores | none |", "|---|---|---|---|---|"]
+              f"{entry['no_space']} none, {len(entry['mma'])} with our mma.sync"), flush=True)
+    flag = " --implicit-gemm" if args.implicit_gemm else ""
+    lines = [f"# Design spaces of the corpus: {args.target}, {args.precision}, batch {args.batch}{flag}", "",
+             f"`python scripts/design_spaces.py --target {args.target} --batch {args.batch} --precision {args.precision}"
+             f"{flag}`", "",
+             "| model | tasks | default rules | without tensor cores | none | our mma.sync (configurations) |",
+             "|---|---|---|---|---|---|"]
     for e in done:
         if "error" in e:
-            lines.append(f"| {e['model']} | error: {e['error'][:120]} | | | |")
+            lines.append(f"| {e['model']} | error: {e['error'][:120]} | | | | |")
         else:
-            lines.append(f"| {e['model']} | {e['tasks']} | {e['default']} | {e['fallback']} | {e['no_space']} |")
+            mma = e.get("mma")  # (absent in results written before the column)
+            mma_text = "" if mma is None else f"{len(mma)} ({sum(mma.values())})"
+            lines.append(f"| {e['model']} | {e['tasks']} | {e['default']} | {e['fallback']} | {e['no_space']} "
+                         f"| {mma_text} |")
     (out / "design_spaces.md").write_text("\n".join(lines) + "\n")
     return 0
 
