@@ -193,13 +193,15 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
 def stale_database(info: dict) -> str | None:
     """A warning where a bucket's own database was tuned for other kernels
     than the module's (the model or the pipeline changed since): it has
-    tuned records of fewer than half the module's kernels and of more
-    kernels that the module no longer has. None otherwise. (ConvNeXt-T b1,
-    2026-12-04: a database tuned when the model had 45 kernels left 1 of
-    its 25 kernels tuned, and the package ran 2.9x slower than tuned.)"""
+    tuned records of fewer than half the module's kernels, and of more
+    kernels that the module no longer has, at least a quarter as many as
+    the module's (a database barely tuned, with a few records gone stale,
+    is not worth a warning). None otherwise. (ConvNeXt-T b1, 2026-12-04: a
+    database tuned when the model had 45 kernels had records of none of its
+    25 kernels, and the package ran 2.9x slower than tuned.)"""
     db = info.get("database") or {}
     have, other = db.get("kernels_with_records"), db.get("records_of_other_kernels")
-    if have is None or other is None or 2 * have >= info["kernels"] or other <= have:
+    if have is None or other is None or 2 * have >= info["kernels"] or other <= have or 4 * other < info["kernels"]:
         return None
     return (f"its database has tuned records of {have} of the module's {info['kernels']} kernels and of {other} "
             f"kernels it no longer has: tuned before the model or the pipeline changed; `make tune` with trials "
