@@ -297,6 +297,8 @@ def format_summary(summary: dict) -> str:
             line += f" ({info['store']['not_in_database']} by other models, from the kernel store)"
         if info.get("fallbacks"):
             line += f", {len(info['fallbacks'])} fell back (manifest.json 'fallbacks' says why)"
+        if build.stale_database(info):
+            line += ", its database tuned for other kernels (tune it again)"
         lat = (summary.get("latency") or {}).get(b)
         if lat:
             line += f"  {lat['tuned']['median_ms']:.3f} ms"

@@ -771,3 +771,11 @@ def test_a_database_tuned_for_other_kernels_is_called_stale():
     # EfficientNet-B0 b32's on 2026-12-04 (results/cpu/2026-12-04/db-coverage/): barely tuned, 3 records gone stale
     assert stale_database(info(2, 3, kernels=63)) is None and stale_database(info(2, 16, kernels=63)) is not None
     assert stale_database(info(0, 0)) is None and stale_database({"kernels": 5, "database": None}) is None
+    # the run's summary line says it too
+    from deploy import pipeline
+
+    bucket = {**info(1, 30), "tuned_kernels": 1}
+    assert "its database tuned for other kernels (tune it again)" in pipeline.format_summary(
+        {"package": "p", "buckets": {"1": bucket}, "validation": None})
+    assert "tuned for other kernels" not in pipeline.format_summary(
+        {"package": "p", "buckets": {"1": {**info(20, 30), "tuned_kernels": 20}}, "validation": None})
