@@ -54,9 +54,6 @@ def census(name: str, target_name: str, batch: int, precision: str, work: Path, 
     rules = collections.Counter()
     entry["without_tensor_cores"], entry["none"], entry["mma"] = {}, {}, {}
     for t in found:
-        n_mma = len(mma_gemm.spaces(t.dispatched[0]["main"], target.tvm_target()))
-        if n_mma:
-            entry["mma"][t.task_name] = n_mma
         space, cache = search._design_space(t.dispatched[0], target.tvm_target(), seed=1)
         try:
             ms.TuneContext(mod=t.dispatched[0], target=target.tvm_target(), space_generator=space,
@@ -67,6 +64,11 @@ def census(name: str, target_name: str, batch: int, precision: str, work: Path, 
         except Exception as e:  # noqa: BLE001
             rules["none"] += 1
             entry["none"][t.task_name] = tasks._first_line(str(e))
+        # our spaces are the last `own` the search generated (tuning/search.py), ShortReduction's among them
+        spaces = cache.get("spaces", [])
+        n_mma = sum(mma_gemm.is_ours(x.mod) for x in spaces[len(spaces) - cache.get("own", 0):])
+        if n_mma:
+            entry["mma"][t.task_name] = n_mma
     entry["tasks"] = len(found)
     entry["default"], entry["fallback"], entry["no_space"] = rules["default"], rules[search.SIMT_FALLBACK], rules["none"]
     return entry
