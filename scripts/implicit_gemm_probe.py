@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - a ConfigError or TVM's TargetError: one line
         print(f"error: --target {args.target}: {probe_common.error_line(e)}", file=sys.stderr)
         return 2
-    dev_name = "none (built only)"
+    torch, dev_name = None, "none (built only)"
     if gpu:
         import torch
 
@@ -165,8 +165,6 @@ def main(argv=None) -> int:
         padded = f" (rows {gemm.m})" if gemm.m != c["batch"] * c["out_height"] * c["out_width"] else ""
         run_args = None
         if gpu:
-            import torch
-
             rng = np.random.default_rng(0)
             k, ci, co = c["kernel"], c["in_channels"], c["out_channels"]
             x = (rng.standard_normal((c["batch"], c["height"], c["width"], ci)) / 4).astype("float16")
@@ -177,10 +175,8 @@ def main(argv=None) -> int:
             ref = torch.nn.functional.conv2d(tx, tw, torch.from_numpy(b).cuda().float(), stride=c["stride"],
                                              padding=c["padding"])
             ref = ref.permute(0, 2, 3, 1).reshape(-1, co).cpu().numpy()
-            t_us = conv_vs_cudnn.time_torch(c, "cuda", "float16", 100)
-            rows.append({"shape": c["name"], "config": "torch (cuDNN)", "us": round(t_us, 2),
-                         "tflops": round(flop / t_us / 1e6, 1)})
-            print(rows[-1], flush=True)
+            rows.append(probe_common.timed_row(c["name"], "torch (cuDNN)",
+                                               conv_vs_cudnn.time_torch(c, "cuda", "float16", 100), flop))
             run_args = ([x, w.reshape(co, -1), b], (ref.shape[0], co), "float16", ref, flop)
         for name in names:
             rows.append(probe_common.measure({"shape": c["name"], "config": name + padded},

@@ -40,7 +40,11 @@ def tvm_us(lib, dev, *args, name: str = "main", number: int = 50, repeat: int = 
 
 def torch_row(shape: str, config: str, fn, flop: float) -> dict:
     """The row of torch's own kernels (`fn`, timed by CUDA events) on a GEMM shape, printed."""
-    t_us = cuda_event_us(fn)
+    return timed_row(shape, config, cuda_event_us(fn), flop)
+
+
+def timed_row(shape: str, config: str, t_us: float, flop: float) -> dict:
+    """A row of a library's time on a shape (its TFLOP/s from `flop`), printed."""
     row = {"shape": shape, "config": config, "us": round(t_us, 2), "tflops": round(flop / t_us / 1e6, 1)}
     print(row, flush=True)
     return row
