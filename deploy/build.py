@@ -154,8 +154,7 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
                         db_info = {"path": db[0], "digest": dbs.digest(Path(db[0]))}
                         if own_kernels:  # how much of it this module's kernels use (stale_database)
                             hashes = kernel_store.module_hashes(mod, tvm_target) if hashes is None else hashes
-                            db_info.update(kernels_with_records=len(hashes & own_kernels),
-                                           records_of_other_kernels=len(own_kernels - hashes))
+                            db_info.update(database_coverage(hashes, own_kernels))
                     with database:
                         tuned_mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
         t0 = time.time()
@@ -188,6 +187,14 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
         "memory": _memory_or_none(mod),
     }
     return info, outs
+
+
+def database_coverage(hashes: set[str], own: set[str]) -> dict:
+    """How much of a database a module uses: of the module's kernel
+    workloads (`hashes`), those with a record the build applies (`own`, as
+    database.open_readonly gives them), and the records of kernels the
+    module does not have."""
+    return {"kernels_with_records": len(hashes & own), "records_of_other_kernels": len(own - hashes)}
 
 
 def stale_database(info: dict) -> str | None:
