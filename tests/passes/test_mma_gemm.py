@@ -348,15 +348,23 @@ def test_the_plan_gives_a_done_database_the_configurations_it_lacks(sm90, tmp_pa
     tiling = mma_gemm.configs_for(mma_gemm.match(_gemm()))
     assert p["mma_missing"] == [c for c in tiling if c != "128x128x32-w2x2-s3"]
     assert p["left"] == left == len(tiling) - 1
-    # TRIALS reached: the other task gets nothing, and ours comes first
+    # TRIALS reached: the other task, without a record, gets its share (half of TRIALS), and ours come first
     plan, left = tune._plan([batched, gemm], tmp_path, done, None, sm90)
     by = {q["name"]: q for q in plan}
-    assert (by["bmm"]["left"], by["gemm"]["left"], left) == (0, 7, 7)
+    assert (by["bmm"]["left"], by["gemm"]["left"], left) == (64, 7, 32 + 7)
     assert sorted(plan, key=tune_tasks.order)[0]["name"] == "gemm"
-    # TRIALS not reached: what is left of it, plus ours
+    counts["bmm"] = (1, 1e-5)  # with one record it gets nothing
+    plan, left = tune._plan([batched, gemm], tmp_path, done, None, sm90)
+    assert ({q["name"]: q["left"] for q in plan}, left) == ({"bmm": 0, "gemm": 7}, 7)
+    counts["bmm"] = (0, None)
+    # TRIALS not reached, but what is left of it (32) is less than the new task's share (48): its share, plus ours
     plan, left = tune._plan([batched, gemm], tmp_path, SimpleNamespace(trials=96, trials_per_task=64, max_tasks=0),
                             None, sm90)
-    assert left == 32 + 7 and {q["name"]: q["left"] for q in plan} == {"bmm": 64, "gemm": 7}
+    assert left == 48 + 7 and {q["name"]: q["left"] for q in plan} == {"bmm": 64, "gemm": 7}
+    # more left than its share: what is left, plus ours
+    plan, left = tune._plan([batched, gemm], tmp_path, SimpleNamespace(trials=128, trials_per_task=64, max_tasks=0),
+                            None, sm90)
+    assert left == 64 + 7 and {q["name"]: q["left"] for q in plan} == {"bmm": 64, "gemm": 7}
     (p,), left = tune._plan([gemm], tmp_path, SimpleNamespace(trials=0, trials_per_task=64, max_tasks=0), None, sm90)
     assert (p["mma_missing"], p["left"], left) == ([], 0, 0)
     (p,), left = tune._plan([gemm], tmp_path, done, None, targets.resolve("llvm").tvm_target())
