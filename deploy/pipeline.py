@@ -262,8 +262,7 @@ UNTUNED_KEY = "untuned-key.json"
 
 def _own_spaces_note(own: dict) -> str:
     """', 8 with our short-reduction space, 4 with our mma.sync GEMM' ({task: rule})."""
-    from .passes.schedule import SHORT_REDUCTION
-    from .tuning.search import MMA_GEMM
+    from .passes.schedule import MMA_GEMM, SHORT_REDUCTION
 
     names = {SHORT_REDUCTION: "short-reduction space", MMA_GEMM: "mma.sync GEMM"}
     counts = {rule: sum(1 for r in own.values() if r == rule) for rule in names}

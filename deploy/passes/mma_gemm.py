@@ -66,6 +66,17 @@ CONFIGS = {
 }
 EPILOGUE_VECTOR = 4  # elements a thread writes at once in the epilogue
 
+# The untuned default of a GEMM this schedule takes (`Default`, in the CUDA
+# chain of passes/schedule.py just before DLight's Matmul): the first of these
+# that tiles it with at least GRID_BLOCKS thread blocks, else the one that
+# gives it the most. DLight's tensor-core Matmul gave ResNet-50 b64's first
+# implicit GEMM 597 us a call where these tiles take 89.6, and ConvNeXt-T b1's
+# 196-row fc2 two 128x128 tiles' rows (6 blocks on 132 SMs): 82-95 us a call,
+# 12.9 with 64x64 tiles (results/h200/2026-12-04/resnet50-b64-implicit-gemm/,
+# small-row-gemm-probe/).
+DEFAULT_CONFIGS = ("128x128x32-w2x2-s4", "128x64x32-w2x2-s4", "64x128x32-w2x2-s4", "64x64x32-w2x2-s4")
+GRID_BLOCKS = 128  # about a block per SM: an H200 has 132, an A100 108
+
 # Dynamic shared memory a block may opt in to, by architecture (CUDA
 # programming guide, "Technical Specifications per Compute Capability").
 OPT_IN_SHARED_MEMORY = {"sm_70": 98304, "sm_72": 98304, "sm_75": 65536, "sm_80": 166912, "sm_86": 101376,
@@ -199,6 +210,30 @@ def spaces(func, target) -> list:
         except Exception:  # noqa: BLE001, S112 - a ScheduleError: this configuration does not apply here
             continue
     return out
+
+
+def default_config(gemm: Gemm) -> str | None:
+    """The configuration `Default` gives this GEMM (see DEFAULT_CONFIGS), or
+    None where none of them tiles it."""
+    fits = [c for c in DEFAULT_CONFIGS if c in configs_for(gemm)]
+    if not fits:
+        return None
+    blocks = {c: (gemm.m // CONFIGS[c][0]) * (gemm.n // CONFIGS[c][1]) for c in fits}
+    return next((c for c in fits if blocks[c] >= GRID_BLOCKS), max(fits, key=blocks.get))
+
+
+class Default:
+    """This schedule as a default rule of the build's chain (passes/schedule.py:
+    `apply(func, target, tunable)` returns a schedule, or None where it does
+    not apply): the GEMMs `match` takes, on a target that is `available`, in
+    `default_config`'s configuration."""
+
+    def apply(self, func, target, tunable=False):
+        if not available(target):
+            return None
+        gemm = match(func)
+        config = default_config(gemm) if gemm is not None else None
+        return None if config is None else schedule(func, gemm, config)
 
 
 def _arch(target) -> str:

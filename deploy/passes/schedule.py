@@ -3,7 +3,8 @@
 The sources, best first: the kernel's tuning record (MetaSchedule), then each
 of DLight's rules in order (on the CPU, our tiled schedule of contractions,
 `cpu_default`, first; DLight's GEMV is left out, see `rules`; on CUDA our
-schedule of short reductions, `gpu_default`, before DLight's reductions), then the plain fallback (DLight's
+mma.sync GEMM, `mma_gemm`, before DLight's Matmul, and our schedule of short
+reductions, `gpu_default`, before DLight's reductions), then the plain fallback (DLight's
 `Fallback` on CUDA; TVM's own default lowering on the CPU). A rule that raises while it
 schedules a kernel (DLight's Matmul rule on a grouped convolution:
 `auto_inline_consumer_chain: AssertionError: There are some consumers of the
@@ -35,6 +36,7 @@ SHORT_REDUCTION = "short-reduction"  # our CUDA schedule of depthwise convolutio
 FEW_OUTPUTS = "few-outputs"  # DLight's GeneralReduction for contractions with few outputs (passes/gpu_default.py)
 BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excitation "excite" kernels (passes/gpu_default.py)
 SHORT_ROWS = "short-rows"  # our CUDA schedule of normalizations over short rows, a warp a row (passes/gpu_rows.py)
+MMA_GEMM = "mma-gemm"  # our CUDA mma.sync GEMM in a default configuration (passes/mma_gemm.py)
 # The version of each of our own default rules: bumped when a change gives
 # kernels another schedule under that rule. The kernel check
 # (tuning/check.py) keeps a tuned kernel's timing against its default schedule
@@ -44,7 +46,8 @@ SHORT_ROWS = "short-rows"  # our CUDA schedule of normalizations over short rows
 # number. (Before rules had versions the whole chain had one: CUDA 4 is the
 # chain with every rule at 1.)
 # (SHORT_REDUCTION 2: NHWC depthwise convolutions and pools computed a sliding window a thread.)
-RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 2, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1}
+RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 2, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
+                 MMA_GEMM: 1}
 
 
 @dataclasses.dataclass
@@ -65,7 +68,10 @@ class UnbuildableKernelError(Exception):
 
 # Each target kind's default rules, in the order a kernel tries them (`rules`
 # makes them). CUDA: our FewOutputs before DLight's Matmul: it gives a
-# contraction with few outputs a handful of thread blocks. Our ShortReduction
+# contraction with few outputs a handful of thread blocks. Our mma.sync GEMM
+# just before DLight's Matmul: on the fp16 GEMMs it takes, DLight's
+# tensor-core kernels ran 3 to 7 times slower (passes/mma_gemm.py,
+# DEFAULT_CONFIGS). Our ShortReduction
 # before DLight's reduction rules: they give a depthwise convolution one thread
 # block per output. Our ShortRows just before DLight's GeneralReduction: it
 # gives a normalization over short rows a warp a row, where GeneralReduction
@@ -77,7 +83,7 @@ class UnbuildableKernelError(Exception):
 # compile that never ends is not a failure the chain can fall back from. Ours
 # takes the GEMV-shaped kernels.
 CHAINS = {
-    "cuda": [FEW_OUTPUTS, "dlight.Matmul", "dlight.GEMV", SHORT_REDUCTION, "dlight.Reduction", SHORT_ROWS,
+    "cuda": [FEW_OUTPUTS, MMA_GEMM, "dlight.Matmul", "dlight.GEMV", SHORT_REDUCTION, "dlight.Reduction", SHORT_ROWS,
              "dlight.GeneralReduction", BROADCAST_EPILOGUE, "dlight.Fallback"],
     "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
 }
@@ -93,9 +99,10 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
     if _chain_kind(target_kind) == "cuda":
         from .gpu_default import BroadcastEpilogue, FewOutputs, ShortReduction
         from .gpu_rows import ShortRows
+        from .mma_gemm import Default as MmaGemm
 
         g = dlight.gpu
-        make = {FEW_OUTPUTS: FewOutputs, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
+        make = {FEW_OUTPUTS: FewOutputs, MMA_GEMM: MmaGemm, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
                 SHORT_REDUCTION: ShortReduction, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
                 "dlight.GeneralReduction": g.GeneralReduction, BROADCAST_EPILOGUE: BroadcastEpilogue,
                 "dlight.Fallback": g.Fallback}

@@ -10,15 +10,16 @@ scripts/kernel_bisect.py; results/h200/2026-12-02/tune-bert-fp16-b1-seq/).
 
 So after tuning, on the device, each workload's best record is built alone
 and run on seeded inputs beside the same workload under default schedules
-(DLight on a GPU; on the CPU TVM's own unscheduled lowering, not our
-default schedule, which is code of ours to be checked too). A record whose outputs differ
+(the build's default chain on a GPU, passes/schedule.py; on the CPU TVM's
+own unscheduled lowering, not our default schedule, which is code of ours
+to be checked too). A record whose outputs differ
 is **rejected**: listed in the database folder's `database_checks.json`
 (committed with it), and every reader of the database (builds, the kernel
 store, the search's seeds) skips it, so the next-best record is checked and
 applied instead. Records that passed are listed too and not checked again.
 
 The same check times each best record against the kernel's default schedule
-(the first of our schedule chain that applies: DLight's rules on a GPU, our
+(the first of our schedule chain that applies: ours and DLight's on a GPU, our
 CPU defaults, `deploy/passes/cpu_default.py`, on the CPU), built and run the
 same way on the same inputs. Where the default is faster (a short tuning run
 on the CPU, whose default convolutions are already register-blocked, finds

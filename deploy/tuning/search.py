@@ -191,7 +191,7 @@ def _design_space(task_mod, target, seed: int, attempts: int = 8):
                 cache["default_error"] = _first_line(str(error)) or type(error).__name__
             if own:
                 from ..passes import mma_gemm
-                from ..passes.schedule import SHORT_REDUCTION
+                from ..passes.schedule import MMA_GEMM, SHORT_REDUCTION
 
                 cache["spaces"] = cache["spaces"] + own
                 cache["own"] = len(own)
@@ -231,7 +231,6 @@ def _own_spaces(task_mod, target) -> list:
 
 
 OWN_RULES = "own"  # cache["rules"] when only our spaces were made
-MMA_GEMM = "mma-gemm"  # cache["own_rule"] of a task with our mma.sync spaces (else passes.schedule.SHORT_REDUCTION)
 
 # MetaSchedule's CUDA schedule rules without the tensor-core tiling (the kind
 # "cuda"). The space is generated with them; the tuning context's

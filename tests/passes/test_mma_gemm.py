@@ -8,10 +8,12 @@ import pytest
 import tvm_ffi
 
 from deploy import targets
-from deploy.passes import mma_gemm
+from deploy.passes import mma_gemm, schedule
 from deploy.tuning import builder as tune_builder
 from deploy.tuning import search as tune_search
 from deploy.tvm_compat import ms, s_tir, tvm
+
+from ..conftest import load_script
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +212,39 @@ def test_it_is_cuda_sm80_and_later_only(sm90):
     assert mma_gemm.spaces(_gemm(), sm75) == []
 
 
+@pytest.mark.parametrize("m, n, k, want", [
+    (256, 384, 1536, "64x64x32-w2x2-s4"),  # ConvNeXt-T b1's fc2, 196 rows padded: 24 blocks, the most
+    (256, 1536, 384, "64x64x32-w2x2-s4"),  # its fc1: 96 blocks
+    (6400, 1536, 384, "128x128x32-w2x2-s4"),  # ViT-S/16 b32's fc1: 600 blocks
+    (200704, 64, 576, "128x64x32-w2x2-s4"),  # ResNet-50 b64's first implicit GEMM: 64 columns
+    (3200, 512, 4608, "128x64x32-w2x2-s4"),  # its 7x7 stage's: 128x128 gives 100 blocks, 128x64 200
+    (256, 48, 256, None),  # no default tile divides 48 columns: left to DLight
+    (4096, 4096, 32, None),  # one K tile: no 4-stage pipeline
+])
+def test_the_default_configuration_is_the_largest_tile_that_fills_the_gpu(m, n, k, want):
+    assert mma_gemm.default_config(mma_gemm.Gemm("C", m, n, k, False, [], [])) == want
+
+
+def test_the_build_chain_gives_a_gemm_our_schedule_before_dlights_matmul(sm90):
+    """passes/schedule.py: the CUDA chain's first source for a GEMM this
+    schedule takes is ours, in its default configuration, built with
+    cp.async, ldmatrix and mma.sync; before sm_80 it stays DLight's."""
+    from deploy.build import build_kernel
+
+    chain = schedule.CHAINS["cuda"]
+    assert chain.index(schedule.MMA_GEMM) + 1 == chain.index("dlight.Matmul")
+    func = _gemm()  # 256 x 256: 64x64 tiles give the most blocks (16)
+    gv = tvm.ir.GlobalVar("main")
+    source, scheduled = next(s for s in schedule._sources(gv, func, None, sm90, "cuda") if not isinstance(s[1], Exception))
+    assert source == schedule.MMA_GEMM
+    assert mma_gemm.config_of(tvm.IRModule({"main": scheduled})) == "64x64x32-w2x2-s4"
+    src = build_kernel("k", scheduled, targets.resolve("cuda:sm_90")).imports[0].inspect_source()
+    assert "cp.async.cg" in src and "ldmatrix" in src and "mma.sync" in src
+    sm75 = tvm.target.Target({"kind": "cuda", "arch": "sm_75"})
+    assert mma_gemm.Default().apply(func, sm75) is None
+    assert mma_gemm.Default().apply(_gemm(n=48), sm90) is None
+
+
 def test_verify_gpu_code_takes_the_opt_in_shared_memory_limit_for_these_kernels_only(sm90):
     """A 128x128 tile in a 3-stage pipeline uses more than 48 KB: the stock
     VerifyGPUCode rejects it, ours accepts it (sm_90 allows 227 KB)."""
@@ -263,7 +298,7 @@ def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90,
     db = ms.database.MemoryDatabase()
     ctx = _searching(mod, sm90, space, db)
     tiling = mma_gemm.configs_for(mma_gemm.match(func))
-    assert len(tiling) >= 8 and cache.get("own") == len(tiling) and cache["own_rule"] == tune_search.MMA_GEMM
+    assert len(tiling) >= 8 and cache.get("own") == len(tiling) and cache["own_rule"] == schedule.MMA_GEMM
     first = ctx.generate_measure_candidates()
     assert sorted(mma_gemm.config_of(c.sch.mod) for c in first) == sorted(tiling)
     # one of them recorded: the next search leaves it out
@@ -381,3 +416,38 @@ def test_the_database_says_which_configurations_a_task_has_records_of(sm90, tmp_
     db.commit_tuning_record(ms.database.TuningRecord(sch.trace, db.commit_workload(mod), [1e10], sm90,
                                                      ms.arg_info.ArgInfo.from_prim_func(_gemm())))
     assert dbs.marked(tmp_path, [mod, other], list(mma_gemm.CONFIGS)) == [{mma_gemm.config_of(sch.mod)}, set()]
+
+
+def test_the_default_probe_refuses_bad_arguments_in_one_line_and_writes_nothing(tmp_path, capsys):
+    probe = load_script("mma_default_probe")
+    out = tmp_path / "out"
+    for args, why in (
+        (["--models", "tiny_mlp"], "NAME:BATCH"),
+        (["--models", "tiny_mlp:0"], "NAME:BATCH"),
+        (["--models", "tiny_mlp:8:flat"], "NAME:BATCH"),
+        (["--models", "nosuch:8"], "unknown model(s) nosuch"),
+        (["--models", "tiny_mlp:8", "--no-run", "--target", "llvm"], "must be a CUDA target"),
+        (["--models", "tiny_mlp:8", "--no-run", "--target", "bogus"], "error:"),
+    ):
+        assert probe.main([*args, "--out", str(out)]) == 2, args
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+    (tmp_path / "file").write_text("")
+    assert probe.main(["--models", "tiny_mlp:8", "--no-run", "--out", str(tmp_path / "file")]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_the_default_probe_builds_both_schedules_of_a_models_gemms_here(tmp_path):
+    """Without a GPU (`--no-run`): each kernel our default takes, built both
+    ways for sm_90 (raises where either does not build), listed with its
+    GEMM and our tile."""
+    import json
+
+    probe = load_script("mma_default_probe")
+    assert probe.main(["--models", "tiny_mlp:64", "--no-run", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "probe.json").read_text())["rows"]
+    assert (row["model"], row["bucket"], row["gemm"], row["config"]) == ("tiny_mlp", "64", "64x128x128",
+                                                                         "64x64x32-w2x2-s4")
+    assert "error" not in row and "ours_us" not in row
+    assert "| tiny_mlp | 64 | fused_matmul" in (tmp_path / "probe.md").read_text()
