@@ -26,14 +26,18 @@ in the form of MetaSchedule's own JSON database.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 MEASURED = "database_measured.jsonl"
 FAILED_RUN_SECS = [1e10]  # what MetaSchedule's AddToDatabase stores for a candidate that failed
+RATE_WINDOW = 64  # the measuring rate is taken over the last this many results
+RATE_MIN = 8  # and only once there are this many
 
 
 class Journal:
@@ -51,6 +55,8 @@ class Journal:
         self._by_artifact: dict[str, dict] = {}
         self.records = 0
         self.failed = False
+        self._measured_at = collections.deque(maxlen=RATE_WINDOW)  # when the last results came back
+        self.on_record = None  # called after each record is written (the progress bar counts them)
 
     # -- the search: a batch handed out ---------------------------------
     def task(self, context) -> dict | None:
@@ -105,6 +111,8 @@ class Journal:
 
         with self._lock:
             entry = self._by_artifact.pop(str(artifact_path), None)
+            if entry is not None:
+                self._measured_at.append(time.monotonic())
         if entry is None:
             return
         error = result.error_msg
@@ -123,6 +131,21 @@ class Journal:
         except Exception:  # a safety net must not stop the measuring it guards
             log.exception("tune: journaling a measured candidate failed")
 
+    def backlog_seconds(self) -> float | None:
+        """How long the candidates built and not yet measured would take, at
+        the rate the last results came back (0 where there are none); None
+        while fewer than RATE_MIN results have come back. With an RPC pool
+        the task scheduler hands out a batch of every task in its first round
+        without waiting for any to be measured: search.py stops handing out
+        new ones when this outlasts the deadline."""
+        with self._lock:
+            waiting, times = len(self._by_artifact), list(self._measured_at)
+        if not waiting:
+            return 0.0
+        if len(times) < RATE_MIN or times[-1] <= times[0]:
+            return None
+        return waiting * (times[-1] - times[0]) / (len(times) - 1)
+
     def _write(self, entry: dict, run_secs: list[float]) -> None:
         task = entry["task"]
         record = [entry["trace"], run_secs, task["target"], entry["args"]]
@@ -138,6 +161,12 @@ class Journal:
                 if not self.failed:
                     log.warning("tune: journal %s: %s; records are saved as MetaSchedule saves them", self.path, e)
                 self.failed = True
+                return
+        if self.on_record is not None:
+            try:
+                self.on_record()
+            except Exception:  # noqa: BLE001 - as above
+                log.debug("tune: journal: on_record failed", exc_info=True)
 
     def close(self) -> None:
         with self._lock:

@@ -17,6 +17,12 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
     `budget` new trials (what is left of this task's budget), or once one of
     the `stop` events is set (the RPC pool is gone, the run was interrupted).
     Each batch it hands out is offered to `journal` (a `journal.Journal`).
+    It also hands out no new batch once the candidates built and not yet
+    measured would take until the deadline (`journal.backlog_seconds`): with
+    an RPC pool, MetaSchedule's first round queues a batch of every task
+    before any is measured, and ResNet-50 b64's lane of 15 tasks went on
+    measuring minutes past a 6-minute budget, until the chunk was killed
+    (results/h200/2026-12-04/resnet50-b64-implicit-gemm/chunk/).
 
     Its first batch holds the design spaces of our mma.sync GEMM
     (passes/mma_gemm.py) that the database has no valid record of: each is
@@ -59,8 +65,17 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
                 self.inner.post_tuning()
 
         def generate_measure_candidates(self):
-            if deadline is not None and time.time() >= deadline:
-                return None
+            if deadline is not None:
+                left = deadline - time.time()
+                if left <= 0:
+                    return None
+                backlog = journal.backlog_seconds() if journal is not None else None
+                if backlog is not None and backlog >= left:  # (what is built already measures past it)
+                    if not getattr(journal, "backlog_noted", False):
+                        journal.backlog_noted = True
+                        log.info("tune: %.0f s of built candidates wait to be measured, %.0f s before the "
+                                 "deadline: no new batches", backlog, left)
+                    return None
             if any(e.is_set() for e in stop):
                 return None
             candidates, self.seeds = self.seeds or None, []

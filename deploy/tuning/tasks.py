@@ -46,7 +46,13 @@ def _failure_reason(msg: str) -> str:
     return _first_line(msg)
 
 
-def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, bar):
+def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, bar, count: bool = True):
+    """Per-task counts, failure reasons and best times, as MetaSchedule
+    hands each task's measured batch back; the bar's count too unless
+    `count` is False (the journal then counts each candidate as it is
+    measured: MetaSchedule hands a batch back only when its task scheduler
+    returns to that task, which in the first round is after every other
+    task has had a batch, minutes later)."""
     from ..tvm_compat import derived_object, ms
 
     @derived_object
@@ -70,7 +76,8 @@ def _make_progress_callback(names: list[str], stats: dict, failures_path: Path, 
                         t = sum(secs) / len(secs)
                         if s["best_s"] is None or t < s["best_s"]:
                             s["best_s"] = t
-            bar.update(len(runner_results))
+            if count:
+                bar.update(len(runner_results))
             best = s["best_s"]
             bar.set_postfix_str(f"{name[:32]} best {best * 1e6:.1f} us" if best else f"{name[:32]} no valid yet")
 
@@ -284,6 +291,8 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
     try:
         with tqdm(total=global_left, desc=label, unit="trial", dynamic_ncols=True, position=lane or 0) as bar, \
                 ms.Profiler() as prof, _wind_down_on_interrupt(interrupted, label):
+            if journal is not None:  # (each candidate counted as it is measured, or as its build fails)
+                journal.on_record = lambda: bar.update(1)
             ms.tune_tasks(
                 tasks=contexts,
                 task_weights=[p["weight"] for p in todo],
@@ -299,11 +308,13 @@ def _tune_tasks(todo, global_left, db, label_name, key, target, profile, deadlin
                     ms.measure_callback.AddToDatabase() if measurer is None else measurer.add_to_database(),
                     ms.measure_callback.RemoveBuildArtifact(),
                     ms.measure_callback.UpdateCostModel(),
-                    _make_progress_callback([p["name"] for p in todo], stats, failures, bar),
+                    _make_progress_callback([p["name"] for p in todo], stats, failures, bar, count=journal is None),
                 ],
                 task_scheduler="gradient",
             )
     finally:
+        if journal is not None:
+            journal.on_record = None  # (the bar is closed)
         builder.close()
         if measurer is not None:
             measurer.close()

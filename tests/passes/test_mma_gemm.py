@@ -277,10 +277,10 @@ def test_verify_gpu_code_takes_the_opt_in_shared_memory_limit_for_these_kernels_
     assert not ours.apply(other)
 
 
-def _searching(mod, target, space, db, **search):
+def _searching(mod, target, space, db, deadline=None, **search):
     """A tuning context over `space` with our DeadlineSearch, ready to hand out batches."""
     ctx = ms.TuneContext(mod=mod, target=target, space_generator=space,
-                         search_strategy=tune_search._make_deadline_search(None, 64, 32, 2, **search),
+                         search_strategy=tune_search._make_deadline_search(deadline, 64, 32, 2, **search),
                          task_name="gemm", rand_state=1)
     ctx.pre_tuning(max_trials=64, num_trials_per_iter=32, design_spaces=ctx.generate_design_space(), database=db,
                    cost_model=ms.cost_model.RandomModel())
@@ -315,6 +315,27 @@ def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90,
     # the plan's list, where given, is what is measured: none here
     ctx3 = _searching(mod, sm90, space, db, seed_configs=[])
     assert not any(mma_gemm.is_ours(c.sch.mod) for c in ctx3.generate_measure_candidates())
+
+
+def test_the_search_hands_out_no_batch_whose_measuring_would_outlast_the_deadline(sm90):
+    """tuning/search.py: before the deadline, a batch is handed out unless
+    the candidates built and not yet measured (the journal's backlog) would
+    take until the deadline; an unknown backlog (too few results yet) does
+    not stop it."""
+    import time
+    from types import SimpleNamespace
+
+    mod = tvm.IRModule({"main": _gemm()})
+    space, _ = tune_search._design_space(mod, sm90, seed=1)
+
+    def first_batch(backlog, deadline_in=100.0):
+        j = SimpleNamespace(task=lambda ctx: None, offer=lambda task, cands: None, backlog_seconds=lambda: backlog)
+        return _searching(mod, sm90, space, ms.database.MemoryDatabase(), deadline=time.time() + deadline_in,
+                          journal=j).generate_measure_candidates()
+
+    assert first_batch(None) and first_batch(0.0) and first_batch(50.0)
+    assert not first_batch(150.0)  # measuring what is built takes past the deadline
+    assert not first_batch(0.0, deadline_in=-1.0)  # the deadline passed
 
 
 def test_a_configuration_this_gpu_cannot_run_is_recorded_as_failed(tmp_path):

@@ -240,3 +240,39 @@ def test_the_journal_never_stops_the_tuning_it_guards(tmp_path):
     j.measured("/a.so", types.SimpleNamespace(error_msg=None, run_secs=[1.0]))  # after close
     assert j.failed and j.records == 0
     assert journal.read(tmp_path / journal.MEASURED) == ({}, [])
+
+
+def test_the_journal_counts_each_candidate_and_knows_how_long_the_built_ones_take(tmp_path, monkeypatch):
+    """`on_record` once per candidate written (a failed build at once, the
+    rest as each is measured: the progress bar); `backlog_seconds`: the
+    candidates built and not measured, at the rate of the last results (None
+    before RATE_MIN of them, 0 with none waiting)."""
+    import types
+
+    from deploy.tuning import journal
+
+    now = [100.0]
+    monkeypatch.setattr(journal.time, "monotonic", lambda: now[0])
+    j = journal.Journal(tmp_path)
+    counted = []
+    j.on_record = lambda: counted.append(1)
+    task = {"shash": "h", "workload": ["h", "A"], "target": {}}
+    n = journal.RATE_MIN + 4
+    j._pending = [{"task": task, "trace": [i], "args": []} for i in range(n + 1)]
+    built = [types.SimpleNamespace(error_msg=None, artifact_path=f"/{i}.so") for i in range(n)]
+    j.built([*built, types.SimpleNamespace(error_msg="nvcc failed", artifact_path="")])
+    assert len(counted) == 1 and j.backlog_seconds() is None  # the failed build; nothing measured yet
+    ok = types.SimpleNamespace(error_msg=None, run_secs=[1e-5])
+    for i in range(journal.RATE_MIN):  # one result every 0.5 s
+        j.measured(f"/{i}.so", ok)
+        now[0] += 0.5
+    assert len(counted) == 1 + journal.RATE_MIN
+    assert j.backlog_seconds() == pytest.approx(4 * 0.5)  # 4 waiting
+    for i in range(journal.RATE_MIN, n):
+        j.measured(f"/{i}.so", ok)
+    assert j.backlog_seconds() == 0.0 and len(counted) == n + 1 == j.records
+    j.on_record = lambda: 1 / 0  # a callback that raises changes nothing
+    j._pending = [{"task": task, "trace": ["x"], "args": []}]
+    j.built([types.SimpleNamespace(error_msg="failed", artifact_path="")])
+    assert j.records == n + 2
+    j.close()
