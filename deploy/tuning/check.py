@@ -45,6 +45,7 @@ import numpy as np
 
 from .. import artifacts
 from ..errors import error_line
+from ..passes.schedule import MMA_GEMM
 from ..targets import TargetInfo
 from . import journal
 
@@ -288,9 +289,15 @@ def build_libs(wl_line: str, rec: list, target: TargetInfo, check_outputs: bool 
         if default is not None:
             libs["default"] = default
         # The reference of the outputs: on the CPU, TVM's own lowering of the kernel (plain loops: slow, but
-        # nothing of ours to trust); on a GPU, which needs a schedule, the default one (DLight's).
+        # nothing of ours to trust); on a GPU, which needs a schedule, the default one, unless that is our
+        # mma.sync GEMM, which tuned records of that schedule would be compared with: then the next source
+        # of the chain (DLight's Matmul), independent of it.
         if check_outputs and target.kind != "cuda":
             libs["reference"] = default if plain else build_kernel("main", func, target)
+        elif check_outputs and libs["default_rule"] == MMA_GEMM:
+            other, _, _ = _default_lib(func, target, skip=(MMA_GEMM,))
+            if other is not None:
+                libs["reference"] = other
         elif check_outputs and default is not None:
             libs["reference"] = default
     return libs
@@ -373,16 +380,16 @@ def _build_exported(job) -> dict:
         return {"error": error_line(e, 200)}
 
 
-def _default_lib(func, target: TargetInfo):
+def _default_lib(func, target: TargetInfo, skip=()):
     """The kernel built with its default schedule (the first source of the
-    schedule chain that builds, as a build would take it), whether that
-    source is the unscheduled function itself, and the source's name;
-    (None, False, None) if none builds."""
+    schedule chain that builds, as a build would take it, less the sources
+    in `skip`), whether that source is the unscheduled function itself, and
+    the source's name; (None, False, None) if none builds."""
     from ..build import build_kernel
     from ..passes import schedule
 
     for name, f in schedule._sources(None, func, None, target.tvm_target(), target.kind):
-        if isinstance(f, Exception):
+        if isinstance(f, Exception) or name in skip:
             continue
         try:
             return build_kernel("main", f, target), f is func, name

@@ -245,6 +245,28 @@ def test_the_build_chain_gives_a_gemm_our_schedule_before_dlights_matmul(sm90):
     assert mma_gemm.Default().apply(_gemm(n=48), sm90) is None
 
 
+def test_the_kernel_check_compares_a_gemm_with_dlight_not_with_our_own_default(sm90):
+    """tuning/check.py: where our mma.sync GEMM is a kernel's default, the
+    outputs of its tuned records (often this schedule too) are compared with
+    the next source of the chain, DLight's Matmul, built here for sm_90; the
+    default is still what they are timed against."""
+    import json
+
+    from deploy.tuning import check as kernel_check
+    from deploy.tuning import journal
+
+    mod = tvm.IRModule({"main": _gemm()})
+    (sch, *_) = mma_gemm.spaces(mod["main"], sm90)
+    workload = ms.database.Workload(mod)
+    args = ms.arg_info.ArgInfo.from_prim_func(mod["main"])  # (a record as the journal writes one)
+    rec = [journal.canonical(journal.plain(sch.trace.as_json(remove_postproc=False))), [1e-5],
+           journal.plain(sm90.export()), journal.plain([a.as_json() for a in args])]
+    libs = kernel_check.build_libs(json.dumps(journal.plain(workload.as_json())), rec, targets.resolve("cuda:sm_90"))
+    assert libs["default_rule"] == schedule.MMA_GEMM and libs["reference"] is not libs["default"]
+    assert "mma.sync" in libs["default"].imports[0].inspect_source()
+    assert "mma.sync" not in libs["reference"].imports[0].inspect_source()  # (DLight's: WMMA)
+
+
 def test_verify_gpu_code_takes_the_opt_in_shared_memory_limit_for_these_kernels_only(sm90):
     """A 128x128 tile in a 3-stage pipeline uses more than 48 KB: the stock
     VerifyGPUCode rejects it, ours accepts it (sm_90 allows 227 KB)."""
@@ -317,25 +339,39 @@ def test_the_search_measures_our_spaces_first_unless_the_database_has_them(sm90,
     assert not any(mma_gemm.is_ours(c.sch.mod) for c in ctx3.generate_measure_candidates())
 
 
-def test_the_search_hands_out_no_batch_whose_measuring_would_outlast_the_deadline(sm90):
-    """tuning/search.py: before the deadline, a batch is handed out unless
-    the candidates built and not yet measured (the journal's backlog) would
-    take until the deadline; an unknown backlog (too few results yet) does
-    not stop it."""
+def test_the_search_holds_back_a_batch_while_measuring_would_outlast_the_deadline(sm90, monkeypatch):
+    """tuning/search.py: before the deadline, a batch is handed out once the
+    candidates built and not yet measured (the journal's backlog) would be
+    measured before it; until then it waits (the task is not ended while
+    time is left); past the deadline, or stopped, none. An unknown backlog
+    (too few results yet) does not hold it back."""
+    import threading
     import time
     from types import SimpleNamespace
 
     mod = tvm.IRModule({"main": _gemm()})
     space, _ = tune_search._design_space(mod, sm90, seed=1)
+    monkeypatch.setattr(tune_search, "BACKLOG_POLL_S", 0.01)
 
-    def first_batch(backlog, deadline_in=100.0):
-        j = SimpleNamespace(task=lambda ctx: None, offer=lambda task, cands: None, backlog_seconds=lambda: backlog)
+    def first_batch(backlogs, deadline_in=100.0, stop=()):
+        it = iter(backlogs)
+        last = [None]
+
+        def backlog():
+            last[0] = next(it, last[0])
+            return last[0]
+
+        j = SimpleNamespace(task=lambda ctx: None, offer=lambda task, cands: None, backlog_seconds=backlog)
         return _searching(mod, sm90, space, ms.database.MemoryDatabase(), deadline=time.time() + deadline_in,
-                          journal=j).generate_measure_candidates()
+                          journal=j, stop=stop).generate_measure_candidates()
 
-    assert first_batch(None) and first_batch(0.0) and first_batch(50.0)
-    assert not first_batch(150.0)  # measuring what is built takes past the deadline
-    assert not first_batch(0.0, deadline_in=-1.0)  # the deadline passed
+    assert first_batch([None]) and first_batch([0.0]) and first_batch([50.0])
+    assert first_batch([150.0, 120.0, 30.0])  # waits while it drains, then hands the batch out
+    assert not first_batch([150.0], deadline_in=0.05)  # it never drains before the deadline: none
+    assert not first_batch([0.0], deadline_in=-1.0)  # the deadline passed
+    stopped = threading.Event()
+    stopped.set()
+    assert not first_batch([150.0], stop=(stopped,))  # interrupted while waiting
 
 
 def test_a_configuration_this_gpu_cannot_run_is_recorded_as_failed(tmp_path):
@@ -394,7 +430,7 @@ def test_the_plan_gives_a_done_database_the_configurations_it_lacks(sm90, tmp_pa
 
     gemm = SimpleNamespace(task_name="gemm", dispatched=[tvm.IRModule({"main": _gemm()})], weight=1)
     batched = SimpleNamespace(task_name="bmm", dispatched=[tvm.IRModule({"main": _gemm(batch=4)})], weight=1)
-    done = SimpleNamespace(trials=64, trials_per_task=64, max_tasks=0)
+    done = SimpleNamespace(trials=64, trials_per_task=64, max_tasks=0, trials_per_iter=64)
     counts = {"gemm": (64, 1e-5), "bmm": (0, None)}  # TRIALS reached by the GEMM's records alone
     monkeypatch.setattr(dbs, "trials_done", lambda folder, mods: [
         counts["bmm" if mma_gemm.match(m["main"]) is None else "gemm"] for m in mods])
@@ -413,15 +449,16 @@ def test_the_plan_gives_a_done_database_the_configurations_it_lacks(sm90, tmp_pa
     plan, left = tune._plan([batched, gemm], tmp_path, done, None, sm90)
     assert ({q["name"]: q["left"] for q in plan}, left) == ({"bmm": 0, "gemm": 7}, 7)
     counts["bmm"] = (0, None)
-    # TRIALS not reached, but what is left of it (32) is less than the new task's share (48): its share, plus ours
-    plan, left = tune._plan([batched, gemm], tmp_path, SimpleNamespace(trials=96, trials_per_task=64, max_tasks=0),
-                            None, sm90)
-    assert left == 48 + 7 and {q["name"]: q["left"] for q in plan} == {"bmm": 64, "gemm": 7}
-    # more left than its share: what is left, plus ours
-    plan, left = tune._plan([batched, gemm], tmp_path, SimpleNamespace(trials=128, trials_per_task=64, max_tasks=0),
-                            None, sm90)
-    assert left == 64 + 7 and {q["name"]: q["left"] for q in plan} == {"bmm": 64, "gemm": 7}
-    (p,), left = tune._plan([gemm], tmp_path, SimpleNamespace(trials=0, trials_per_task=64, max_tasks=0), None, sm90)
+    # less than a batch of TRIALS left (8 of 72), less than the new task's share (36): its share, plus ours
+    plan, left = tune._plan([batched, gemm], tmp_path,
+                            SimpleNamespace(trials=72, trials_per_task=64, max_tasks=0, trials_per_iter=16), None, sm90)
+    assert left == 36 + 7 and {q["name"]: q["left"] for q in plan} == {"bmm": 64, "gemm": 7}
+    # a batch or more left (32 of 96): what is left, shared as before, plus ours
+    plan, left = tune._plan([batched, gemm], tmp_path,
+                            SimpleNamespace(trials=96, trials_per_task=64, max_tasks=0, trials_per_iter=32), None, sm90)
+    assert left == 32 + 7 and {q["name"]: q["left"] for q in plan} == {"bmm": 64, "gemm": 7}
+    (p,), left = tune._plan([gemm], tmp_path, SimpleNamespace(trials=0, trials_per_task=64, max_tasks=0,
+                                                              trials_per_iter=64), None, sm90)
     assert (p["mma_missing"], p["left"], left) == ([], 0, 0)
     (p,), left = tune._plan([gemm], tmp_path, done, None, targets.resolve("llvm").tvm_target())
     assert (p["mma_missing"], left) == ([], 0)
