@@ -189,9 +189,9 @@ def _plan(all_tasks, db_dir: Path, profile: Profile, default_us: dict | None = N
     (`mma_missing`), and is given at least that many trials, also where the
     database holds its `trials` already (then no other task is given any;
     not with TRIALS=0): a database tuned before that schedule existed gets
-    it measured once. Tasks the database has no record of get their share
-    of `trials` (their number over all tasks') where what is left of it is
-    less: a changed graph's new kernels are tuned. A configuration the search's postprocessors reject is
+    it measured once. Once `trials` is spent (less than a batch left),
+    tasks the database has no record of get their share of it (their number
+    over the tasks tuned'): a changed graph's new kernels are tuned. A configuration the search's postprocessors reject is
     recorded as a failure (search._seeds), so it is not offered again."""
     flops = {t.task_name: task_loop.task_flops(t) for t in all_tasks}
     us = default_us or {}
@@ -211,11 +211,13 @@ def _plan(all_tasks, db_dir: Path, profile: Profile, default_us: dict | None = N
     total_done = sum(done for done, _ in done_all.values())
     room = max(0, profile.trials - total_done)
     # Kernels the database has no record of (the graph changed, or an option such as --implicit-gemm made
-    # other kernels) get their share of TRIALS, as many parts of it as they are of the tasks, where the
-    # others' records leave them less: they alone are tuned then (with our configurations).
+    # other kernels) get their share of TRIALS, as many parts of it as they are of the tasks tuned, once
+    # the others' records have spent TRIALS (less than a batch left): they alone are tuned then (with our
+    # configurations). While TRIALS is not spent, tasks share what is left as before, however many
+    # records each has (a chunk cut by its deadline resumes so).
     new = [p for p in plan if p["done"] == 0 and p["left"] > 0]
-    share = min(profile.trials * len(new) // len(ranked), sum(p["left"] for p in new)) if new else 0
-    if room < share:
+    share = min(profile.trials * len(new) // len(plan), sum(p["left"] for p in new)) if new else 0
+    if room < profile.trials_per_iter and room < share:
         log.info("tune: %d kernel(s) without records get %d trials, their share of TRIALS=%d (the database's "
                  "%d trials are of the other kernels)", len(new), share, profile.trials, total_done)
         for p in plan:
