@@ -55,7 +55,8 @@ class Journal:
         self._by_artifact: dict[str, dict] = {}
         self.records = 0
         self.failed = False
-        self._measured_at = collections.deque(maxlen=RATE_WINDOW)  # when the last results came back
+        self._gaps = collections.deque(maxlen=RATE_WINDOW)  # seconds between results while others waited
+        self._last_at = None  # when the last result came back, if candidates were waiting then
         self.on_record = None  # called after each record is written (the progress bar counts them)
 
     # -- the search: a batch handed out ---------------------------------
@@ -74,7 +75,7 @@ class Journal:
 
     def offer(self, task: dict | None, candidates) -> None:
         """Called by the search with each batch it hands out, in order."""
-        self._pending = []
+        self._pending = [{"task": None}] * len(candidates)  # (not journaled, still counted: `on_record`)
         if task is None:
             return
         try:
@@ -95,7 +96,7 @@ class Journal:
         if len(pending) != len(results):  # not the batch offered: nothing to pair it with
             log.warning("tune: journal: a batch of %d built against %d offered; not journaled",
                         len(results), len(pending))
-            return
+            pending = [{"task": None}] * len(results)
         for entry, r in zip(pending, results):
             if r.error_msg:
                 self._write(entry, FAILED_RUN_SECS)
@@ -112,7 +113,10 @@ class Journal:
         with self._lock:
             entry = self._by_artifact.pop(str(artifact_path), None)
             if entry is not None:
-                self._measured_at.append(time.monotonic())
+                now = time.monotonic()
+                if self._last_at is not None:  # (only while results queue: idle gaps are not the rate)
+                    self._gaps.append(now - self._last_at)
+                self._last_at = now if self._by_artifact else None
         if entry is None:
             return
         error = result.error_msg
@@ -125,6 +129,8 @@ class Journal:
         """`measured` for a concurrent future of a RunnerResult (the RPC
         pool's), as its done-callback: never raises into the pool."""
         if future.cancelled() or future.exception() is not None:
+            with self._lock:  # (never measured: no longer waiting)
+                self._by_artifact.pop(str(artifact_path), None)
             return
         try:
             self.measured(artifact_path, future.result())
@@ -133,35 +139,37 @@ class Journal:
 
     def backlog_seconds(self) -> float | None:
         """How long the candidates built and not yet measured would take, at
-        the rate the last results came back (0 where there are none); None
-        while fewer than RATE_MIN results have come back. With an RPC pool
-        the task scheduler hands out a batch of every task in its first round
-        without waiting for any to be measured: search.py stops handing out
-        new ones when this outlasts the deadline."""
+        the rate the last results came back while others waited (0 where
+        none wait); None while fewer than RATE_MIN such results have come
+        back. With an RPC pool the task scheduler hands out a batch of every
+        task in its first round without waiting for any to be measured:
+        search.py holds back new batches while this outlasts the deadline."""
         with self._lock:
-            waiting, times = len(self._by_artifact), list(self._measured_at)
+            waiting, gaps = len(self._by_artifact), list(self._gaps)
         if not waiting:
             return 0.0
-        if len(times) < RATE_MIN or times[-1] <= times[0]:
+        if len(gaps) < RATE_MIN:
             return None
-        return waiting * (times[-1] - times[0]) / (len(times) - 1)
+        return waiting * sum(gaps) / len(gaps)
 
     def _write(self, entry: dict, run_secs: list[float]) -> None:
+        """The candidate's record written (where its task is journaled), and
+        counted (`on_record`) either way."""
         task = entry["task"]
-        record = [entry["trace"], run_secs, task["target"], entry["args"]]
         with self._lock:
             try:
-                if task["shash"] not in self._written:
-                    self._file.write(json.dumps({"workload": task["workload"]}, separators=(",", ":")) + "\n")
-                    self._written.add(task["shash"])
-                self._file.write(json.dumps({"w": task["shash"], "record": record}, separators=(",", ":")) + "\n")
-                self._file.flush()
-                self.records += 1
+                if task is not None:
+                    record = [entry["trace"], run_secs, task["target"], entry["args"]]
+                    if task["shash"] not in self._written:
+                        self._file.write(json.dumps({"workload": task["workload"]}, separators=(",", ":")) + "\n")
+                        self._written.add(task["shash"])
+                    self._file.write(json.dumps({"w": task["shash"], "record": record}, separators=(",", ":")) + "\n")
+                    self._file.flush()
+                    self.records += 1
             except (OSError, TypeError, ValueError) as e:  # a safety net must not stop the tuning it guards
                 if not self.failed:
                     log.warning("tune: journal %s: %s; records are saved as MetaSchedule saves them", self.path, e)
                 self.failed = True
-                return
         if self.on_record is not None:
             try:
                 self.on_record()

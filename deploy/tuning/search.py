@@ -17,8 +17,9 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
     `budget` new trials (what is left of this task's budget), or once one of
     the `stop` events is set (the RPC pool is gone, the run was interrupted).
     Each batch it hands out is offered to `journal` (a `journal.Journal`).
-    It also hands out no new batch once the candidates built and not yet
-    measured would take until the deadline (`journal.backlog_seconds`): with
+    It also holds back a new batch while the candidates built and not yet
+    measured would take until the deadline (`journal.backlog_seconds`,
+    `_measuring_fits`): with
     an RPC pool, MetaSchedule's first round queues a batch of every task
     before any is measured, and ResNet-50 b64's lane of 15 tasks went on
     measuring minutes past a 6-minute budget, until the chunk was killed
@@ -65,17 +66,8 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
                 self.inner.post_tuning()
 
         def generate_measure_candidates(self):
-            if deadline is not None:
-                left = deadline - time.time()
-                if left <= 0:
-                    return None
-                backlog = journal.backlog_seconds() if journal is not None else None
-                if backlog is not None and backlog >= left:  # (what is built already measures past it)
-                    if not getattr(journal, "backlog_noted", False):
-                        journal.backlog_noted = True
-                        log.info("tune: %.0f s of built candidates wait to be measured, %.0f s before the "
-                                 "deadline: no new batches", backlog, left)
-                    return None
+            if deadline is not None and not _measuring_fits(deadline, journal, stop):
+                return None
             if any(e.is_set() for e in stop):
                 return None
             candidates, self.seeds = self.seeds or None, []
@@ -101,6 +93,29 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
             return _make_deadline_search(deadline, budget, population, generations, stop, journal, seed_configs)
 
     return DeadlineSearch()
+
+
+BACKLOG_POLL_S = 1.0  # how often a held-back batch looks at the backlog again
+
+
+def _measuring_fits(deadline: float, journal, stop=()) -> bool:
+    """Whether a new batch may be handed out: before the deadline, and once
+    the candidates built and not yet measured (`journal.backlog_seconds`)
+    would be measured before it; until then it waits (the task scheduler's
+    one thread with it: no task hands out more while the measuring catches
+    up), so that a task is not ended while time is left."""
+    while True:
+        left = deadline - time.time()
+        if left <= 0 or any(e.is_set() for e in stop):
+            return False
+        backlog = journal.backlog_seconds() if journal is not None else None
+        if backlog is None or backlog < left:
+            return True
+        if not getattr(journal, "backlog_noted", False):
+            journal.backlog_noted = True
+            log.info("tune: %.0f s of built candidates wait to be measured, %.0f s before the deadline: "
+                     "new batches wait", backlog, left)
+        time.sleep(min(BACKLOG_POLL_S, left))
 
 
 def _seeds(context, design_spaces, database, configs=None) -> list:

@@ -263,14 +263,29 @@ def test_the_journal_counts_each_candidate_and_knows_how_long_the_built_ones_tak
     j.built([*built, types.SimpleNamespace(error_msg="nvcc failed", artifact_path="")])
     assert len(counted) == 1 and j.backlog_seconds() is None  # the failed build; nothing measured yet
     ok = types.SimpleNamespace(error_msg=None, run_secs=[1e-5])
-    for i in range(journal.RATE_MIN):  # one result every 0.5 s
+    for i in range(journal.RATE_MIN + 1):  # one result every 0.5 s, others waiting
         j.measured(f"/{i}.so", ok)
         now[0] += 0.5
-    assert len(counted) == 1 + journal.RATE_MIN
-    assert j.backlog_seconds() == pytest.approx(4 * 0.5)  # 4 waiting
-    for i in range(journal.RATE_MIN, n):
+    assert len(counted) == 2 + journal.RATE_MIN
+    assert j.backlog_seconds() == pytest.approx(3 * 0.5)  # 3 waiting
+    for i in range(journal.RATE_MIN + 1, n):
         j.measured(f"/{i}.so", ok)
+        now[0] += 0.5
     assert j.backlog_seconds() == 0.0 and len(counted) == n + 1 == j.records
+    # an idle gap (nothing waited) is not the rate; a cancelled measurement no longer waits
+    j._pending = [{"task": task, "trace": ["y", i], "args": []} for i in range(2)]
+    j.built([types.SimpleNamespace(error_msg=None, artifact_path=f"/y{i}.so") for i in range(2)])
+    now[0] += 1000.0
+    assert j.backlog_seconds() == pytest.approx(2 * 0.5)
+    j.measured_future("/y0.so", types.SimpleNamespace(cancelled=lambda: True))
+    assert j.backlog_seconds() == pytest.approx(0.5)
+    # a task the journal cannot read is not journaled, and still counted
+    before = len(counted)
+    j.offer(None, [object(), object()])
+    j.built([types.SimpleNamespace(error_msg="failed", artifact_path=""),
+             types.SimpleNamespace(error_msg=None, artifact_path="/z.so")])
+    j.measured("/z.so", ok)
+    assert len(counted) == before + 2 and j.records == n + 1
     j.on_record = lambda: 1 / 0  # a callback that raises changes nothing
     j._pending = [{"task": task, "trace": ["x"], "args": []}]
     j.built([types.SimpleNamespace(error_msg="failed", artifact_path="")])
