@@ -280,11 +280,15 @@ def _versus(name: str, alt: dict, tvm_ms: float) -> str:
 
 def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
     """What an untuned build depends on: the optimized modules (their
-    sha256), the target and the build's own options."""
+    sha256), the target, the build's own options and its chain of default
+    schedules (a new or changed rule gives kernels other defaults)."""
+    from .passes.schedule import default_chain
+
     return {
         "modules": {str(b): opt.manifest["files"][opt.manifest["buckets"][str(b)]] for b in buckets},
         "target": target.key(),
         "cuda_graph": bool(profile.cuda_graph),
+        "default_chain": default_chain(target.kind),
     }
 
 
