@@ -8,15 +8,19 @@ machine, `--target cuda:sm_90 --no-run` builds both and stops there).
     python scripts/mma_default_probe.py --models convnext:32,vit:32,resnet50:64:implicit --out DIR
 
 A model is NAME:BATCH, with `:implicit` for the profile's implicit_gemm.
-Writes DIR/probe.json and DIR/probe.md (saved after each model); exit 1
-when a kernel's two outputs differ by more than the kernel check's fp16
-tolerance, 2 on bad arguments.
+Only kernels whose first source in the build's chain is that rule are
+probed (passes/schedule.py: FewOutputs comes before it). Writes
+DIR/probe.json and DIR/probe.md (saved after each model); exit 1 when a
+kernel's two outputs differ by more than the kernel check's fp16
+tolerance, or a kernel or a model fails (its row says why), 2 on bad
+arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -66,19 +70,21 @@ def compare(func, target, run: bool) -> dict | None:
     import numpy as np
 
     from deploy.build import build_kernel
-    from deploy.passes import mma_gemm
+    from deploy.passes import mma_gemm, schedule
     from deploy.tvm_compat import dlight, ms, tvm
 
     tvm_target = target.tvm_target()
-    ours = mma_gemm.Default().apply(func, tvm_target)
-    if ours is None:
+    first = next((s for s in schedule._sources(None, func, None, tvm_target, "cuda")
+                  if not isinstance(s[1], Exception)), (None, None))
+    if first[0] != schedule.MMA_GEMM:  # (the build gives it another schedule)
         return None
+    ours = mma_gemm.Default().apply(func, tvm_target)
     gemm = mma_gemm.match(func)
     row = {"gemm": f"{gemm.m}x{gemm.n}x{gemm.k}", "config": mma_gemm.default_config(gemm)}
     with tvm_target:
         theirs = dlight.gpu.Matmul().apply(func, tvm_target, False)
     if theirs is None:
-        row["error"] = "DLight's Matmul does not take it"
+        row["note"] = "DLight's Matmul does not take it"
         return row
     libs = {"dlight": build_kernel("k", theirs.mod["main"], target), "ours": build_kernel("k", ours.mod["main"], target)}
     if not run:
@@ -111,7 +117,8 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
     for r in rows:
         lines.append(f"| {r['model']} | {r['bucket']} | {r['kernel']} | {r['calls']} | {r['gemm']} | {r['config']} | "
                      f"{r.get('dlight_us', '')} | {r.get('ours_us', '')} | {r.get('speedup', '')} | "
-                     f"{'' if 'rel_l2' not in r else format(r['rel_l2'], '.2e')} |" + (f" {r['error']}" if 'error' in r else ""))
+                     f"{'' if 'rel_l2' not in r else format(r['rel_l2'], '.2e')} |"
+                     + "".join(f" {r[k]}" for k in ("error", "note") if k in r))
     totals = {}
     for r in rows:
         if "ours_us" in r:
@@ -139,6 +146,10 @@ def main(argv=None) -> int:
     if out.exists() and not out.is_dir():
         print(f"error: --out {out} is a file", file=sys.stderr)
         return 2
+    base = next(p for p in (out, *out.parents) if p.exists())
+    if not base.is_dir() or not os.access(base, os.W_OK):
+        print(f"error: --out {out} cannot be written ({base} is not a writable folder)", file=sys.stderr)
+        return 2
 
     import models
     from deploy import targets
@@ -157,6 +168,12 @@ def main(argv=None) -> int:
     if target.kind != "cuda":
         print(f"error: --target must be a CUDA target | got {args.target!r}", file=sys.stderr)
         return 2
+    from deploy.passes import mma_gemm
+
+    if not mma_gemm.available(target.tvm_target()):
+        print(f"error: --target {target.tvm_target().attrs.get('arch')}: the rule needs sm_80 or later (cp.async)",
+              file=sys.stderr)
+        return 2
     device = "not run"
     if run:
         import torch
@@ -168,16 +185,26 @@ def main(argv=None) -> int:
     meta = {"device": device, "target": str(target.tvm_target())}
     rows, bad = [], 0
     for name, batch, implicit in chosen:
+        label = name + (" --implicit-gemm" if implicit else "")
         with tempfile.TemporaryDirectory() as tmp:
-            for bucket, task, func, calls in kernels(name, batch, implicit, target, Path(tmp)):
+            try:
+                found = kernels(name, batch, implicit, target, Path(tmp))
+            except Exception as e:  # noqa: BLE001 - the model's row says why; the others go on
+                row = {"model": label, "bucket": str(batch), "kernel": "(the model)", "calls": 0, "gemm": "",
+                       "config": "", "error": probe_common.error_line(e)}
+                rows.append(row)
+                bad += 1
+                print(row, flush=True)
+                write(out, meta, rows)
+                continue
+            for bucket, task, func, calls in found:
                 try:
                     row = compare(func, target, run)
                 except Exception as e:  # noqa: BLE001 - one kernel's failure is its row
                     row = {"gemm": "", "config": "", "error": probe_common.error_line(e)}
                 if row is None:
                     continue
-                row = {"model": name + (" --implicit-gemm" if implicit else ""), "bucket": bucket, "kernel": task,
-                       "calls": calls, **row}
+                row = {"model": label, "bucket": bucket, "kernel": task, "calls": calls, **row}
                 bad += "error" in row or row.get("rel_l2", 0.0) > TOLERANCE
                 rows.append(row)
                 print(row, flush=True)

@@ -486,6 +486,7 @@ def test_the_default_probe_refuses_bad_arguments_in_one_line_and_writes_nothing(
         (["--models", "nosuch:8"], "unknown model(s) nosuch"),
         (["--models", "tiny_mlp:8", "--no-run", "--target", "llvm"], "must be a CUDA target"),
         (["--models", "tiny_mlp:8", "--no-run", "--target", "bogus"], "error:"),
+        (["--models", "tiny_mlp:8", "--no-run", "--target", "cuda:sm_75"], "needs sm_80 or later"),
     ):
         assert probe.main([*args, "--out", str(out)]) == 2, args
         err = capsys.readouterr().err
@@ -494,6 +495,8 @@ def test_the_default_probe_refuses_bad_arguments_in_one_line_and_writes_nothing(
     (tmp_path / "file").write_text("")
     assert probe.main(["--models", "tiny_mlp:8", "--no-run", "--out", str(tmp_path / "file")]) == 2
     assert "is a file" in capsys.readouterr().err
+    assert probe.main(["--models", "tiny_mlp:8", "--no-run", "--out", str(tmp_path / "file" / "under")]) == 2
+    assert "cannot be written" in capsys.readouterr().err
 
 
 def test_the_default_probe_builds_both_schedules_of_a_models_gemms_here(tmp_path):
