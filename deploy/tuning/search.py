@@ -25,7 +25,7 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
     measuring minutes past a 6-minute budget, until the chunk was killed
     (results/h200/2026-12-04/resnet50-b64-implicit-gemm/chunk/).
 
-    Its first batch holds the design spaces of our mma.sync GEMM
+    Its first batch also holds the design spaces of our mma.sync GEMM
     (passes/mma_gemm.py) that the database has no valid record of: each is
     one fixed kernel, which the cost model, trained on other schedules,
     might never pick from the population. `seed_configs`, where the plan
@@ -70,8 +70,9 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
                 return None
             if any(e.is_set() for e in stop):
                 return None
-            candidates, self.seeds = self.seeds or None, []
-            if candidates is None and self.searching:
+            seeds, self.seeds = self.seeds, []
+            candidates = None
+            if self.searching:
                 from ..passes import mma_gemm
 
                 for _ in range(3):  # (its population also replays the database's best records, ours among them)
@@ -81,6 +82,10 @@ def _make_deadline_search(deadline: float | None, budget: int, population: int, 
                     candidates = [c for c in batch if not mma_gemm.is_ours(c.sch.mod)] or None
                     if candidates is not None:
                         break
+            # (the seeds go with the search's first batch, not as a batch of their own: the task scheduler's
+            # first round gives each task one batch, and a chunk that ends in it left ResNet-50 b64's
+            # implicit GEMMs with their 2 to 8 seeds alone)
+            candidates = (seeds + (candidates or [])) or None
             if journal is not None and candidates is not None:
                 journal.offer(self.task, candidates)
             return candidates
