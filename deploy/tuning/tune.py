@@ -191,8 +191,9 @@ def _plan(all_tasks, db_dir: Path, profile: Profile, default_us: dict | None = N
     not with TRIALS=0): a database tuned before that schedule existed gets
     it measured once. Once `trials` is spent (less than a batch left),
     tasks the database has no record of get their share of it (their number
-    over the tasks tuned'): a changed graph's new kernels are tuned. A configuration the search's postprocessors reject is
-    recorded as a failure (search._seeds), so it is not offered again."""
+    over the tasks tuned): a changed graph's new kernels are tuned. A
+    configuration the search's postprocessors reject is recorded as a
+    failure (search._seeds), so it is not offered again."""
     flops = {t.task_name: task_loop.task_flops(t) for t in all_tasks}
     us = default_us or {}
     ranked = sorted(all_tasks, key=lambda t: (t.task_name not in us, -us.get(t.task_name, 0.0) * t.weight,
