@@ -27,11 +27,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # (probe_common.py)
 
 
 def census(name: str, target_name: str, batch: int, precision: str, work: Path, implicit_gemm: bool = False) -> dict:
+    import probe_common
+
     import models
-    from deploy import config, export, frontend, optimize, targets
+    from deploy import targets
     from deploy.errors import error_line
     from deploy.passes import mma_gemm
     from deploy.tuning import search, tasks
@@ -39,14 +42,9 @@ def census(name: str, target_name: str, batch: int, precision: str, work: Path, 
 
     target = targets.resolve(target_name)
     spec = models.get(name)
-    cfg = config.from_dict({"model": {"source": name},
-                            target.kind: {"buckets": [batch], "tune_buckets": [batch], "precision": precision,
-                                          **({"implicit_gemm": True} if implicit_gemm else {})}})
     entry = {"model": name, "kind": spec.kind, "batch": batch, "precision": precision}
     try:
-        ex = export.run(cfg, work / "export")
-        fe = frontend.run(cfg.profile(target.kind), ex, work / "frontend")
-        opt = optimize.run(cfg.profile(target.kind), target, fe, work / "optimize")
+        opt = probe_common.optimize_model(name, target, batch, precision, work, implicit_gemm)
         found = tasks.extract_tasks(opt.load_module(batch), target.tvm_target())
     except Exception as e:  # noqa: BLE001 - the outcome is the answer
         entry["error"] = error_line(e)

@@ -48,16 +48,9 @@ def parse_models(text: str) -> list[tuple[str, int, bool]] | None:
 def kernels(name: str, batch: int, implicit: bool, target, work: Path) -> list[tuple[str, str, object, int]]:
     """[(bucket label, task name, PrimFunc, calls a run)] of the model's
     tuning tasks at this batch (every bucket of it: BERT's sequence lengths)."""
-    from deploy import config, export, frontend, optimize
     from deploy.tuning import tasks
 
-    cfg = config.from_dict({"model": {"source": name},
-                            target.kind: {"buckets": [batch], "tune_buckets": [batch], "precision": "fp16",
-                                          **({"implicit_gemm": True} if implicit else {})}})
-    profile = cfg.profile(target.kind)
-    ex = export.run(cfg, work / "export")
-    fe = frontend.run(profile, ex, work / "frontend")
-    opt = optimize.run(profile, target, fe, work / "optimize")
+    opt = probe_common.optimize_model(name, target, batch, "fp16", work, implicit)
     out = []
     for bucket in sorted(b for b in opt.modules if b.batch == batch):
         for t in tasks.extract_tasks(opt.load_module(bucket), target.tvm_target()):
@@ -78,7 +71,7 @@ def compare(func, target, run: bool) -> dict | None:
                   if not isinstance(s[1], Exception)), (None, None))
     if first[0] != schedule.MMA_GEMM:  # (the build gives it another schedule)
         return None
-    ours = mma_gemm.Default().apply(func, tvm_target)
+    ours = first[1]  # (scheduled by the rule, as the build takes it)
     gemm = mma_gemm.match(func)
     row = {"gemm": f"{gemm.m}x{gemm.n}x{gemm.k}", "config": mma_gemm.default_config(gemm)}
     with tvm_target:
@@ -86,7 +79,7 @@ def compare(func, target, run: bool) -> dict | None:
     if theirs is None:
         row["note"] = "DLight's Matmul does not take it"
         return row
-    libs = {"dlight": build_kernel("k", theirs.mod["main"], target), "ours": build_kernel("k", ours.mod["main"], target)}
+    libs = {"dlight": build_kernel("k", theirs.mod["main"], target), "ours": build_kernel("k", ours, target)}
     if not run:
         return row
     dev = tvm.cuda(0)

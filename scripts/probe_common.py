@@ -14,6 +14,21 @@ import time
 from pathlib import Path
 
 
+def optimize_model(name: str, target, batch: int, precision: str, work: Path, implicit_gemm: bool = False):
+    """A corpus model's optimize artifact for one batch on `target` (a
+    TargetInfo), as the pipeline makes it: export, frontend, optimize in
+    `work`, the profile's implicit_gemm as asked."""
+    from deploy import config, export, frontend, optimize
+
+    cfg = config.from_dict({"model": {"source": name},
+                            target.kind: {"buckets": [batch], "tune_buckets": [batch], "precision": precision,
+                                          **({"implicit_gemm": True} if implicit_gemm else {})}})
+    profile = cfg.profile(target.kind)
+    ex = export.run(cfg, work / "export")
+    fe = frontend.run(profile, ex, work / "frontend")
+    return optimize.run(profile, target, fe, work / "optimize")
+
+
 def cuda_event_us(fn, iters: int = 100, warmup: int = 10) -> float:
     """Microseconds a call of `fn` (which launches torch CUDA work) takes."""
     import torch
