@@ -98,8 +98,9 @@ from tvm.support.popen_pool import PopenPoolExecutor, PopenWorker, StatusKind  #
 
 
 def register_tensor_intrinsics() -> None:
-    """Register TVM's tensor intrinsics (wmma, mma, ...), once per process,
-    only where needed: their module parses ~250 TVMScript functions.
+    """Register TVM's tensor intrinsics (wmma, mma, ...) and our TF32 ones
+    (passes/tf32.py), once per process, only where needed: their module
+    parses ~250 TVMScript functions.
 
     Workaround (TVM 0.27): TVMScript's `prim_func` calls `inspect.stack()`
     for every function it parses, and `inspect` finds each frame's source
@@ -119,6 +120,10 @@ def register_tensor_intrinsics() -> None:
             return
         with _frames_from_linecache():
             import tvm.s_tir.tensor_intrin  # noqa: F401
+
+            from .passes import tf32  # (our TF32 intrinsics, with TVM's)
+
+            tf32.register_intrinsics()
         _intrinsics_registered = True
 
 

@@ -86,20 +86,25 @@ OPT_IN_SHARED_MEMORY = {"sm_70": 98304, "sm_72": 98304, "sm_75": 65536, "sm_80":
 
 class Gemm:
     """What `match` found: the reduction block's name, M, N, K, whether B is
-    stored [N, K], and the names of the blocks around it."""
+    stored [N, K], the names of the blocks around it, and the inputs' dtype
+    (float16, or float32 computed in TF32: passes/tf32.py)."""
 
-    def __init__(self, name, m, n, k, b_transposed, producers, epilogue):
+    def __init__(self, name, m, n, k, b_transposed, producers, epilogue, dtype="float16"):
         self.name, self.m, self.n, self.k = name, m, n, k
-        self.b_transposed, self.producers, self.epilogue = b_transposed, producers, epilogue
+        self.b_transposed, self.producers, self.epilogue, self.dtype = b_transposed, producers, epilogue, dtype
 
 
-def match(func) -> Gemm | None:
-    """The GEMM this schedule takes in `func` (a PrimFunc), else None."""
+def match(func, tf32: bool = False) -> Gemm | None:
+    """The GEMM this schedule takes in `func` (a PrimFunc), else None. An
+    fp32 GEMM only where TF32 is allowed: `func` has passes/tf32.py's
+    attribute, or `tf32` is set (what tf32.mark asks)."""
     from ..tvm_compat import s_tir, tirx, tvm
     from .kernel_shape import static_int
+    from .tf32 import ATTR
 
     if not isinstance(func, tirx.PrimFunc):
         return None
+    tf32 = tf32 or bool(func.attrs is not None and ATTR in func.attrs and func.attrs[ATTR])
     try:
         sch = s_tir.Schedule(tvm.IRModule({"main": func}), debug_mask=0)
         blocks = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
@@ -125,7 +130,8 @@ def match(func) -> Gemm | None:
     if str(c.source.dtype) != "float32" or [str(x) for x in point(c)] != [str(vi), str(vj)]:
         return None
     a, b = main.reads
-    if str(a.source.dtype) != "float16" or str(b.source.dtype) != "float16":
+    dtype = str(a.source.dtype)
+    if str(b.source.dtype) != dtype or dtype not in (("float16", "float32") if tf32 else ("float16",)):
         return None
     if [str(x) for x in point(a)] != [str(vi), str(vk)]:
         return None
@@ -163,11 +169,12 @@ def match(func) -> Gemm | None:
             return None
         derived.append(blk.writes[0].source)
         epilogue.append(blk.name_hint)
-    return Gemm(main.name_hint, extents[0], extents[1], extents[2], b_transposed, producers, epilogue)
+    return Gemm(main.name_hint, extents[0], extents[1], extents[2], b_transposed, producers, epilogue, dtype)
 
 
 def _is_multiply_accumulate(body, c_buf) -> bool:
-    """`C[...] = C[...] + cast(A[...]) * cast(B[...])` (node types by name:
+    """`C[...] = C[...] + cast(A[...]) * cast(B[...])`, the casts optional
+    (fp32 inputs: `match` checks the dtypes) (node types by name:
     TVM 0.27's `tirx.BufferLoad` is a function, and the node a `TensorLoad`
     whose buffer is `.source`)."""
 
@@ -182,7 +189,7 @@ def _is_multiply_accumulate(body, c_buf) -> bool:
     acc, prod = (v.a, v.b) if kind(v.a, "BufferLoad") else (v.b, v.a)
     if not (kind(acc, "BufferLoad") and acc.source.same_as(c_buf) and kind(prod, "Mul")):
         return False
-    return all(kind(x, "Cast") and kind(x.value, "BufferLoad") for x in (prod.a, prod.b))
+    return all(kind(x.value if kind(x, "Cast") else x, "BufferLoad") for x in (prod.a, prod.b))
 
 
 def configs_for(gemm: Gemm) -> list[str]:
@@ -212,10 +219,12 @@ def spaces(func, target) -> list:
     return out
 
 
-def default_config(gemm: Gemm) -> str | None:
+def default_config(gemm: Gemm, target=None) -> str | None:
     """The configuration `Default` gives this GEMM (see DEFAULT_CONFIGS), or
-    None where none of them tiles it."""
-    fits = [c for c in DEFAULT_CONFIGS if c in configs_for(gemm)]
+    None where none of them tiles it (within the target architecture's
+    shared memory, where it is known: fp32 tiles take twice an fp16's)."""
+    limit = OPT_IN_SHARED_MEMORY.get(_arch(target)) if target is not None else None
+    fits = [c for c in DEFAULT_CONFIGS if c in configs_for(gemm) and (limit is None or shared_bytes(gemm, c) <= limit)]
     if not fits:
         return None
     blocks = {c: (gemm.m // CONFIGS[c][0]) * (gemm.n // CONFIGS[c][1]) for c in fits}
@@ -232,7 +241,7 @@ class Default:
         if not available(target):
             return None
         gemm = match(func)
-        config = default_config(gemm) if gemm is not None else None
+        config = default_config(gemm, target) if gemm is not None else None
         return None if config is None else schedule(func, gemm, config)
 
 
@@ -260,9 +269,11 @@ def schedule(func, gemm: Gemm, config: str | tuple):
     from tvm.s_tir.tensor_intrin import cuda as ci
 
     from ..tvm_compat import register_tensor_intrinsics, s_tir, tvm
+    from . import tf32
     from .tensor_core_smem import MIN_BLOCKS
 
     register_tensor_intrinsics()
+    fp32 = gemm.dtype == "float32"
     bm, bn, wm, wn, bk, stages, *knobs = CONFIGS[config] if isinstance(config, str) else config
     min_blocks, fragment_pipeline = _knobs(knobs)
     if not isinstance(config, str):
@@ -294,6 +305,7 @@ def schedule(func, gemm: Gemm, config: str | tuple):
     sch.bind(ty, "threadIdx.y")
 
     def to_shared(index: int):
+        vector, offset = _shared_copy(gemm, index)
         buf = sch.get(outer).reads[index].source
         writer = [p for p in sch.get_producers(outer) if sch.get(p).writes[0].source.same_as(buf)]
         if writer:  # (the padding, computed into shared memory)
@@ -303,11 +315,11 @@ def schedule(func, gemm: Gemm, config: str | tuple):
             stage = sch.cache_read(outer, index, "shared.dyn")
         sch.compute_at(stage, k0)
         fused = sch.fuse(*sch.get_loops(stage)[-2:])
-        _, f1, f2, f3 = sch.split(fused, [None, warps, 32, 8])
+        _, f1, f2, f3 = sch.split(fused, [None, warps, 32, vector])
         sch.bind(f2, "threadIdx.x")
         sch.bind(f1, "threadIdx.y")
         sch.vectorize(f3)
-        sch.storage_align(stage, 0, axis=-2, factor=32, offset=8)
+        sch.storage_align(stage, 0, axis=-2, factor=32, offset=offset)
 
     to_shared(0)
     to_shared(1)
@@ -347,17 +359,28 @@ def schedule(func, gemm: Gemm, config: str | tuple):
 
     la, lb = fragment(a_w), fragment(b_w)
 
-    def index_map(r, c):
-        return (r // 16, c // 16, *ci.shared_16x16_to_ldmatrix_32x8_layout(r % 16, c % 16))
+    def tiles(layout):  # a warp buffer's [r, c] -> its 16x16 tile, then (thread, register) within it
+        return lambda r, c: (r // 16, c // 16, *layout(r % 16, c % 16))
 
-    sch.transform_layout(a_w, ("write", 0), index_map)
-    sch.transform_layout(b_w, ("write", 0), index_map)
+    index_map = tiles(ci.shared_16x16_to_ldmatrix_32x8_layout)
+    if fp32:  # (passes/tf32.py: the m16n8k8 fragments' layouts, keyed on [i, k] and [k, n])
+        a_map = tiles(tf32.a_layout)
+        b_map = tiles((lambda n, k: tf32.b_layout(k, n)) if gemm.b_transposed else tf32.b_layout)
+    else:
+        a_map = b_map = index_map
+    sch.transform_layout(a_w, ("write", 0), a_map)
+    sch.transform_layout(b_w, ("write", 0), b_map)
     sch.transform_layout(c_w, ("read", 0), index_map)
-    sch.tensorize(la, ci.LDMATRIX_f16_A_DYN_INTRIN)
-    if gemm.b_transposed:
+    if fp32:
+        sch.tensorize(la, tf32.A_LDMATRIX)
+        sch.tensorize(lb, tf32.B_NK_LDMATRIX if gemm.b_transposed else tf32.B_KN_LOAD)
+        sch.tensorize(sch.get_loops(main)[-3], tf32.MMA)
+    elif gemm.b_transposed:
+        sch.tensorize(la, ci.LDMATRIX_f16_A_DYN_INTRIN)
         sch.tensorize(lb, ci.LDMATRIX_f16_B_TRANS_DYN_INTRIN)
         sch.tensorize(sch.get_loops(main)[-3], ci.MMA_f16f16f32_TRANS_B_INTRIN)
     else:
+        sch.tensorize(la, ci.LDMATRIX_f16_A_DYN_INTRIN)
         sch.tensorize(lb, ci.LDMATRIX_f16_B_DYN_INTRIN)
         sch.tensorize(sch.get_loops(main)[-3], ci.MMA_f16f16f32_INTRIN)
     sch.tensorize(sch.get_loops(init)[-2], ci.MMA_fill_16x16_f32_INTRIN)
@@ -375,6 +398,33 @@ def schedule(func, gemm: Gemm, config: str | tuple):
         sch.annotate(k1, "software_pipeline_stage", [0, 0, 1])
         sch.annotate(k1, "software_pipeline_order", [0, 1, 2])
     return sch
+
+
+def _shared_copy(gemm: Gemm, index: int) -> tuple[int, int]:
+    """For input `index` (0: A, 1: B) of this GEMM: the elements of one
+    16-byte `cp.async`, and the row padding of its shared tile (elements,
+    stride mod 32): fp16 rows padded by 8 halves, fp32 by passes/tf32.py's
+    SHARED_ROW_OFFSET."""
+    if gemm.dtype == "float16":
+        return 8, 8
+    from .tf32 import SHARED_ROW_OFFSET, VECTOR
+
+    by_ldmatrix = index == 0 or gemm.b_transposed
+    return VECTOR, SHARED_ROW_OFFSET["ldmatrix" if by_ldmatrix else "load"]
+
+
+def shared_bytes(gemm: Gemm, config) -> int:
+    """Dynamic shared memory this configuration's kernel asks for, at most:
+    `stages` A and B tiles with padded rows, and the fp32 accumulator tile
+    of an epilogue (TVM may let it reuse the pipeline's)."""
+    bm, bn, _, _, bk, stages, *_ = CONFIGS[config] if isinstance(config, str) else config
+    size = 2 if gemm.dtype == "float16" else 4
+
+    def padded(cols, index):
+        return cols + (_shared_copy(gemm, index)[1] - cols) % 32
+
+    b_tile = bn * padded(bk, 1) if gemm.b_transposed else bk * padded(bn, 1)
+    return stages * (bm * padded(bk, 0) + b_tile) * size + (bm * bn * 4 if gemm.epilogue else 0)
 
 
 def _knobs(knobs) -> tuple:
