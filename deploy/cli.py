@@ -460,7 +460,7 @@ def _add_package(p: argparse.ArgumentParser, d: config_mod.ServeConfig) -> None:
     p.add_argument("-m", "--model", help="registry name, configs/<name>.toml, a .toml or an .onnx file")
     p.add_argument("--config", help="config file (overrides the one found from --model)")
     p.add_argument("--target", default="", help="auto (default), llvm, cuda, or cuda:sm_XY")
-    p.add_argument("--precision", default="", help="fp32 or fp16")
+    p.add_argument("--precision", default="", help="fp32, tf32 (CUDA: fp32 with TF32 tensor cores) or fp16")
     p.add_argument("--workdir", help="artifact folder (default artifacts/<model>/<target>-<precision>)")
     p.set_defaults(input=None, checkpoint=None, seed=None)
     # Defaults live in config.ServeConfig (`d`): None here means "not given".
@@ -486,7 +486,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="registry name, configs/<name>.toml, a .toml or an .onnx file")
     p.add_argument("--config", help="config file (overrides the one found from --model)")
     p.add_argument("--target", default="", help="auto (default), llvm, cuda, or cuda:sm_XY to cross-compile")
-    p.add_argument("--precision", default="", help="fp32 or fp16")
+    p.add_argument("--precision", default="", help="fp32, tf32 (CUDA: fp32 with TF32 tensor cores) or fp16")
     p.add_argument("--layout", default="", help="NCHW, NHWC, or NCHWc (the CPU's default: channels blocked in 16s)")
     p.add_argument("--accumulate", default="", help="fp32 or fp16: accumulator dtype of fp16 convolutions/matmuls")
     p.add_argument("--buckets", default="", help="batch buckets, e.g. 1,8,32")

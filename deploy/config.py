@@ -18,7 +18,8 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = ("fp32", "tf32", "fp16")
+ACCUMULATIONS = ("fp32", "fp16")
 SIZES = ("full", "small")
 EXPORTERS = ("torchscript", "dynamo")
 LAYOUTS = ("NCHW", "NHWC", "NCHWc")
@@ -84,7 +85,9 @@ class ModelConfig:
 class Profile:
     """Settings that depend on the target kind (`[llvm]` / `[cuda]` tables)."""
 
-    precision: str  # fp32 | fp16 (fp16 compute, see `accumulate`)
+    # fp32 | tf32 (fp32, its GEMMs on TF32 tensor cores: passes/tf32.py; CUDA
+    # only) | fp16 (fp16 compute, see `accumulate`)
+    precision: str
     accumulate: str  # fp32 | fp16: accumulator dtype of fp16 convolutions/matmuls
     layout: str  # NCHW | NHWC | NCHWc (CPU: channels blocked in 16s): data layout for 2-D convolutions
     buckets: tuple[int, ...]  # batch sizes, one shape-specialized module each
@@ -140,6 +143,10 @@ class Tolerances:
     fp32: Tolerance = Tolerance(rtol=1e-4, atol=1e-4, max_rel_l2=1e-4)
     # fp16 weights/activations against an fp32 reference.
     fp16: Tolerance = Tolerance(rtol=5e-2, atol=2e-2, max_rel_l2=2e-2)
+    # fp32 with its GEMMs' inputs in TF32 (10-bit mantissa, fp32's range)
+    # against an fp32 reference: no fp16 rounding of activations between
+    # kernels, so half fp16's L2 bound.
+    tf32: Tolerance = Tolerance(rtol=5e-2, atol=1e-2, max_rel_l2=1e-2)
 
 
 LLVM_DEFAULTS = Profile(
@@ -351,7 +358,9 @@ def _check_values(obj, where: str) -> None:
 
     if isinstance(obj, Profile):
         choice("precision", PRECISIONS)
-        choice("accumulate", PRECISIONS)
+        choice("accumulate", ACCUMULATIONS)
+        if obj.precision == "tf32" and where != "cuda":
+            raise ConfigError(f"invalid {where}.precision", "'tf32'", "fp32 or fp16: TF32 is a CUDA tensor-core format")
         choice("layout", LAYOUTS)
         if not obj.buckets or any(b < 1 for b in obj.buckets) or len(set(obj.buckets)) != len(obj.buckets):
             raise ConfigError(f"invalid {where}.buckets", list(obj.buckets), "distinct positive batch sizes")

@@ -15,14 +15,16 @@ relax/backend/cuda/pipeline.py):
   split_k           small-row convolutions' reductions split (passes.split_k; asked for)
   flat_gemm         1x1 convolutions and batched-row matmuls as 2-D GEMMs
                     (passes.flat_gemm; asked for), and with implicit_gemm KxK
-                    convolutions as implicit GEMMs (passes.implicit_gemm; asked for)
+                    convolutions as implicit GEMMs (passes.implicit_gemm; asked for);
+                    both always in tf32
   epilogues         otherwise: a 2-D matmul's elementwise epilogue carried in 2-D
                     where its output is reshaped to more dimensions (passes.flat_gemm);
                     named implicit_gemm where that is asked for without flat_gemm
   fusion            legalize to TIR and fuse into kernels (an fp32 cast before a
                     mean inside the mean's kernel: passes.mean_cast), GEMM rows that
                     tile badly padded inside their kernels (passes.pad_gemm; CUDA): the
-                    module that tuning extracts tasks from and the build compiles
+                    module that tuning extracts tasks from and the build compiles;
+                    in tf32, the GEMM kernels marked for TF32 tensor cores (passes.tf32)
 A report records the operator counts after each phase; `dump_ir` writes the
 IR after each phase.
 """
@@ -51,6 +53,7 @@ from .passes.mixed_precision import to_mixed_precision
 from .passes.movement import tidy_movement
 from .passes.pad_gemm import pad_gemm_rows
 from .passes.split_k import split_k_conv2d
+from .passes.tf32 import mark as tf32_gemms
 from .passes.transposes import cancel_transposes
 from .shapes import Bucket, as_bucket, parse
 
@@ -111,11 +114,15 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                                         T.DeadCodeElimination(), *fold()]))
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), *fold()]))
-    if profile.flat_gemm:
-        out.append(("flat_gemm", [flat_gemm(convs=profile.implicit_gemm), *fold()]))
+    # In tf32, convolutions reach TF32 tensor cores only as GEMMs: flat and
+    # implicit GEMMs are on (passes/tf32.py).
+    tf32 = profile.precision == "tf32"
+    implicit = profile.implicit_gemm or tf32
+    if profile.flat_gemm or tf32:
+        out.append(("flat_gemm", [flat_gemm(convs=implicit, tf32=tf32), *fold()]))
     else:
-        out.append(("implicit_gemm" if profile.implicit_gemm else "epilogues",
-                    [flat_epilogues(pad_rows=profile.pad_gemm, convs=profile.implicit_gemm), T.CanonicalizeBindings(),
+        out.append(("implicit_gemm" if implicit else "epilogues",
+                    [flat_epilogues(pad_rows=profile.pad_gemm, convs=implicit), T.CanonicalizeBindings(),
                      *fold()]))
     out.append(
         (
@@ -135,6 +142,7 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                 T.RewriteDataflowReshape(),
                 T.DeadCodeElimination(),
                 *([pad_gemm_rows()] if profile.pad_gemm else []),
+                *([tf32_gemms()] if tf32 else []),
             ],
         )
     )

@@ -194,6 +194,7 @@ def alternatives(cfg, profile, target_kind: str, exported, buckets, names, secon
     check_alternatives(names)
     factory = None if export.is_onnx_source(cfg.model.source) else (lambda: export.build_torch_model(cfg))
     half = target_kind == "cuda" and profile.precision == "fp16"
+    tf32 = profile.precision == "tf32"  # (PyTorch's own default on Ampere and newer)
     made = {}
     for n in names:
         if n.startswith("torch") and factory is None:
@@ -204,11 +205,11 @@ def alternatives(cfg, profile, target_kind: str, exported, buckets, names, secon
             r = bench_runners.ORTRunner(exported.onnx_path, [i.name for i in exported.inputs],
                                         half=half and bench_runners.ort_has_cuda())
         elif n == "torch-eager":
-            r = bench_runners.TorchRunner("torch-eager-fp16" if half else "torch-eager", factory, half=half,
-                                          channels_last=half)
+            r = bench_runners.TorchRunner("torch-eager-fp16" if half else "torch-eager-tf32" if tf32 else "torch-eager",
+                                          factory, half=half, channels_last=half, tf32=tf32)
         else:
             r = bench_runners.TorchRunner("torch-compile", factory, half=half, channels_last=half,
-                                          compile_mode="default")
+                                          compile_mode="default", tf32=tf32)
         made[n] = r
     out: dict[str, dict] = {}
     for r in made.values():

@@ -10,7 +10,7 @@ TVM's FLOP estimate and "each argument read or written once" make the
 roofline an optimistic floor, not a target every kernel can reach.
 
 Figures from NVIDIA's datasheets (SXM parts unless the name says PCIe): fp16 is the dense tensor-core
-rate with fp32 accumulation, fp32 the CUDA-core rate. Unknown GPUs and CPUs
+rate with fp32 accumulation, tf32 the dense TF32 tensor-core rate, fp32 the CUDA-core rate. Unknown GPUs and CPUs
 get no ceiling (the report leaves the columns out).
 """
 
@@ -19,16 +19,16 @@ from __future__ import annotations
 import re
 
 # A pattern on the GPU's name (lower case; the first that matches) ->
-# (fp16 tensor TFLOP/s, fp32 TFLOP/s, memory TB/s).
+# (fp16 tensor TFLOP/s, tf32 tensor TFLOP/s, fp32 TFLOP/s, memory TB/s).
 GPUS = [
-    (r"\bh200\b", (989.4, 66.9, 4.8)),
-    (r"\bh100\b.*\bpcie\b", (756.0, 51.2, 2.0)),
-    (r"\bh100\b", (989.4, 66.9, 3.35)),
-    (r"\ba100\b.*\b80gb\b", (312.0, 19.5, 2.04)),
-    (r"\ba100\b", (312.0, 19.5, 1.555)),
-    (r"\bl40s\b", (362.1, 91.6, 0.864)),
-    (r"\bl40\b", (181.0, 90.5, 0.864)),
-    (r"\bl4\b", (121.0, 30.3, 0.3)),
+    (r"\bh200\b", (989.4, 494.7, 66.9, 4.8)),
+    (r"\bh100\b.*\bpcie\b", (756.0, 378.0, 51.2, 2.0)),
+    (r"\bh100\b", (989.4, 494.7, 66.9, 3.35)),
+    (r"\ba100\b.*\b80gb\b", (312.0, 156.0, 19.5, 2.04)),
+    (r"\ba100\b", (312.0, 156.0, 19.5, 1.555)),
+    (r"\bl40s\b", (362.1, 183.0, 91.6, 0.864)),
+    (r"\bl40\b", (181.0, 90.5, 90.5, 0.864)),
+    (r"\bl4\b", (121.0, 60.0, 30.3, 0.3)),
 ]
 
 
@@ -36,9 +36,9 @@ def ceilings(device_name: str, precision: str) -> dict | None:
     """{"flops_per_s", "bytes_per_s", "source"} of this device at this
     precision, or None where the device is not in the table."""
     name = (device_name or "").lower()
-    for pattern, (fp16, fp32, tbs) in GPUS:
+    for pattern, (fp16, tf32, fp32, tbs) in GPUS:
         if re.search(pattern, name):
-            tflops = fp16 if precision == "fp16" else fp32
+            tflops = {"fp16": fp16, "tf32": tf32}.get(precision, fp32)
             return {"flops_per_s": tflops * 1e12, "bytes_per_s": tbs * 1e12,
                     "source": f"{device_name} datasheet: {tflops:g} TFLOP/s {precision}, {tbs:g} TB/s"}
     return None

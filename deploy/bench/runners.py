@@ -191,7 +191,7 @@ class TorchRunner(Runner):
                  tf32: bool = False):
         self.name, self.factory = name, factory
         self.half, self.channels_last, self.compile_mode, self.tf32 = half, channels_last, compile_mode, tf32
-        self.precision = "fp16" if half or tf32 else "fp32"
+        self.precision = "fp16" if half else "tf32" if tf32 else "fp32"
 
     @contextlib.contextmanager
     def _switches(self):
@@ -373,7 +373,7 @@ def make_runners(names, *, package: Path, untuned: Path, onnx_path: Path, input_
         elif n == "torch-compile":
             half = precision == "fp16"
             out.append(TorchRunner(f"torch-compile-{compile_mode}", factory, half=half, channels_last=half,
-                                   compile_mode=compile_mode))
+                                   compile_mode=compile_mode, tf32=precision == "tf32"))
         elif n == "tensorrt":
             if precision == "fp16":
                 out.append(_LazyTensorRT(f"tensorrt-{precision}", fp16_onnx_path, precision))

@@ -47,14 +47,14 @@ BINARY = frozenset({
 })
 
 
-def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False):
+def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, tf32: bool = False):
     """A pass: see the module's docstring. `gemms=False` (`flat_epilogues()`)
     rewrites no convolution or matmul, and only carries the epilogues of
     2-D results viewed in more dimensions; with `pad_rows`, it also rewrites
     the N-D matmuls whose row count passes.pad_gemm pads (which only pads a
     GEMM whose rows are one loop); with `convs`, the convolutions that
     passes.implicit_gemm takes become implicit GEMMs [N*Ho*Wo, O], their
-    epilogues carried in 2-D as well."""
+    epilogues carried in 2-D as well (fp32 ones too with `tf32`)."""
     from ..tvm_compat import relax, tvm
 
     op = relax.op
@@ -104,7 +104,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False):
             if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
                 return call
             name = call.op.name
-            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call):
+            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call, tf32):
                 return self._implicit(call)
             if name == "relax.nn.conv2d" and gemms:
                 return self._conv1x1(call)
@@ -206,7 +206,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False):
     return pruned("FlatGemm", relax_function_pass("FlatGemm", FlatGemm, emits_functions=convs))
 
 
-def flat_epilogues(pad_rows: bool = False, convs: bool = False):
+def flat_epilogues(pad_rows: bool = False, convs: bool = False, tf32: bool = False):
     """The elementwise epilogue of a 2-D matmul whose output is reshaped to
     more dimensions (a transformer's dense layer over batch x sequence rows,
     then GELU, a residual add) carried in 2-D, and the reshape back to 2-D
@@ -217,4 +217,4 @@ def flat_epilogues(pad_rows: bool = False, convs: bool = False):
     rows passes.pad_gemm pads become 2-D GEMMs as well (ViT-S/16's attention
     output projection over 32 x 197 tokens). With `convs` (the profile's
     `implicit_gemm`), KxK convolutions become implicit GEMMs as well."""
-    return flat_gemm(gemms=False, pad_rows=pad_rows, convs=convs)
+    return flat_gemm(gemms=False, pad_rows=pad_rows, convs=convs, tf32=tf32)

@@ -40,11 +40,12 @@ def dense_nhwc(attrs) -> bool:
     return nhwc_ohwi(attrs) and int(attrs.groups) == 1 and [int(d) for d in attrs.dilation] == [1, 1]
 
 
-def applies(call) -> bool:
+def applies(call, tf32: bool = False) -> bool:
     """Whether this Relax conv2d call becomes an implicit GEMM: NHWC/OHWI,
     one group, no dilation, static shapes, a kernel larger than 1x1 (a 1x1
     convolution is a plain GEMM: flat_gemm's), fp16 data and weights with an
-    fp32 sum (an fp16 sum is no GEMM our mma.sync schedule takes), and
+    fp32 sum (an fp16 sum is no GEMM our mma.sync schedule takes) or, with
+    `tf32`, fp32 throughout (passes/tf32.py), and
     channels a multiple of 8 (a ResNet stem's 3 input channels are left
     alone) with 16 dividing the output channels."""
     if not dense_nhwc(call.attrs):
@@ -53,7 +54,8 @@ def applies(call) -> bool:
     xs, ws = static_shape(x), static_shape(w)
     if xs is None or ws is None or static_shape(call) is None:
         return False
-    if (tensor_dtype(x), tensor_dtype(w), tensor_dtype(call)) != ("float16", "float16", "float32"):
+    dtypes = (tensor_dtype(x), tensor_dtype(w), tensor_dtype(call))
+    if dtypes != ("float16", "float16", "float32") and not (tf32 and dtypes == ("float32",) * 3):
         return False
     o, r, s, c = ws
     return r * s > 1 and c % VECTOR == 0 and o % 16 == 0
