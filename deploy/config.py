@@ -357,10 +357,10 @@ def _check_values(obj, where: str) -> None:
             raise ConfigError(f"invalid {where}.{field}", repr(getattr(obj, field)), " or ".join(allowed))
 
     if isinstance(obj, Profile):
-        choice("precision", PRECISIONS)
-        choice("accumulate", ACCUMULATIONS)
         if obj.precision == "tf32" and where != "cuda":
             raise ConfigError(f"invalid {where}.precision", "'tf32'", "fp32 or fp16: TF32 is a CUDA tensor-core format")
+        choice("precision", PRECISIONS if where == "cuda" else tuple(p for p in PRECISIONS if p != "tf32"))
+        choice("accumulate", ACCUMULATIONS)
         choice("layout", LAYOUTS)
         if not obj.buckets or any(b < 1 for b in obj.buckets) or len(set(obj.buckets)) != len(obj.buckets):
             raise ConfigError(f"invalid {where}.buckets", list(obj.buckets), "distinct positive batch sizes")
