@@ -192,14 +192,20 @@ def _is_multiply_accumulate(body, c_buf) -> bool:
     return all(kind(x.value if kind(x, "Cast") else x, "BufferLoad") for x in (prod.a, prod.b))
 
 
+def _tiles(gemm: Gemm, config: tuple) -> bool:
+    """Whether a configuration's tiles divide this GEMM and its pipeline has
+    at least stages - 1 K tiles (see configs_for)."""
+    bm, bn, _, _, bk, stages, *_ = config
+    return gemm.m % bm == 0 and gemm.n % bn == 0 and gemm.k % bk == 0 and gemm.k // bk >= stages - 1
+
+
 def configs_for(gemm: Gemm) -> list[str]:
     """The configurations whose tiles divide this GEMM and whose pipeline
     has at least stages - 1 K tiles (with fewer, the `cp.async` waits do
     not lower: `cp_async_wait_group: immediate operands must become
     compile-time constants`; with stages - 1, ConvNeXt's K = 96 GEMM took
     a 4-stage configuration that the kernel check passed on the H200)."""
-    return [name for name, (bm, bn, _, _, bk, stages, *_) in CONFIGS.items()
-            if gemm.m % bm == 0 and gemm.n % bn == 0 and gemm.k % bk == 0 and gemm.k // bk >= stages - 1]
+    return [name for name, config in CONFIGS.items() if _tiles(gemm, config)]
 
 
 def spaces(func, target) -> list:
@@ -222,12 +228,21 @@ def spaces(func, target) -> list:
 def default_config(gemm: Gemm, target=None) -> str | None:
     """The configuration `Default` gives this GEMM (see DEFAULT_CONFIGS), or
     None where none of them tiles it (within the target architecture's
-    shared memory, where it is known: fp32 tiles take twice an fp16's)."""
+    shared memory, where it is known: fp32 tiles take twice an fp16's). A
+    K of two tiles (64) takes each tile in a 3-stage pipeline instead
+    (ResNet-50's 1x1 convolutions over 64 channels, as GEMMs)."""
     limit = OPT_IN_SHARED_MEMORY.get(_arch(target)) if target is not None else None
-    fits = [c for c in DEFAULT_CONFIGS if c in configs_for(gemm) and (limit is None or shared_bytes(gemm, c) <= limit)]
+    candidates = []
+    for name in DEFAULT_CONFIGS:
+        bm, bn, wm, wn, bk, stages, *_ = CONFIGS[name]
+        if gemm.k // bk == 2:
+            name = name_of((bm, bn, wm, wn, bk, 3))
+        candidates.append(name)
+    fits = [c for c in candidates
+            if _tiles(gemm, config_from_name(c)) and (limit is None or shared_bytes(gemm, c) <= limit)]
     if not fits:
         return None
-    blocks = {c: (gemm.m // CONFIGS[c][0]) * (gemm.n // CONFIGS[c][1]) for c in fits}
+    blocks = {c: (gemm.m // config_from_name(c)[0]) * (gemm.n // config_from_name(c)[1]) for c in fits}
     return next((c for c in fits if blocks[c] >= GRID_BLOCKS), max(fits, key=blocks.get))
 
 
@@ -274,7 +289,7 @@ def schedule(func, gemm: Gemm, config: str | tuple):
 
     register_tensor_intrinsics()
     fp32 = gemm.dtype == "float32"
-    bm, bn, wm, wn, bk, stages, *knobs = CONFIGS[config] if isinstance(config, str) else config
+    bm, bn, wm, wn, bk, stages, *knobs = config_from_name(config) if isinstance(config, str) else config
     min_blocks, fragment_pipeline = _knobs(knobs)
     if not isinstance(config, str):
         config = name_of((bm, bn, wm, wn, bk, stages, min_blocks, fragment_pipeline))
@@ -417,7 +432,7 @@ def shared_bytes(gemm: Gemm, config) -> int:
     """Dynamic shared memory this configuration's kernel asks for, at most:
     `stages` A and B tiles with padded rows, and the fp32 accumulator tile
     of an epilogue (TVM may let it reuse the pipeline's)."""
-    bm, bn, _, _, bk, stages, *_ = CONFIGS[config] if isinstance(config, str) else config
+    bm, bn, _, _, bk, stages, *_ = config_from_name(config) if isinstance(config, str) else config
     size = 2 if gemm.dtype == "float16" else 4
 
     def padded(cols, index):

@@ -219,10 +219,23 @@ def test_it_is_cuda_sm80_and_later_only(sm90):
     (200704, 64, 576, "128x64x32-w2x2-s4"),  # ResNet-50 b64's first implicit GEMM: 64 columns
     (3200, 512, 4608, "128x64x32-w2x2-s4"),  # its 7x7 stage's: 128x128 gives 100 blocks, 128x64 200
     (256, 48, 256, None),  # no default tile divides 48 columns: left to DLight
-    (4096, 4096, 32, None),  # one K tile: no 4-stage pipeline
+    (4096, 4096, 32, None),  # one K tile: no pipeline
+    (200704, 256, 64, "128x128x32-w2x2-s3"),  # K = 64, two K tiles: a 3-stage pipeline (ResNet-50's 1x1 convs)
+    (200704, 64, 64, "128x64x32-w2x2-s3"),  # (a tile not among CONFIGS: the default's alone)
 ])
 def test_the_default_configuration_is_the_largest_tile_that_fills_the_gpu(m, n, k, want):
     assert mma_gemm.default_config(mma_gemm.Gemm("C", m, n, k, False, [], [])) == want
+
+
+def test_a_k_of_two_tiles_builds_in_a_three_stage_pipeline(sm90):
+    """The default of a K = 64 GEMM, a configuration the tuner's spaces do
+    not list (128x64 tiles in 3 stages), schedules and builds."""
+    func = _gemm(m=512, padded=512, n=64, k=64, epilogue=False)
+    gemm = mma_gemm.match(func)
+    assert "128x64x32-w2x2-s3" not in mma_gemm.configs_for(gemm)
+    sch = mma_gemm.Default().apply(func, sm90)
+    assert mma_gemm.config_of(sch.mod) == "128x64x32-w2x2-s3"
+    assert "cp.async.cg" in tune_builder.lean_build(sch.mod, sm90, None).imports[0].inspect_source()
 
 
 def test_the_build_chain_gives_a_gemm_our_schedule_before_dlights_matmul(sm90):
@@ -509,8 +522,8 @@ def test_the_default_probe_builds_both_schedules_of_a_models_gemms_here(tmp_path
 
     probe = load_script("mma_default_probe")
     assert probe.main(["--models", "tiny_mlp:64", "--no-run", "--out", str(tmp_path)]) == 0
-    (row,) = json.loads((tmp_path / "probe.json").read_text())["rows"]
-    assert (row["model"], row["bucket"], row["gemm"], row["config"]) == ("tiny_mlp", "64", "64x128x128",
-                                                                         "64x64x32-w2x2-s4")
-    assert "error" not in row and "ours_us" not in row
+    rows = json.loads((tmp_path / "probe.json").read_text())["rows"]
+    assert sorted((r["model"], r["bucket"], r["gemm"], r["config"]) for r in rows) == [
+        ("tiny_mlp", "64", "64x128x128", "64x64x32-w2x2-s4"), ("tiny_mlp", "64", "64x128x64", "64x64x32-w2x2-s3")]
+    assert all("error" not in r and "ours_us" not in r for r in rows)
     assert "| tiny_mlp | 64 | fused_matmul" in (tmp_path / "probe.md").read_text()
