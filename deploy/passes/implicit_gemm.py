@@ -42,8 +42,10 @@ def dense_nhwc(attrs) -> bool:
 
 def applies(call, tf32: bool = False) -> bool:
     """Whether this Relax conv2d call becomes an implicit GEMM: NHWC/OHWI,
-    one group, no dilation, static shapes, a kernel larger than 1x1 (a 1x1
-    convolution is a plain GEMM: flat_gemm's), fp16 data and weights with an
+    one group, no dilation, static shapes, a kernel larger than 1x1 or
+    strided (a 1x1 convolution of stride 1 is a plain GEMM: flat_gemm's;
+    ResNet's strided 1x1 downsampling is an implicit GEMM over every
+    other pixel), fp16 data and weights with an
     fp32 sum (an fp16 sum is no GEMM our mma.sync schedule takes) or, with
     `tf32`, fp32 throughout (passes/tf32.py), and
     channels a multiple of 8 (a ResNet stem's 3 input channels are left
@@ -58,7 +60,8 @@ def applies(call, tf32: bool = False) -> bool:
     if dtypes != ("float16", "float16", "float32") and not (tf32 and dtypes == ("float32",) * 3):
         return False
     o, r, s, c = ws
-    return r * s > 1 and c % VECTOR == 0 and o % 16 == 0
+    plain = r * s == 1 and [int(v) for v in call.attrs.strides] == [1, 1] and not any(int(p) for p in call.attrs.padding)
+    return not plain and c % VECTOR == 0 and o % 16 == 0
 
 
 def conv_as_gemm(x, w2, kernel: tuple[int, int], strides, padding, out_shape, out_dtype: str):

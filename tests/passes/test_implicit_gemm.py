@@ -84,6 +84,34 @@ def test_other_convolutions_are_left_alone(why, x, w, kwargs):
     assert "R.nn.conv2d" in new.script(), why
 
 
+def _strided_1x1(dtype="float16", out_dtype="float32"):
+    return _parse(f"""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, 8, 8, 64), "{dtype}"), w: R.Tensor((32, 1, 1, 64), "{dtype}")):
+        with R.dataflow():
+            y = R.nn.conv2d(x, w, strides=[2, 2], data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC",
+                            out_dtype="{out_dtype}")
+            R.output(y)
+        return y
+""")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_strided_1x1_convolution_and_an_fp32_one_in_tf32_become_implicit_gemms(dtype):
+    """ResNet's downsampling (1x1, stride 2: not flat_gemm's) computes the
+    same as an implicit GEMM; an fp32 convolution is taken only in tf32."""
+    mod = _strided_1x1(dtype, "float32")
+    new = flat_epilogues(convs=True, tf32=dtype == "float32")(mod)
+    assert "conv2d_gemm" in new.script() and "R.nn.conv2d(" not in new.script()
+    if dtype == "float32":
+        assert "R.nn.conv2d(" in flat_epilogues(convs=True)(mod).script()  # (strict fp32: left alone)
+    args = _args(mod)
+    for ref, got in zip(_run(mod, args), _run(new, args)):
+        assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
 def test_the_flag_reaches_the_profile(monkeypatch):
     from deploy import cli
 
