@@ -104,7 +104,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
                 return call
             name = call.op.name
-            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call, tf32):
+            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call, tf32, strided_1x1=gemms):
                 return self._implicit(call)
             if name == "relax.nn.conv2d" and gemms:
                 return self._conv1x1(call)

@@ -40,12 +40,14 @@ def dense_nhwc(attrs) -> bool:
     return nhwc_ohwi(attrs) and int(attrs.groups) == 1 and [int(d) for d in attrs.dilation] == [1, 1]
 
 
-def applies(call, tf32: bool = False) -> bool:
+def applies(call, tf32: bool = False, strided_1x1: bool = False) -> bool:
     """Whether this Relax conv2d call becomes an implicit GEMM: NHWC/OHWI,
-    one group, no dilation, static shapes, a kernel larger than 1x1 or
-    strided (a 1x1 convolution of stride 1 is a plain GEMM: flat_gemm's;
-    ResNet's strided 1x1 downsampling is an implicit GEMM over every
-    other pixel), fp16 data and weights with an
+    one group, no dilation, static shapes, a kernel larger than 1x1 (a 1x1
+    convolution is a plain GEMM: flat_gemm's) or, with `strided_1x1`, a
+    strided 1x1 one (ResNet's downsampling: an implicit GEMM over every
+    other pixel; only where flat_gemm makes the other 1x1 convolutions 2-D:
+    otherwise the residual add between a 4-D and a 2-D branch fuses with
+    neither, which made ResNet-50 b64 five kernels more), fp16 data and weights with an
     fp32 sum (an fp16 sum is no GEMM our mma.sync schedule takes) or, with
     `tf32`, fp32 throughout (passes/tf32.py), and
     channels a multiple of 8 (a ResNet stem's 3 input channels are left
@@ -60,8 +62,10 @@ def applies(call, tf32: bool = False) -> bool:
     if dtypes != ("float16", "float16", "float32") and not (tf32 and dtypes == ("float32",) * 3):
         return False
     o, r, s, c = ws
-    plain = r * s == 1 and [int(v) for v in call.attrs.strides] == [1, 1] and not any(int(p) for p in call.attrs.padding)
-    return not plain and c % VECTOR == 0 and o % 16 == 0
+    if r * s == 1 and not (strided_1x1 and ([int(v) for v in call.attrs.strides] != [1, 1]
+                                            or any(int(p) for p in call.attrs.padding))):
+        return False
+    return c % VECTOR == 0 and o % 16 == 0
 
 
 def conv_as_gemm(x, w2, kernel: tuple[int, int], strides, padding, out_shape, out_dtype: str):

@@ -100,13 +100,17 @@ class Mod:
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_a_strided_1x1_convolution_and_an_fp32_one_in_tf32_become_implicit_gemms(dtype):
-    """ResNet's downsampling (1x1, stride 2: not flat_gemm's) computes the
-    same as an implicit GEMM; an fp32 convolution is taken only in tf32."""
+    """ResNet's downsampling (1x1, stride 2) computes the same as an
+    implicit GEMM where flat_gemm makes the other 1x1 convolutions GEMMs
+    (not with `flat_epilogues`: the residual add would join a 4-D and a
+    2-D branch); an fp32 convolution is taken only in tf32."""
     mod = _strided_1x1(dtype, "float32")
-    new = flat_epilogues(convs=True, tf32=dtype == "float32")(mod)
+    tf32 = dtype == "float32"
+    new = flat_gemm(convs=True, tf32=tf32)(mod)
     assert "conv2d_gemm" in new.script() and "R.nn.conv2d(" not in new.script()
-    if dtype == "float32":
-        assert "R.nn.conv2d(" in flat_epilogues(convs=True)(mod).script()  # (strict fp32: left alone)
+    assert "R.nn.conv2d(" in flat_epilogues(convs=True, tf32=tf32)(mod).script()
+    if tf32:
+        assert "R.nn.conv2d(" in flat_gemm(convs=True)(mod).script()  # (strict fp32: left alone)
     args = _args(mod)
     for ref, got in zip(_run(mod, args), _run(new, args)):
         assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
