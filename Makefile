@@ -1,7 +1,7 @@
 # Two commands on a fresh machine:
 #   make tune MODEL=resnet50     the whole pipeline (creates .venv and installs the pins first)
 #   make test                    the linter (ruff), then the test suite
-# Options: TARGET=auto|llvm|cuda|cuda:sm_90  PRECISION=fp32|fp16  ACCUMULATE=fp32|fp16  BUCKETS=1,8,32
+# Options: TARGET=auto|llvm|cuda|cuda:sm_90  PRECISION=fp32|tf32|fp16  ACCUMULATE=fp32|fp16  BUCKETS=1,8,32
 #          DIMS="seq=64,128" (lengths of a dimension the config declares, docs/shapes.md)
 #          TRIALS=N  BUDGET=10m  MAX_TASKS=N  WORKDIR=dir  UNTUNED=1 (time an untuned copy too)
 #          ALTERNATIVES=torch-eager,torch-compile,onnxruntime|none (timed beside the package; default torch-eager)  EXTRA="--any --cli flags"
