@@ -359,11 +359,14 @@ def _build_all(todo, passed: set, target: TargetInfo) -> list[dict | None]:
         for b in built:
             try:  # (loaded, the files can go: the modules stay in memory)
                 out.append(b if "error" in b else {
-                    **{k: load_module(v) for k, v in b.items() if k not in ("buffers", "default_rule")},
-                    "buffers": b["buffers"], "default_rule": b["default_rule"]})
+                    **{k: load_module(v) for k, v in b.items() if k not in _META},
+                    **{k: b[k] for k in _META}})
             except Exception as e:  # noqa: BLE001
                 out.append({"error": error_line(e, 200)})
         return out
+
+
+_META = ("buffers", "default_rule", "tf32")  # build_libs()' entries that are not kernels
 
 
 def _build_exported(job) -> dict:
@@ -372,7 +375,7 @@ def _build_exported(job) -> dict:
     wl_line, rec, target, check_outputs, stem = job
     try:
         libs = build_libs(wl_line, rec, target, check_outputs)
-        out = {"buffers": libs.pop("buffers"), "default_rule": libs.pop("default_rule")}
+        out = {k: libs.pop(k) for k in _META}
         for name, lib in libs.items():
             same = next((k for k, v in libs.items() if v is lib and k in out), None)
             if same is not None:
