@@ -72,8 +72,10 @@ def compare(func, target, run: bool) -> dict | None:
     if first[0] != schedule.MMA_GEMM:  # (the build gives it another schedule)
         return None
     ours = first[1]  # (scheduled by the rule, as the build takes it)
-    gemm = mma_gemm.match(func)
-    row = {"gemm": f"{gemm.m}x{gemm.n}x{gemm.k}", "config": mma_gemm.default_config(gemm)}
+    gemm, padding = mma_gemm.plan(func)
+    row = {"gemm": f"{gemm.m}x{gemm.n}x{gemm.k}", "config": mma_gemm.default_config(gemm, tvm_target)}
+    if padding is not None:
+        row["note"] = f"rows padded to {gemm.m} in the kernel"
     with tvm_target:
         theirs = dlight.gpu.Matmul().apply(func, tvm_target, False)
     if theirs is None:

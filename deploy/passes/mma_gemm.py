@@ -35,8 +35,10 @@ shared memory as it is computed: the rows past the end are zero-filled),
 and injective 2-D blocks after it, each reading the GEMM's result (or
 what the blocks before it made of it) element-wise, at its own [i, j], the
 last writing the kernel's output.
-Batched matmuls (attention) and GEMMs with a dimension that 16 does not
-divide are left to MetaSchedule's rules; 1x1 convolutions and
+A GEMM whose rows no configuration tiles has them padded to a multiple of
+64 inside the schedule (`plan`: ViT's 197 tokens and ConvNeXt-T's 196
+pixels at batch 1). Batched matmuls (attention) and GEMMs with columns or
+a K that 16 does not divide are left to MetaSchedule's rules; 1x1 convolutions and
 `[batch, seq, K]` matmuls take this schedule once `--flat-gemm` makes them
 2-D.
 
@@ -76,6 +78,12 @@ EPILOGUE_VECTOR = 4  # elements a thread writes at once in the epilogue
 # small-row-gemm-probe/).
 DEFAULT_CONFIGS = ("128x128x32-w2x2-s4", "128x64x32-w2x2-s4", "64x128x32-w2x2-s4", "64x64x32-w2x2-s4")
 GRID_BLOCKS = 128  # about a block per SM: an H200 has 132, an A100 108
+# A GEMM whose rows no tile divides (ViT's 197 tokens, ConvNeXt-T b1's 196
+# and 49 pixels) has its rows padded to a multiple of ROW_TILE inside the
+# schedule (`plan`; pad_gemm pads only from 1,024 rows, in the graph); fewer
+# than SMALL_ROWS rows are a GEMV's, left to DLight.
+ROW_TILE = 64
+SMALL_ROWS = 32
 
 # Dynamic shared memory a block may opt in to, by architecture (CUDA
 # programming guide, "Technical Specifications per Compute Capability").
@@ -208,18 +216,44 @@ def configs_for(gemm: Gemm) -> list[str]:
     return [name for name, config in CONFIGS.items() if _tiles(gemm, config)]
 
 
+def plan(func, tf32: bool = False) -> tuple[Gemm, list | None] | None:
+    """(the GEMM this schedule takes in `func`, pad_einsum's padding of its
+    rows or None), or None where no configuration tiles it: `match`'s GEMM
+    as it is where one does, else with its rows padded to a multiple of
+    ROW_TILE (from SMALL_ROWS rows; the padded rows read zeros and are
+    never written out, as pad_gemm's)."""
+    from ..tvm_compat import s_tir, tvm
+    from .pad_gemm import pad_rows_in, row_padding
+
+    gemm = match(func, tf32)
+    if gemm is not None and (configs_for(gemm) or default_config(gemm)):
+        return gemm, None
+    padding = row_padding(func, ROW_TILE, SMALL_ROWS)
+    if padding is not None:
+        try:
+            sch = s_tir.Schedule(tvm.IRModule({"main": func}), debug_mask=0)
+            pad_rows_in(sch, padding)
+            padded = match(sch.mod["main"], tf32)
+        except Exception:  # noqa: BLE001 - pad_einsum declined
+            padded = None
+        if padded is not None and (configs_for(padded) or default_config(padded)):
+            return padded, padding
+    return None
+
+
 def spaces(func, target) -> list:
     """One Schedule per configuration that divides the GEMM (none where
-    `match` declines or the target is not `available`)."""
+    `plan` finds none or the target is not `available`)."""
     if not available(target):
         return []
-    gemm = match(func)
-    if gemm is None:
+    planned = plan(func)
+    if planned is None:
         return []
+    gemm, padding = planned
     out = []
     for name in configs_for(gemm):
         try:
-            out.append(schedule(func, gemm, name))
+            out.append(schedule(func, gemm, name, padding))
         except Exception:  # noqa: BLE001, S112 - a ScheduleError: this configuration does not apply here
             continue
     return out
@@ -255,9 +289,9 @@ class Default:
     def apply(self, func, target, tunable=False):
         if not available(target):
             return None
-        gemm = match(func)
-        config = default_config(gemm, target) if gemm is not None else None
-        return None if config is None else schedule(func, gemm, config)
+        planned = plan(func)
+        config = default_config(planned[0], target) if planned is not None else None
+        return None if config is None else schedule(func, planned[0], config, planned[1])
 
 
 def _arch(target) -> str:
@@ -274,10 +308,11 @@ def available(target) -> bool:
         return False
 
 
-def schedule(func, gemm: Gemm, config: str | tuple):
+def schedule(func, gemm: Gemm, config: str | tuple, padding: list | None = None):
     """The schedule of `func` under one configuration, a name in CONFIGS or
-    its tuple (scripts/mma_gemm_probe.py tries others); raises a
-    ScheduleError where it does not apply. A tuple may go on with the
+    its tuple (scripts/mma_gemm_probe.py tries others), its rows first
+    padded by `padding` where `plan` gives one (`gemm` is then the padded
+    GEMM); raises a ScheduleError where it does not apply. A tuple may go on with the
     blocks per SM to compile for (`__launch_bounds__`' second argument, 0
     for none) and whether the `ldmatrix` fragments are double-buffered (1,
     the default, or 0)."""
@@ -296,6 +331,10 @@ def schedule(func, gemm: Gemm, config: str | tuple):
     fm, fn = bm // 16 // wm, bn // 16 // wn  # 16x16 fragments per warp along rows, cols
     warps = wm * wn
     sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    if padding is not None:
+        from .pad_gemm import pad_rows_in
+
+        pad_rows_in(sch, padding)
     main = sch.get_sblock(gemm.name)
     for name in gemm.epilogue[:-1]:  # the epilogue computed as the output is written
         sch.compute_inline(sch.get_sblock(name))

@@ -91,9 +91,59 @@ def pad_prim_func(func):
 
 
 def _pad(func):
-    from ..tvm_compat import s_tir, tirx, tvm
+    from ..tvm_compat import s_tir, tvm
 
     sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    found = _gemm_loops(sch)
+    if found is None:
+        return None
+    block, extents, roles, im2col = found
+    padding = padding_for(extents, roles, MULTIPLE if im2col else ALIGNED)
+    if padding is None:
+        return None
+    _apply(sch, block, padding, roles, im2col)
+    return sch.mod["main"]
+
+
+def row_padding(func, multiple: int, min_rows: int) -> list[int] | None:
+    """pad_einsum's padding of this kernel's GEMM rows (one loop, read by
+    the first operand alone) to a multiple of `multiple`, where there are at
+    least `min_rows` and `multiple` does not divide them; None otherwise
+    (passes/mma_gemm.py pads a small GEMM this way inside its schedule)."""
+    from ..tvm_compat import s_tir, tvm
+
+    try:
+        found = _gemm_loops(s_tir.Schedule(tvm.IRModule({"main": func}), debug_mask=0))
+    except Exception:  # noqa: BLE001 - not a kernel this reads
+        return None
+    if found is None:
+        return None
+    _, extents, roles, _ = found
+    rows = [i for i, r in enumerate(roles) if r == "m"]
+    if len(rows) != 1 or extents[rows[0]] < min_rows or extents[rows[0]] % multiple == 0:
+        return None
+    return [multiple if i == rows[0] else 1 for i in range(len(extents))]
+
+
+def pad_rows_in(sch, padding: list[int]) -> None:
+    """Pad the GEMM of schedule `sch` by `padding` (from row_padding), as
+    the schedule's first step: its trace replays onto the kernel."""
+    block, _, roles, im2col = _gemm_loops(sch)
+    _apply(sch, block, padding, roles, im2col)
+
+
+def _apply(sch, block, padding, roles, im2col) -> None:
+    sch.pad_einsum(block, padding)  # (raises where it cannot)
+    if any(pad > 1 for pad, role in zip(padding, roles) if role == "m"):  # (im2col now feeds its padded copy)
+        for p in im2col:
+            sch.compute_inline(p)
+
+
+def _gemm_loops(sch):
+    """(block, extents, roles, im2col producers) of the schedule's one
+    reduction block, a GEMM that pad_einsum takes; None otherwise."""
+    from ..tvm_compat import tirx
+
     reductions = []
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         stmt = sch.get(block)
@@ -116,14 +166,7 @@ def _pad(func):
         roles.append("k" if iv.iter_type == tirx.IterVar.CommReduce
                      else "b" if in_a and in_b else "m" if in_a else "n" if in_b else "b")
     im2col = [p for p in sch.get_producers(block) if sch.get(p).name_hint == IM2COL]  # (an implicit GEMM)
-    padding = padding_for(extents, roles, MULTIPLE if im2col else ALIGNED)
-    if padding is None:
-        return None
-    sch.pad_einsum(block, padding)  # (raises where it cannot: left as it is by pad_prim_func)
-    if any(pad > 1 for pad, role in zip(padding, roles) if role == "m"):  # (im2col now feeds its padded copy)
-        for p in im2col:
-            sch.compute_inline(p)
-    return sch.mod["main"]
+    return block, extents, roles, im2col
 
 
 def _loop_vars(region) -> set | None:

@@ -235,7 +235,7 @@ def mark():
         from . import mma_gemm
 
         for gv, func in list(mod.functions.items()):
-            if mma_gemm.match(func, tf32=True) is not None:
+            if mma_gemm.plan(func, tf32=True) is not None:
                 mod[gv] = func.with_attr(ATTR, True)
         return mod
 

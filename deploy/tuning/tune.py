@@ -242,8 +242,8 @@ def _mma_missing(tasks, db_dir: Path, tvm_target) -> dict[str, list[str]]:
         return {}
     applies = {}
     for t in tasks:
-        gemm = mma_gemm.match(t.dispatched[0]["main"])
-        configs = mma_gemm.configs_for(gemm) if gemm is not None else []
+        planned = mma_gemm.plan(t.dispatched[0]["main"])
+        configs = mma_gemm.configs_for(planned[0]) if planned is not None else []
         if configs:
             applies[t.task_name] = (t.dispatched[0], configs)
     if not applies:

@@ -206,6 +206,31 @@ def test_the_traces_replay_from_json_onto_the_workload(sm90):
         assert tvm_ffi.structural_equal(replayed.mod, sch.mod)
 
 
+@pytest.mark.parametrize("m, padded_to, config", [(197, 256, "64x64x32-w2x2-s4"), (49, 64, "64x64x32-w2x2-s4")],
+                         ids=["ViT-b1-tokens", "ConvNeXt-b1-stage-4"])
+def test_rows_no_tile_divides_are_padded_inside_the_schedule(sm90, m, padded_to, config):
+    """A GEMM of 197 (or 49) rows, which no configuration tiles: its rows
+    padded to a multiple of 64 as the schedule's first step (pad_einsum, in
+    its trace), the padded GEMM scheduled as any other, the padded rows
+    never written out; the build's default and the tuner's spaces alike,
+    and each trace replays onto the unpadded kernel."""
+    func = _gemm(m=m, padded=m, n=384, k=384)
+    assert mma_gemm.match(func) is None
+    gemm, padding = mma_gemm.plan(func)
+    assert (gemm.m, padding, gemm.producers) == (padded_to, [64, 1, 1], ["A_pad"])
+    sch = mma_gemm.Default().apply(func, sm90)
+    assert mma_gemm.config_of(sch.mod) == config and "pad_einsum" in str(sch.trace)
+    src = tune_builder.lean_build(sch.mod, sm90, None).imports[0].inspect_source()
+    assert "cp.async.cg" in src and "mma.sync" in src
+    spaces = mma_gemm.spaces(func, sm90)
+    assert [mma_gemm.config_of(s.mod) for s in spaces] == mma_gemm.configs_for(gemm) and spaces
+    for s in spaces[:2]:
+        replayed = s_tir.Schedule(tvm.IRModule({"main": func}))
+        s_tir.Trace.apply_json_to_schedule(s.trace.as_json(), replayed)
+        assert tvm_ffi.structural_equal(replayed.mod, s.mod)
+    assert mma_gemm.plan(_gemm(m=20, padded=20)) is None  # (fewer than SMALL_ROWS: a GEMV's, left to DLight)
+
+
 def test_it_is_cuda_sm80_and_later_only(sm90):
     assert mma_gemm.spaces(_gemm(), targets.resolve("llvm").tvm_target()) == []
     sm75 = tvm.target.Target({"kind": "cuda", "arch": "sm_75"})
@@ -410,11 +435,13 @@ def test_a_configuration_this_gpu_cannot_run_is_recorded_as_failed(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b_transposed", [False, True], ids=["KN", "NK"])
-def test_every_configuration_computes_what_tvms_plain_lowering_does(sm90, b_transposed):
+@pytest.mark.parametrize("b_transposed,m,padded", [(False, 800, 896), (True, 800, 896), (False, 197, 197)],
+                         ids=["KN", "NK", "KN-197-rows-padded-in-the-schedule"])
+def test_every_configuration_computes_what_tvms_plain_lowering_does(sm90, b_transposed, m, padded):
     """On the GPU: each configuration against the same kernel unscheduled,
-    lowered for the CPU (a ViT-like padded GEMM with its epilogue)."""
-    func = _gemm(m=800, padded=896, n=384, k=384, b_transposed=b_transposed)  # (N = 384: the 128x96 tile too)
+    lowered for the CPU (a ViT-like padded GEMM with its epilogue; ViT b1's
+    197 rows, which `plan` pads inside the schedule)."""
+    func = _gemm(m=m, padded=padded, n=384, k=384, b_transposed=b_transposed)  # (N = 384: the 128x96 tile too)
     from deploy.tvm_compat import ms as _ms
 
     info = _ms.arg_info.ArgInfo.from_prim_func(func)

@@ -110,9 +110,11 @@ def test_an_fp32_gemm_takes_tf32_only_where_it_is_marked():
     got = mma_gemm.match(_gemm())
     assert (got.m, got.n, got.k, got.dtype, got.epilogue) == (256, 256, 128, "float32", ["H"])
     assert mma_gemm.match(_gemm(b_transposed=True)).b_transposed
-    mod = tvm.IRModule({"gemm": _gemm(marked=False), "odd": _gemm(m=200, marked=False)})
+    mod = tvm.IRModule({"gemm": _gemm(marked=False), "padded": _gemm(m=200, marked=False),
+                        "gemv": _gemm(m=16, marked=False)})
     marked = tf32.mark()(mod)
-    assert marked["gemm"].attrs[tf32.ATTR] and tf32.ATTR not in (marked["odd"].attrs or {})
+    assert marked["gemm"].attrs[tf32.ATTR] and marked["padded"].attrs[tf32.ATTR]  # (200 rows: padded in the kernel)
+    assert tf32.ATTR not in (marked["gemv"].attrs or {})
 
 
 def test_the_default_tile_fits_the_architectures_shared_memory(sm90):
