@@ -32,9 +32,9 @@ receives row lane / 4, column lane % 4 of each, the A and B registers
 above. A B stored [K, N] has its k along the rows: `ldmatrix`'s transpose
 would split each value in two halves, so each thread loads its 8 values
 from shared memory one by one (`B_KN_LOAD`), conflict-free with rows
-padded to a stride of 8 (mod 32) words (`SHARED_ROW_OFFSET`). Each value
-is rounded to TF32 as it reaches its register (`ROUND`; an infinity or a
-value within half a TF32 unit of fp32's largest becomes a NaN).
+padded to a stride of 8 (mod 32) words (`SHARED_ROW_OFFSET`). Each finite
+value is rounded to TF32 as it reaches its register (`rounded`); infinities
+and NaNs are left as they are.
 tests/passes/test_tf32.py checks these layouts against the ISA's tables,
 element by element, and the built kernels against NumPy on a GPU.
 """
@@ -52,13 +52,26 @@ MMA = "deploy_tf32_mma"
 # words a row: eight rows 4 banks apart) and of a [K, N] B tile read one
 # word a thread (rows t = 0..3 of 8 consecutive words: 8 banks apart).
 SHARED_ROW_OFFSET = {"ldmatrix": 4, "load": 8}
-# Half a TF32 unit in the last place, added to each fp32 value's bits as it
-# is loaded into a fragment: `mma.sync` ignores the 13 low mantissa bits of
-# a .tf32 operand, so this rounds to nearest (ties away from zero) where the
-# bits alone would be truncated toward zero: half the error, and none of
-# truncation's bias, which a long sum accumulates (CUTLASS's default
-# conversion, `round_half_ulp_truncate`; cuBLAS rounds to nearest too).
+# Half a TF32 unit in the last place, added to each finite fp32 value's bits
+# as it is loaded into a fragment (`rounded`): `mma.sync` ignores the 13 low
+# mantissa bits of a .tf32 operand, so this rounds to nearest (ties away
+# from zero) where the bits alone would be truncated toward zero: half the
+# error, and none of truncation's bias, which a long sum accumulates
+# (CUTLASS's `round_half_ulp_truncate`; cuBLAS rounds to nearest too). A
+# value within half a unit of fp32's largest rounds to infinity, as it
+# should. Not added to an infinity or a NaN: the GPU's NaN, 0x7FFFFFFF,
+# would become 0x80000FFF, which the tensor core reads as -0.
 ROUND = 0x1000
+EXPONENT = 0x7F800000  # an fp32's exponent bits: all set in an infinity or a NaN
+
+
+def rounded(value):
+    """The TIR expression of fp32 `value` rounded for a .tf32 operand (see ROUND)."""
+    from ..tvm_compat import tirx
+
+    bits = tirx.reinterpret("uint32", value)
+    finite = tirx.NE(bits & tirx.const(EXPONENT, "uint32"), tirx.const(EXPONENT, "uint32"))
+    return tirx.reinterpret("float32", tirx.if_then_else(finite, bits + tirx.const(ROUND, "uint32"), bits))
 VECTOR = 4  # words of one 16-byte cp.async
 
 
@@ -156,7 +169,8 @@ def _intrinsics() -> dict:
                                                          warp.elem_offset + lift(8) * tx + 4 * part,
                                                          shared.access_ptr("r"), s0 * row + col, dtype="float32"))
                     for local in T.unroll(8):
-                        warp[tx, local] = T.reinterpret("float32", T.reinterpret("uint32", warp[tx, local]) + T.uint32(ROUND))
+                        value = T.meta_var(rounded(warp[tx, local]))
+                        warp[tx, local] = value
 
         return impl
 
@@ -173,7 +187,8 @@ def _intrinsics() -> dict:
             for tx in T.thread_binding(0, 32, "threadIdx.x"):
                 for local in T.unroll(8):
                     k, n = T.meta_var(b_kn_element(tx, local))
-                    warp[tx, local] = T.reinterpret("float32", T.reinterpret("uint32", shared[k, n]) + T.uint32(ROUND))
+                    value = T.meta_var(rounded(shared[k, n]))
+                    warp[tx, local] = value
 
     @T.prim_func(s_tir=True)
     def mma_desc(a: T.handle, b: T.handle, c: T.handle) -> None:

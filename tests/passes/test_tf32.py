@@ -146,7 +146,7 @@ def test_every_configuration_builds_for_sm90_with_tf32_mma(sm90, b_transposed, e
         assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in src, name
         # B stored [N, K] loaded by ldmatrix, B stored [K, N] a word at a time
         assert ('"=r"(((unsigned *)(B_shared_dyn_warp_ptr' in src) == b_transposed, name
-        assert src.count("+ (uint)4096;") >= 16, name  # (each fragment value rounded: ROUND)
+        assert src.count("+ (uint)4096)") >= 16, name  # (each fragment value rounded: ROUND)
 
 
 def test_a_strict_fp32_gemm_builds_without_tensor_cores(sm90):
@@ -189,18 +189,31 @@ def test_every_configuration_computes_the_gemm_in_tf32(sm90, b_transposed):
 
 
 def test_the_fragments_round_to_nearest_tf32():
-    """What the loads add to each value's bits (ROUND), then `mma.sync`'s
-    truncation of the 13 low bits: TF32's nearest value, within half a unit
-    in the last place (2^-11 of the value), no bias; truncation alone is
-    off by up to a whole unit, always toward zero."""
-    x = np.random.default_rng(1).standard_normal(100_000).astype("float32")
-    bits = x.view("uint32")
-    rounded = ((bits + np.uint32(tf32.ROUND)) & np.uint32(0xFFFFE000)).view("float32")
-    truncated = (bits & np.uint32(0xFFFFE000)).view("float32")
-    err = (rounded.astype("float64") - x) / np.abs(x)
+    """`rounded`, the expression the loads apply, run on the CPU, then
+    `mma.sync`'s truncation of the 13 low bits: TF32's nearest value, within
+    half a unit in the last place (2^-11 of the value), no bias (truncation
+    alone is off by up to a whole unit, always toward zero); infinities and
+    NaNs as they were (the GPU's NaN, 0x7FFFFFFF, plus ROUND would read as
+    -0); fp32's largest rounds to infinity."""
+    from tvm import te
+
+    special = np.array([0x7F800000, 0xFF800000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F7FFFFF, 0, 0x80000000,
+                        0x00000001], "uint32").view("float32")
+    x = np.concatenate([np.random.default_rng(1).standard_normal(100_000).astype("float32"), special])
+    a = te.placeholder((x.size,), "float32", name="A")
+    b = te.compute(a.shape, lambda i: tf32.rounded(a[i]), name="B")
+    lib = tvm.tirx.build(tvm.IRModule({"main": te.create_prim_func([a, b]).with_attr("global_symbol", "main")}),
+                         target="llvm")
+    out = tvm.runtime.tensor(np.zeros_like(x))
+    lib["main"](tvm.runtime.tensor(x), out)
+    got = (out.numpy().view("uint32") & np.uint32(0xFFFFE000)).view("float32")  # (what the tensor core reads)
+    finite, rest = got[:-special.size], got[-special.size:]
+    err = (finite.astype("float64") - x[:-special.size]) / np.abs(x[:-special.size])
     assert np.abs(err).max() <= 2.0 ** -11 and abs(err.mean()) < 1e-5
-    assert ((np.abs(truncated) <= np.abs(x)).all()
-            and ((truncated.astype("float64") - x) / np.abs(x)).min() < -0.9 * 2.0 ** -10)
+    truncated = (x[:-special.size].view("uint32") & np.uint32(0xFFFFE000)).view("float32")
+    assert ((truncated.astype("float64") - x[:-special.size]) / np.abs(x[:-special.size])).min() < -0.9 * 2.0 ** -10
+    assert list(rest[:2]) == [np.inf, -np.inf] and np.isnan(rest[2:5]).all()
+    assert rest[5] == np.inf and list(rest[6:8].view("uint32")) == [0, 0x80000000] and rest[8] == 0
 
 
 def test_the_kernel_check_judges_a_tf32_kernel_by_tf32s_tolerance():
@@ -214,3 +227,21 @@ def test_the_kernel_check_judges_a_tf32_kernel_by_tf32s_tolerance():
     assert not check._worst(buffers, [got], [want])["ok"]
     assert check._worst(buffers, [got], [want], tf32=True)["ok"]
     assert not check._worst(buffers, [want * np.float32(1.01)], [want], tf32=True)["ok"]
+
+
+def test_tf32_is_refused_where_it_would_silently_run_strict_fp32(capsys, tmp_path):
+    """Below sm_80 (no cp.async pipeline for our schedule) and outside NHWC
+    (convolutions become GEMMs in NHWC only): one line, exit 2, nothing left
+    half-written."""
+    from deploy import cli
+
+    from ..test_errors import error_line
+
+    rc = cli.main(["run", "-m", "tiny_mlp", "--target", "cuda:sm_75", "--precision", "tf32", "--workdir",
+                   str(tmp_path / "ws"), "--db-root", str(tmp_path / "db")])
+    assert rc == 2 and "sm_80 or later" in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "ws" / "package").exists() and not (tmp_path / "ws" / "optimize").exists()
+    with pytest.raises(Exception, match="NHWC only"):
+        from deploy import config
+
+        config.from_dict({"model": {"source": "x"}, "cuda": {"precision": "tf32", "layout": "NCHW"}})
