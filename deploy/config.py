@@ -378,6 +378,9 @@ def _check_values(obj, where: str) -> None:
         if obj.flat_gemm and obj.layout == "NCHWc":
             raise ConfigError(f"invalid {where}.flat_gemm", "true with layout NCHWc",
                               "layout = \"NHWC\" (1x1 convolutions are rewritten in NHWC only), or flat_gemm = false")
+        if obj.precision == "tf32" and obj.layout != "NHWC":
+            raise ConfigError(f"invalid {where}.precision", f"'tf32' with layout {obj.layout}",
+                              "layout = \"NHWC\" (convolutions reach TF32 tensor cores as GEMMs in NHWC only), or fp32")
         if obj.implicit_gemm and obj.layout != "NHWC":
             raise ConfigError(f"invalid {where}.implicit_gemm", f"true with layout {obj.layout}",
                               "layout = \"NHWC\" (convolutions become implicit GEMMs in NHWC only), or implicit_gemm = false")

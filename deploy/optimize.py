@@ -38,7 +38,7 @@ from pathlib import Path
 
 from . import artifacts
 from .config import Profile
-from .errors import StaleArtifactError, run_in_processes
+from .errors import ConfigError, StaleArtifactError, run_in_processes
 from .frontend import FrontendArtifact, parallel_workers
 from .passes import nchwc
 from .passes.clip import clip_kernels_to_ops
@@ -210,6 +210,12 @@ PARALLEL_MODULE_BYTES = 16 << 20
 
 def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, dump_ir: bool = False) -> OptimizeArtifact:
     """Every bucket the frontend imported of the profile's batch sizes."""
+    if profile.precision == "tf32":
+        from .passes import mma_gemm
+
+        if not mma_gemm.available(target_info.tvm_target()):  # (else every GEMM would silently stay strict fp32)
+            raise ConfigError("precision tf32 needs a CUDA GPU of sm_80 or later (TF32 tensor cores, cp.async)",
+                              target_info.arch or target_info.kind, "fp32 or fp16 on this target")
     buckets = sorted(b for b in front.modules if b.batch in profile.buckets)
     missing = sorted(set(profile.buckets) - {b.batch for b in buckets})
     if missing:

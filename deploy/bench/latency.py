@@ -194,7 +194,9 @@ def alternatives(cfg, profile, target_kind: str, exported, buckets, names, secon
     check_alternatives(names)
     factory = None if export.is_onnx_source(cfg.model.source) else (lambda: export.build_torch_model(cfg))
     half = target_kind == "cuda" and profile.precision == "fp16"
-    tf32 = profile.precision == "tf32"  # (PyTorch's own default on Ampere and newer)
+    # (TF32 convolutions are PyTorch's default on Ampere and newer; its matmuls
+    # in TF32 too, as the package's GEMMs: torch.backends.cuda.matmul.allow_tf32)
+    tf32 = profile.precision == "tf32"
     made = {}
     for n in names:
         if n.startswith("torch") and factory is None:
