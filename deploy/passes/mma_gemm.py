@@ -76,7 +76,9 @@ EPILOGUE_VECTOR = 4  # elements a thread writes at once in the epilogue
 # 196-row fc2 two 128x128 tiles' rows (6 blocks on 132 SMs): 82-95 us a call,
 # 12.9 with 64x64 tiles (results/h200/2026-12-04/resnet50-b64-implicit-gemm/,
 # small-row-gemm-probe/).
-DEFAULT_CONFIGS = ("128x128x32-w2x2-s4", "128x64x32-w2x2-s4", "64x128x32-w2x2-s4", "64x64x32-w2x2-s4")
+# Last, 128x96: for N = 96 (ConvNeXt-T's stage 1), which no other tile divides.
+DEFAULT_CONFIGS = ("128x128x32-w2x2-s4", "128x64x32-w2x2-s4", "64x128x32-w2x2-s4", "64x64x32-w2x2-s4",
+                   "128x96x32-w4x1-s4")
 GRID_BLOCKS = 128  # about a block per SM: an H200 has 132, an A100 108
 # A GEMM whose rows no tile divides (ViT's 197 tokens, ConvNeXt-T b1's 196
 # and 49 pixels) has its rows padded to a multiple of ROW_TILE inside the

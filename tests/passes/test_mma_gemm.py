@@ -247,6 +247,8 @@ def test_it_is_cuda_sm80_and_later_only(sm90):
     (4096, 4096, 32, None),  # one K tile: no pipeline
     (200704, 256, 64, "128x128x32-w2x2-s3"),  # K = 64, two K tiles: a 3-stage pipeline (ResNet-50's 1x1 convs)
     (200704, 64, 64, "128x64x32-w2x2-s3"),  # (a tile not among CONFIGS: the default's alone)
+    (100352, 96, 384, "128x96x32-w4x1-s4"),  # ConvNeXt-T b32's stage-1 fc2: N = 96, no other tile
+    (100352, 384, 96, "128x128x32-w2x2-s4"),  # its fc1: 128x96 comes last
 ])
 def test_the_default_configuration_is_the_largest_tile_that_fills_the_gpu(m, n, k, want):
     assert mma_gemm.default_config(mma_gemm.Gemm("C", m, n, k, False, [], [])) == want
