@@ -348,6 +348,9 @@ def _build(cls, table: dict, where: str, base=None):
             raise ConfigError(f"missing key '{where}.{name}'")
     obj = cls(**kwargs)
     _check_values(obj, where)
+    if isinstance(obj, Profile) and obj.precision == "tf32":
+        # convolutions reach TF32 tensor cores only as GEMMs (passes/tf32.py)
+        obj = dataclasses.replace(obj, flat_gemm=True, implicit_gemm=True)
     return obj
 
 

@@ -114,15 +114,12 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                                         T.DeadCodeElimination(), *fold()]))
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), *fold()]))
-    # In tf32, convolutions reach TF32 tensor cores only as GEMMs: flat and
-    # implicit GEMMs are on (passes/tf32.py).
-    tf32 = profile.precision == "tf32"
-    implicit = profile.implicit_gemm or tf32
-    if profile.flat_gemm or tf32:
-        out.append(("flat_gemm", [flat_gemm(convs=implicit, tf32=tf32), *fold()]))
+    tf32 = profile.precision == "tf32"  # (flat and implicit GEMMs on: config.py)
+    if profile.flat_gemm:
+        out.append(("flat_gemm", [flat_gemm(convs=profile.implicit_gemm, tf32=tf32), *fold()]))
     else:
-        out.append(("implicit_gemm" if implicit else "epilogues",
-                    [flat_epilogues(pad_rows=profile.pad_gemm, convs=implicit), T.CanonicalizeBindings(),
+        out.append(("implicit_gemm" if profile.implicit_gemm else "epilogues",
+                    [flat_epilogues(pad_rows=profile.pad_gemm, convs=profile.implicit_gemm), T.CanonicalizeBindings(),
                      *fold()]))
     out.append(
         (

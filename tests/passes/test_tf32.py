@@ -245,3 +245,15 @@ def test_tf32_is_refused_where_it_would_silently_run_strict_fp32(capsys, tmp_pat
         from deploy import config
 
         config.from_dict({"model": {"source": "x"}, "cuda": {"precision": "tf32", "layout": "NCHW"}})
+
+
+def test_a_tf32_profile_says_its_convolutions_are_gemms():
+    """What the run prints and the manifest records: flat and implicit GEMMs
+    on, from a config file or the command line."""
+    from deploy import config
+
+    for cfg in (config.from_dict({"model": {"source": "x"}, "cuda": {"precision": "tf32"}}),
+                config.apply_overrides(config.from_dict({"model": {"source": "x"}}), "cuda", precision="tf32")):
+        p = cfg.profile("cuda")
+        assert (p.precision, p.flat_gemm, p.implicit_gemm) == ("tf32", True, True)
+    assert not config.from_dict({"model": {"source": "x"}}).profile("cuda").implicit_gemm
