@@ -102,3 +102,95 @@ def test_the_cost_model_learns_from_mma_epilogue_records(sm90):
         lambda s: s, postprocs=mma_epilogue.postprocs(t)), task_name="gemm")
     model = ms.cost_model.CostModel.create("xgb", num_tuning_cores=1)
     assert search.warm_cost_model(model, [ctx], db) == 1 and model.data_size == 1
+
+
+def _wmma_draws(mod, target, count):
+    """The first `count` draws of MetaSchedule's design spaces (fresh random
+    decisions each) whose kernel keeps WMMA fragments, before postprocessing."""
+    out, seed = [], 0
+    while len(out) < count and seed < 64:
+        seed += 1
+        for space in ms.TuneContext(mod=mod, target=target, space_generator="post-order-apply",
+                                    rand_state=seed).generate_design_space():
+            if "wmma." in space.mod.script(show_meta=False):
+                out.append(space)
+    return out[:count]
+
+
+def test_tvm_lowers_no_wmma_draw_before_it_is_tensorized(sm90):
+    """The workaround's cause (mma_epilogue.postprocs): TVM runs VerifyGPUCode,
+    which lowers the draw, before RewriteTensorize, and lowering untensorized
+    WMMA fragments fails (`Cannot find shape of the wmma fragment`) where the
+    same draw builds once tensorized. Fails once TVM lowers such a draw: the
+    postprocessors can then keep TVM's order."""
+    from deploy.tuning import builder
+
+    target = sm90.tvm_target()
+    mod = fp16_gemm(1024, 256, 1024, "bias-relu")
+    posts = mma_epilogue.postprocs(target)
+    ctx = ms.TuneContext(mod=mod, target=target, space_generator=ms.space_generator.PostOrderApply(postprocs=posts),
+                         rand_state=1)
+    for p in posts:
+        p._initialize_with_tune_context(ctx)
+    tensorize = next(p for p in posts if "RewriteTensorize" in str(type(p)))
+    before = posts[:posts.index(tensorize) - 1]  # (TVM's own, and our epilogue fix)
+    refused = built = 0
+    for space in _wmma_draws(mod, target, 12):
+        sch = s_tir.Schedule(mod, debug_mask=0)
+        space.trace.apply_to_schedule(sch, remove_postproc=True)
+        if not all(p.apply(sch) for p in before):
+            continue
+        try:
+            builder.lean_build(sch.mod, target, None)
+            continue
+        except Exception as e:  # noqa: BLE001
+            if "Cannot find shape of the wmma fragment" not in str(e):
+                continue
+        refused += 1
+        assert tensorize.apply(sch)
+        builder.lean_build(sch.mod, target, None)  # (raises if it does not build)
+        built += 1
+    assert refused >= 3 and built == refused
+
+
+def test_our_postprocessors_tensorize_before_verifying(sm90):
+    """RewriteTensorize just before our VerifyGPUCode, which judges
+    MetaSchedule's tensor-core draws as our pipeline builds them (opt-in
+    shared memory, tensor_core_smem's lowering): more WMMA draws pass than
+    in TVM's order, none fewer."""
+    target = sm90.tvm_target()
+    posts = mma_epilogue.postprocs(target)
+    kinds = [str(type(p)) for p in posts]
+    at = next(i for i, k in enumerate(kinds) if "RewriteTensorize" in k)
+    assert at == len(posts) - 2 and "TVMDerivedObject" in kinds[-1]
+    mod = fp16_gemm(1024, 256, 1024, "bias-relu")
+    theirs = [*posts[:at], ms.postproc.VerifyGPUCode(), posts[at]]
+    ctx = ms.TuneContext(mod=mod, target=target, space_generator=ms.space_generator.PostOrderApply(postprocs=posts),
+                         rand_state=1)
+    for p in [*posts, *theirs]:
+        p._initialize_with_tune_context(ctx)
+    passed = {"ours": 0, "theirs": 0}
+    for space in _wmma_draws(mod, target, 16):
+        verdict = {}
+        for label, chain in (("ours", posts), ("theirs", theirs)):
+            sch = s_tir.Schedule(mod, debug_mask=0)
+            space.trace.apply_to_schedule(sch, remove_postproc=True)
+            verdict[label] = all(p.apply(sch) for p in chain)
+            passed[label] += verdict[label]
+        assert verdict["ours"] or not verdict["theirs"], "a draw TVM's order passes and ours refuses"
+    assert passed["ours"] > passed["theirs"]
+
+
+def test_the_verify_order_probe_refuses_bad_arguments_and_counts_draws(tmp_path, capsys):
+    import json
+
+    from ..conftest import load_script
+
+    probe = load_script("verify_order_probe")
+    assert probe.main(["--gemms", "12544x256", "--out", str(tmp_path / "x")]) == 2
+    assert probe.main(["--draws", "0", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error:") for line in err) and not (tmp_path / "x").exists()
+    assert probe.main(["--gemms", "1024x256x1024", "--draws", "6", "--out", str(tmp_path / "p")]) == 0
+    (row,) = json.loads((tmp_path / "p" / "probe.json").read_text())["rows"]
+    assert row["draws"] == 6 and row["only_tvm"] == 0 and row["our_order"] >= row["tvm_order"]
