@@ -4,6 +4,10 @@ A config file (TOML, one per model under `configs/`) is parsed into frozen
 dataclasses. Unknown keys are rejected with the nearest valid key suggested;
 values are type-checked. Defaults are defined once, here: the per-target-kind
 profiles `LLVM_DEFAULTS` and `CUDA_DEFAULTS`, and the dataclass field defaults.
+
+(Over 500 lines: every table a config has, with each key's type, default
+and checks beside it; split, a key's checks would sit away from its
+definition.)
 """
 
 from __future__ import annotations

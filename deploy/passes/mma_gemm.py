@@ -42,6 +42,10 @@ a K that 16 does not divide are left to MetaSchedule's rules; 1x1 convolutions a
 `[batch, seq, K]` matmuls take this schedule once `--flat-gemm` makes them
 2-D.
 
+(Over 500 lines: the schedule, the GEMMs it matches and plans, and the
+configurations it is given are one rule's; each reads the others'
+details: a configuration's shared memory, a padded GEMM's blocks.)
+
 Its tiles use more than the 48 KB of shared memory a block gets by
 default: the kernel's dynamic shared memory is raised at launch (TVM's
 CUDA runtime does so above 48 KB), and `verify_postproc` judges these
