@@ -52,6 +52,24 @@ def relax_function_pass(name: str, make_mutator, emits_functions: bool = False):
     return run
 
 
+def prim_function_pass(name: str, rewrite):
+    """A module pass that puts `rewrite(func)` in place of every PrimFunc
+    of a copy of the module, where it returns one (None: left as it is)."""
+    from ..tvm_compat import tirx, tvm
+
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def run(mod, _ctx):
+        out = mod.clone()  # a pass must not change its input
+        for gv, func in mod.functions_items():
+            if isinstance(func, tirx.PrimFunc):
+                new = rewrite(func)
+                if new is not None:
+                    out[gv] = new
+        return out
+
+    return run
+
+
 def call_rewrite_pass(name: str, rewrite):
     """A module pass that offers every call of every Relax function, its
     arguments already rewritten, to `rewrite(builder, mod, call)`, which

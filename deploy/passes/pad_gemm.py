@@ -184,16 +184,6 @@ def _loop_vars(region) -> set | None:
 
 def pad_gemm_rows():
     """A module pass: see the module's docstring."""
-    from ..tvm_compat import tirx, tvm
+    from . import prim_function_pass
 
-    @tvm.transform.module_pass(opt_level=0, name="PadGemmRows")
-    def run(mod, _ctx):
-        out = mod.clone()
-        for gv, func in mod.functions_items():
-            if isinstance(func, tirx.PrimFunc):
-                padded = pad_prim_func(func)
-                if padded is not None:
-                    out[gv] = padded
-        return out
-
-    return run
+    return prim_function_pass("PadGemmRows", pad_prim_func)

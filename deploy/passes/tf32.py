@@ -243,15 +243,7 @@ def mark():
     """The IRModule pass that gives every fp32 GEMM kernel our `mma.sync`
     schedule would take in TF32 the attribute `ATTR` (see the module's
     docstring)."""
-    from ..tvm_compat import tvm
+    from . import mma_gemm, prim_function_pass
 
-    @tvm.transform.module_pass(opt_level=0, name="deploy.Tf32Gemms")
-    def _mark(mod, _ctx):
-        from . import mma_gemm
-
-        for gv, func in list(mod.functions.items()):
-            if mma_gemm.plan(func, tf32=True) is not None:
-                mod[gv] = func.with_attr(ATTR, True)
-        return mod
-
-    return _mark
+    return prim_function_pass("deploy.Tf32Gemms", lambda func: func.with_attr(ATTR, True)
+                              if mma_gemm.plan(func, tf32=True) is not None else None)
