@@ -114,11 +114,11 @@ def match(func, tf32: bool = False) -> Gemm | None:
     attribute, or `tf32` is set (what tf32.mark asks)."""
     from ..tvm_compat import s_tir, tirx, tvm
     from .kernel_shape import static_int
-    from .tf32 import ATTR
+    from .tf32 import allowed
 
     if not isinstance(func, tirx.PrimFunc):
         return None
-    tf32 = tf32 or bool(func.attrs is not None and ATTR in func.attrs and func.attrs[ATTR])
+    tf32 = tf32 or allowed(func)
     try:
         sch = s_tir.Schedule(tvm.IRModule({"main": func}), debug_mask=0)
         blocks = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]

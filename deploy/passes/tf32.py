@@ -75,6 +75,11 @@ def rounded(value):
 VECTOR = 4  # words of one 16-byte cp.async
 
 
+def allowed(func) -> bool:
+    """Whether a PrimFunc carries `ATTR` (`mark` gave it)."""
+    return bool(func.attrs is not None and ATTR in func.attrs and func.attrs[ATTR])
+
+
 def a_layout(i, k):
     """Where A's [i, k] of a 16x16 tile lives: (thread, register)."""
     return 4 * (i % 8) + k % 4, 4 * (k // 8) + 2 * (k % 8 // 4) + i // 8

@@ -287,7 +287,7 @@ def build_libs(wl_line: str, rec: list, target: TargetInfo, check_outputs: bool 
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     tuned = sch.mod["main"].with_attr("tirx.is_scheduled", True)
     libs = {"buffers": [(f"argument {k}", str(a[1]), [int(d) for d in a[2]]) for k, a in enumerate(rec[3])],
-            "tf32": bool(func.attrs is not None and tf32.ATTR in func.attrs)}
+            "tf32": tf32.allowed(func)}
     with target.tvm_target():
         libs["tuned"] = build_kernel("main", tuned, target)
         default, plain, libs["default_rule"] = _default_lib(func, target)
