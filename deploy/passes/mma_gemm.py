@@ -541,19 +541,6 @@ def is_ours(mod) -> bool:
     return config_of(mod) is not None
 
 
-def _has_fragments(mod) -> bool:
-    """Whether a scheduled module keeps tensor-core fragments (WMMA's
-    `wmma.*` or mma.sync's `m16n8k8.*`/`warp` buffers): MetaSchedule's
-    tensor-core candidates, whose shared memory is dynamic too."""
-    from .mma_epilogue import _blocks
-
-    for f in mod.functions.values():
-        for b in _blocks(f.body) if hasattr(f, "body") else []:
-            if any(buf.scope().startswith(("wmma.", "m16n8k8.")) or buf.scope() == "warp" for buf in b.alloc_buffers):
-                return True
-    return False
-
-
 def verify_postproc(target):
     """MetaSchedule's VerifyGPUCode, with the architecture's opt-in shared
     memory limit for tensor-core kernels (this schedule's and MetaSchedule's
@@ -583,7 +570,7 @@ def verify_postproc(target):
             self.relaxed._initialize_with_tune_context(ms.TuneContext(target=relaxed_target))
 
         def apply(self, sch) -> bool:
-            if not (is_ours(sch.mod) or _has_fragments(sch.mod)):
+            if not (is_ours(sch.mod) or tensor_core_smem.has_fragments(sch.mod)):
                 return self.stock.apply(sch)
             # lowered as our TIR pipeline lowers a tensor-core kernel
             # (tensor_core_smem.py: StorageRewrite mistypes its accumulator otherwise)

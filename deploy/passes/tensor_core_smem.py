@@ -56,6 +56,21 @@ def uses_tensor_cores(func) -> bool:
     return _has_tensor_cores(func.script(show_meta=False))
 
 
+def has_fragments(mod) -> bool:
+    """Whether a scheduled module keeps tensor-core fragments (WMMA's
+    `wmma.*` or mma.sync's `m16n8k8.*`/`warp` buffers), read from its
+    blocks' allocations: `uses_tensor_cores` for the search's hot path
+    (mma_gemm.verify_postproc, on every draw), which printing each draw's
+    TVMScript would slow."""
+    from .mma_epilogue import _blocks
+
+    for f in mod.functions.values():
+        for b in _blocks(f.body) if hasattr(f, "body") else []:
+            if any(buf.scope().startswith(("wmma.", "m16n8k8.")) or buf.scope() == "warp" for buf in b.alloc_buffers):
+                return True
+    return False
+
+
 def tensor_core_context(async_copy: bool = False):
     """The current PassContext with `OPTION` set, and `ASYNC_COPY` where
     asked: how a tensor-core kernel is lowered (the pipeline below, and
