@@ -272,18 +272,17 @@ def default_config(gemm: Gemm, target=None) -> str | None:
     K of two tiles (64) takes each tile in a 3-stage pipeline instead
     (ResNet-50's 1x1 convolutions over 64 channels, as GEMMs)."""
     limit = OPT_IN_SHARED_MEMORY.get(_arch(target)) if target is not None else None
-    candidates = []
+    blocks = {}  # the fitting candidates, in order: name -> thread blocks
     for name in DEFAULT_CONFIGS:
-        bm, bn, wm, wn, bk, stages, *_ = CONFIGS[name]
-        if gemm.k // bk == 2:
-            name = name_of((bm, bn, wm, wn, bk, 3))
-        candidates.append(name)
-    fits = [c for c in candidates
-            if _tiles(gemm, config_from_name(c)) and (limit is None or shared_bytes(gemm, c) <= limit)]
-    if not fits:
+        config = CONFIGS[name]
+        if gemm.k // config[4] == 2:
+            config = (*config[:5], 3)
+            name = name_of(config)
+        if _tiles(gemm, config) and (limit is None or shared_bytes(gemm, config) <= limit):
+            blocks[name] = (gemm.m // config[0]) * (gemm.n // config[1])
+    if not blocks:
         return None
-    blocks = {c: (gemm.m // config_from_name(c)[0]) * (gemm.n // config_from_name(c)[1]) for c in fits}
-    return next((c for c in fits if blocks[c] >= GRID_BLOCKS), max(fits, key=blocks.get))
+    return next((c for c, n in blocks.items() if n >= GRID_BLOCKS), max(blocks, key=blocks.get))
 
 
 class Default:
