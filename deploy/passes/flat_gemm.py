@@ -138,8 +138,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
 
         def _conv1x1(self, call):
             a = call.attrs
-            if not implicit_gemm.dense_nhwc(a) or [int(s) for s in a.strides] != [1, 1] \
-                    or any(int(p) for p in a.padding):
+            if not implicit_gemm.dense_nhwc(a) or not implicit_gemm.stride_1_unpadded(a):
                 return call
             x, w = call.args
             xs, ws, ys = static_shape(x), static_shape(w), static_shape(call)

@@ -40,6 +40,11 @@ def dense_nhwc(attrs) -> bool:
     return nhwc_ohwi(attrs) and int(attrs.groups) == 1 and [int(d) for d in attrs.dilation] == [1, 1]
 
 
+def stride_1_unpadded(attrs) -> bool:
+    """A conv2d of stride 1 without padding: a 1x1 one is flat_gemm's plain GEMM."""
+    return [int(s) for s in attrs.strides] == [1, 1] and not any(int(p) for p in attrs.padding)
+
+
 def applies(call, tf32: bool = False, strided_1x1: bool = False) -> bool:
     """Whether this Relax conv2d call becomes an implicit GEMM: NHWC/OHWI,
     one group, no dilation, static shapes, a kernel larger than 1x1 (a 1x1
@@ -62,8 +67,7 @@ def applies(call, tf32: bool = False, strided_1x1: bool = False) -> bool:
     if dtypes != ("float16", "float16", "float32") and not (tf32 and dtypes == ("float32",) * 3):
         return False
     o, r, s, c = ws
-    if r * s == 1 and not (strided_1x1 and ([int(v) for v in call.attrs.strides] != [1, 1]
-                                            or any(int(p) for p in call.attrs.padding))):
+    if r * s == 1 and not (strided_1x1 and not stride_1_unpadded(call.attrs)):
         return False
     return c % VECTOR == 0 and o % 16 == 0
 
