@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (probe_common.py)
 
 
 def _last(e: Exception) -> str:
@@ -116,24 +117,10 @@ class _Gemm:
     """A task-like GEMM: C[m, n] = sum_k A[m, k] B[k, n] (fp16 in, fp32 sum), then the epilogue."""
 
     def __init__(self, m: int, n: int, k: int, epilogue: str):
-        from tvm import te, topi
+        import probe_common
 
-        from deploy.tvm_compat import tvm
-
-        a = te.placeholder((m, k), "float16", name="a")
-        b = te.placeholder((k, n), "float16", name="b")
-        r = te.reduce_axis((0, k), "r")
-        c = te.compute((m, n), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r),
-                       name="c")
-        args = [a, b]
-        if epilogue in ("cast", "bias-relu"):
-            c = topi.cast(c, "float16")
-        if epilogue == "bias-relu":
-            bias = te.placeholder((n,), "float16", name="bias")
-            args.append(bias)
-            c = topi.nn.relu(topi.add(c, bias))
         self.task_name = f"gemm_{m}x{n}x{k}_{epilogue}"
-        self.dispatched = [tvm.IRModule({"main": te.create_prim_func([*args, c]).with_attr("global_symbol", "main")})]
+        self.dispatched = [probe_common.gemm_module(m, n, k, epilogue)]
 
 
 def main() -> int:

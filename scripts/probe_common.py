@@ -1,4 +1,5 @@
-"""What the kernel probes in scripts/ share: how they time a kernel (torch's
+"""What the kernel probes in scripts/ share: the fp16 GEMM task they probe
+MetaSchedule's rules with (`gemm_module`), how they time a kernel (torch's
 by CUDA events, TVM's by its time_evaluator, the median of its repeats; in
 microseconds a call), how the GEMM probes measure a configuration and the
 cuBLAS row beside it, and how they write their results (probe.json and a
@@ -27,6 +28,29 @@ def optimize_model(name: str, target, batch: int, precision: str, work: Path, im
     ex = export.run(cfg, work / "export")
     fe = frontend.run(profile, ex, work / "frontend")
     return optimize.run(profile, target, fe, work / "optimize")
+
+
+def gemm_module(m: int, n: int, k: int, epilogue: str):
+    """An IRModule of C[m, n] = sum_k A[m, k] B[k, n] (fp16 in, fp32 sum),
+    then the epilogue: `none`, `cast` (to fp16) or `bias-relu` (cast, a bias
+    and ReLU, as in a fused convolution)."""
+    from tvm import te, topi
+
+    from deploy.tvm_compat import tvm
+
+    a = te.placeholder((m, k), "float16", name="a")
+    b = te.placeholder((k, n), "float16", name="b")
+    r = te.reduce_axis((0, k), "r")
+    c = te.compute((m, n), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r),
+                   name="c")
+    args = [a, b]
+    if epilogue in ("cast", "bias-relu"):
+        c = topi.cast(c, "float16")
+    if epilogue == "bias-relu":
+        bias = te.placeholder((n,), "float16", name="bias")
+        args.append(bias)
+        c = topi.nn.relu(topi.add(c, bias))
+    return tvm.IRModule({"main": te.create_prim_func([*args, c]).with_attr("global_symbol", "main")})
 
 
 def cuda_event_us(fn, iters: int = 100, warmup: int = 10) -> float:

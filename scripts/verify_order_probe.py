@@ -22,28 +22,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # (probe_common.py)
 
 
-def _gemm(m: int, n: int, k: int):
-    from tvm import te
+def probe(shape: tuple[int, int, int], draws: int, target_name: str) -> dict:
+    import probe_common
 
-    from deploy.tvm_compat import tvm
-
-    def i64(x):
-        return tvm.tirx.IntImm("int64", x)
-
-    a = te.placeholder((i64(m), i64(k)), "float16", name="A")
-    b = te.placeholder((i64(k), i64(n)), "float16", name="B")
-    bias = te.placeholder((i64(n),), "float16", name="bias")
-    r = te.reduce_axis((i64(0), i64(k)), name="k")
-    c = te.compute((i64(m), i64(n)), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"),
-                                                         axis=r), name="C")
-    h = te.compute(c.shape, lambda i, j: tvm.tirx.max(c[i, j].astype("float16") + bias[j],
-                                                      tvm.tirx.const(0, "float16")), name="H")
-    return tvm.IRModule({"main": te.create_prim_func([a, b, bias, h])})
-
-
-def probe(shape: str, draws: int, target_name: str) -> dict:
     from deploy import targets
     from deploy.passes import mma_epilogue
     from deploy.tuning import builder
@@ -51,8 +35,7 @@ def probe(shape: str, draws: int, target_name: str) -> dict:
 
     register_tensor_intrinsics()
     target = targets.resolve(target_name).tvm_target()
-    m, n, k = (int(x) for x in shape.split("x"))
-    mod = _gemm(m, n, k)
+    mod = probe_common.gemm_module(*shape, "bias-relu")
     ours = mma_epilogue.postprocs(target)
     # TVM's order: our VerifyGPUCode's place, TVM's own check, RewriteTensorize last
     verify_at = next(i for i, p in enumerate(ours) if "RewriteTensorize" in str(type(p))) + 1
@@ -61,7 +44,7 @@ def probe(shape: str, draws: int, target_name: str) -> dict:
                          rand_state=1)
     for p in [*ours, *theirs]:
         p._initialize_with_tune_context(ctx)
-    row = {"gemm": shape, "draws": 0, "tvm_order": 0, "our_order": 0, "only_tvm": 0, "only_ours_built": 0,
+    row = {"gemm": "x".join(str(d) for d in shape), "draws": 0, "tvm_order": 0, "our_order": 0, "only_tvm": 0, "only_ours_built": 0,
            "only_ours_failed": [],
            "seconds": {"tvm_order": 0.0, "our_order": 0.0}}
     seed = 0
@@ -103,13 +86,10 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="cuda:sm_90")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    try:
-        shapes = [s for s in args.gemms.split(",") if s]
-        for s in shapes:
-            if len([int(x) for x in s.split("x")]) != 3:
-                raise ValueError(s)
-    except ValueError:
-        print(f"error: --gemms must be MxNxK, comma-separated | got {args.gemms!r}", file=sys.stderr)
+    import probe_common
+
+    shapes = probe_common.parse_shapes(args.gemms)
+    if shapes is None:
         return 2
     if args.draws < 1:
         print(f"error: --draws must be positive | got {args.draws}", file=sys.stderr)
