@@ -92,6 +92,9 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             flat = self._flat_of(x)
             if flat is not None and static_shape(flat) == shape:
                 return flat
+            value = self.lookup_binding(x) if isinstance(x, relax.Var) else None
+            if isinstance(value, relax.Call) and value.op == reshape:  # a view of a view: one reshape
+                x = value.args[0]
             return self.builder_.emit(op.reshape(x, shape))
 
         def _emit_flat(self, call, shape):
