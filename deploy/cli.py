@@ -145,6 +145,7 @@ def prepare(args):
         flat_gemm=getattr(args, "flat_gemm", None),
         pad_gemm=getattr(args, "pad_gemm", None),
         implicit_gemm=getattr(args, "implicit_gemm", None),
+        fused_attention=getattr(args, "fused_attention", None),
         budget=args.budget,
     )
     if _nonempty(getattr(args, "dim_buckets", None)):
@@ -504,6 +505,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--implicit-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC convolutions with kernels larger than 1x1 as implicit GEMMs with their epilogues "
                         "(candidates for the mma.sync GEMM schedules; changes the kernels to tune)")
+    p.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="attention (QK^T, softmax, PV and the layout operators around them) as one kernel "
+                        "(CUDA, fp16; changes those kernels)")
     p.add_argument("--pad-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="pad GEMM rows whose count tiles badly to a multiple of 128 inside the kernel "
                         "(on by default for CUDA; changes those kernels)")

@@ -130,6 +130,9 @@ class Profile:
     # their epilogues (passes.implicit_gemm): the tensor-core GEMM schedules
     # take them. Changes those kernels.
     implicit_gemm: bool = False
+    # Attention (matmul, softmax, matmul and the layout operators around them)
+    # as one kernel of ours (passes.attention), fp16 on CUDA. Changes those kernels.
+    fused_attention: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +394,9 @@ def _check_values(obj, where: str) -> None:
         if obj.implicit_gemm and obj.layout != "NHWC":
             raise ConfigError(f"invalid {where}.implicit_gemm", f"true with layout {obj.layout}",
                               "layout = \"NHWC\" (convolutions become implicit GEMMs in NHWC only), or implicit_gemm = false")
+        if obj.fused_attention and not where.endswith("cuda"):
+            raise ConfigError(f"invalid {where}.fused_attention", "true on the CPU",
+                              "fused_attention = false (the fused attention kernel is scheduled for CUDA)")
         if obj.pad_gemm and obj.layout == "NCHWc":
             raise ConfigError(f"invalid {where}.pad_gemm", "true with layout NCHWc",
                               "pad_gemm = false (GEMM rows are padded for the CUDA tensor-core schedules)")

@@ -12,6 +12,7 @@ relax/backend/cuda/pipeline.py):
                     (passes.fast_math; the CPU's default)
   mixed_precision   fp16 compute (when the profile asks for it); the casts it puts
                     before data movement moved after it (passes.movement)
+  attention         attention as one kernel of ours (passes.attention; asked for, fp16 on CUDA)
   split_k           small-row convolutions' reductions split (passes.split_k; asked for)
   flat_gemm         1x1 convolutions and batched-row matmuls as 2-D GEMMs
                     (passes.flat_gemm; asked for), and with implicit_gemm KxK
@@ -41,6 +42,7 @@ from .config import Profile
 from .errors import ConfigError, StaleArtifactError, run_in_processes
 from .frontend import FrontendArtifact, parallel_workers
 from .passes import nchwc
+from .passes.attention import fuse_attention
 from .passes.clip import clip_kernels_to_ops
 from .passes.depthwise_layout import depthwise_channels_last
 from .passes.exact_power import power_to_multiply
@@ -112,6 +114,8 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                                         *([cancel_transposes()] if profile.layout == "NHWC" else []),
                                         T.CanonicalizeBindings(),
                                         T.DeadCodeElimination(), *fold()]))
+    if profile.fused_attention and profile.precision == "fp16":
+        out.append(("attention", [fuse_attention(), T.DeadCodeElimination()]))
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), *fold()]))
     tf32 = profile.precision == "tf32"  # (flat and implicit GEMMs on: config.py)

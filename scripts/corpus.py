@@ -222,6 +222,8 @@ def main(argv=None) -> int:
                     help="precisions torch.compile is timed at with --baselines (its compile takes ~30 s a model)")
     ap.add_argument("--plain-tvm", action="store_true", help="also try TVM alone on each graph")
     ap.add_argument("--force", action="store_true", help="re-run models already in corpus.json")
+    ap.add_argument("--fused-attention", action="store_true",
+                    help="the profile's fused_attention (passes/attention.py; CUDA only)")
     ap.add_argument("--work", default="", help="keep each model's workdir here (timing resumes from it)")
     ap.add_argument("--jobs", type=int, default=1, help="models built in parallel (timing is always one at a time)")
     args = ap.parse_args(argv)
@@ -239,6 +241,10 @@ def main(argv=None) -> int:
         print(f"error: --implicit-gemm needs the NHWC layout | got {args.layout or 'the CPU default, NCHWc'} "
               "| expected --layout NHWC (the default on cuda)", file=sys.stderr)
         return 2
+    if args.fused_attention and target.kind != "cuda":
+        print("error: --fused-attention is a CUDA option | got --target " + args.target + " | expected a cuda target",
+              file=sys.stderr)
+        return 2
     names = [n.strip() for n in args.models.split(",") if n.strip()] or models.names()
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()] or \
         (["fp16"] if target.kind == "cuda" else ["fp32"])
@@ -252,7 +258,7 @@ def main(argv=None) -> int:
     commands = report.get("commands") or ([report["command"]] if "command" in report else [])
     report.update({"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
                    "layout": args.layout or "default", "flat_gemm": args.flat_gemm,
-                   "implicit_gemm": args.implicit_gemm,
+                   "implicit_gemm": args.implicit_gemm, "fused_attention": args.fused_attention,
                    "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
                    "commands": [*commands, command]})
     results = {(r["model"], r["precision"]): r for r in report["results"]}
@@ -264,7 +270,8 @@ def main(argv=None) -> int:
         artifacts.write_json_atomic(path, report)  # after every model: a killed run keeps what it did
 
     extra = {**({"layout": args.layout} if args.layout else {}), **({"flat_gemm": True} if args.flat_gemm else {}),
-             **({"implicit_gemm": True} if args.implicit_gemm else {})}
+             **({"implicit_gemm": True} if args.implicit_gemm else {}),
+             **({"fused_attention": True} if args.fused_attention else {})}
     jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, extra)
             for n in names for p in precisions if args.force or (n, p) not in results]
     try:

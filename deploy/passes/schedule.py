@@ -37,6 +37,11 @@ FEW_OUTPUTS = "few-outputs"  # DLight's GeneralReduction for contractions with f
 BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excitation "excite" kernels (passes/gpu_default.py)
 SHORT_ROWS = "short-rows"  # our CUDA schedule of normalizations over short rows, a warp a row (passes/gpu_rows.py)
 MMA_GEMM = "mma-gemm"  # our CUDA mma.sync GEMM in a default configuration (passes/mma_gemm.py)
+# Our schedule of the fused attention kernels (passes/attention_schedule.py):
+# not a rule of the chain but tried first on those kernels alone (they are
+# never tuned), the chain behind it. So the chain, which the kernel check
+# keys its timings by, is the same with or without them.
+FUSED_ATTENTION = "fused-attention"
 # The version of each of our own default rules: bumped when a change gives
 # kernels another schedule under that rule. The kernel check
 # (tuning/check.py) keeps a tuned kernel's timing against its default schedule
@@ -133,6 +138,16 @@ def _sources(gv, plain, tuned, target, target_kind):
 
     if tuned is not None:
         yield TUNED, tuned
+    if target_kind == "cuda":
+        from .attention_schedule import Default as FusedAttention
+
+        try:
+            space = FusedAttention().apply(plain, target)
+        except Exception as e:  # noqa: BLE001 - its failure is this source's failure
+            space = e
+        if space is not None:
+            yield FUSED_ATTENTION, space if isinstance(space, Exception) else \
+                space.mod["main"].with_attr("tirx.is_scheduled", True)
     for name, rule in rules(target_kind):
         try:
             space = rule.apply(plain, target, False)
@@ -231,7 +246,7 @@ def _advance(gv, kernels, chains, chosen, reason):
             # (a DLight rule that raises on a kernel it does not fit is the chain working as meant, e.g.
             # its Matmul on every squeeze-excitation excite kernel: debug; the manifest lists each, and the
             # build's summary line counts them. One of our own rules raising is worth a warning.)
-            log.log(logging.WARNING if name in RULE_VERSIONS else logging.DEBUG,
+            log.log(logging.WARNING if name in RULE_VERSIONS or name == FUSED_ATTENTION else logging.DEBUG,
                     "build: kernel %s: %s failed to schedule it (%s); falling back", k.name, name, why)
             continue
         k.source = name

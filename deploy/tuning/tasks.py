@@ -145,15 +145,17 @@ def task_flops(task) -> float:
 
 
 def extract_tasks(mod, target):
-    """MetaSchedule's tasks of the module, less those already scheduled and
-    pure reshapes: the build turns a reshape into a view of its input
+    """MetaSchedule's tasks of the module, less those already scheduled, the
+    fused attention kernels (passes/attention.py: one schedule of ours, no
+    decisions to tune) and pure reshapes: the build turns a reshape into a view of its input
     (RewriteDataflowReshape), so its kernel never runs (a reshape left alone
     after a reduction, say; flat_gemm's have gone at the optimize stage)."""
+    from ..passes.attention import is_attention
     from ..tvm_compat import ms
 
     tasks = ms.relax_integration.extract_tasks(mod, target)
     return [t for t in tasks if (not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False))
-            and not _is_reshape(t.dispatched[0]["main"])]
+            and not _is_reshape(t.dispatched[0]["main"]) and not is_attention(t.dispatched[0]["main"])]
 
 
 def _is_reshape(func) -> bool:

@@ -1,0 +1,210 @@
+"""The CUDA schedule of the fused attention kernel (passes/attention.py).
+
+A thread block takes ROW_TILE (64) query rows of one (batch, head): four
+warps, sixteen rows each. In order, all in dynamic shared memory:
+
+1. Q's 64 rows, and all of K's and V's keys (padded to a multiple of 16),
+   are read from where the model's layout operators leave them (those are
+   inlined into the copies: the QKV projection's output read in place),
+   rows padded by 8 halves so that `ldmatrix` meets no bank conflict;
+2. the scores S = Q K^T: an `mma.sync` GEMM (m16n8k16 through TVM's
+   16x16x16 intrinsics, fp32 accumulators), each warp its 16 rows against
+   every key, stored to shared memory in fp32;
+3. the softmax of each row, a warp a row (the rows' maximum and sum reduced
+   across the warp's lanes by shuffles), the scale and bias applied as the
+   scores are read, the probabilities written as fp16;
+4. O = P V: the second `mma.sync` GEMM, its fp32 tile through shared memory
+   to the output, cast and written in the output's layout (16-byte stores
+   along the head dimension).
+
+One shape per kernel, no decisions: the tuner leaves these kernels out
+(tuning/tasks.py), and the build schedules them first, the rest of the
+default chain behind it in case the schedule does not build
+(passes/schedule.py).
+
+Shared memory: Q, K and V tiles, fp32 scores and fp16 probabilities, and the
+output tile: 166 KB for ViT's 197 keys, 110 KB for 128 (`shared_bytes`); the
+pass rewrites only attention that fits the architecture's opt-in limit.
+"""
+
+from __future__ import annotations
+
+from .attention import ROW_TILE, is_attention
+
+WARPS = 4  # a warp per 16 query rows
+OUT_VECTOR = 8  # fp16 elements a thread writes at once
+ROW_PAD = 8  # halves each fp16 shared row is padded by (conflict-free ldmatrix)
+NAMES = ("attn_q", "attn_k", "attn_v", "attn_s", "attn_max", "attn_sum", "attn_p", "attn_o", "attn_out")
+
+
+def shared_bytes(keys: int, head_dim: int) -> int:
+    """Shared memory the kernel asks for at most, static and dynamic (keys
+    padded; TVM may let the output tile reuse Q's and K's)."""
+    keys = -(-keys // 16) * 16
+    fp16_rows = (ROW_TILE + 2 * keys) * (head_dim + ROW_PAD) + ROW_TILE * (keys + ROW_PAD)
+    return 2 * fp16_rows + 4 * ROW_TILE * (keys + head_dim) + 8 * ROW_TILE
+
+
+STATIC_LIMIT = 48 * 1024  # static shared memory a block may have (the probabilities' tile is static)
+
+
+def _copy_vector(sch, block) -> int:
+    """Elements a thread copies at once into a Q, K or V tile: 8 halves (16
+    bytes), or 4 where the replayed layout operators compute in fp32 on the
+    way (ViT's Q, scaled in fp32). Workaround: TVM 0.27's CUDA codegen
+    prints a broadcast fp32 constant of 8 lanes as `make_ulonglong4` with 8
+    arguments, which nvcc rejects ("too many arguments in function call");
+    tests/passes/test_attention.py::test_tvm_prints_8_lane_fp32_broadcasts_nvcc_rejects
+    fails once it does not."""
+    return 4 if "float32" in sch.get(block).script() else 8
+
+
+def schedule(func):
+    """The scheduled kernel (a Schedule); raises where the kernel is not
+    passes/attention.py's."""
+    from tvm.s_tir.tensor_intrin import cuda as ci
+
+    from ..tvm_compat import register_tensor_intrinsics, s_tir, tvm
+
+    if not is_attention(func):
+        raise ValueError("not a fused attention kernel")
+    register_tensor_intrinsics()
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    root = sch.get_sblock("root")
+    for blk in sch.get_child_blocks(root):
+        if sch.get(blk).name_hint not in NAMES:
+            sch.compute_inline(blk)
+    blk = {name: sch.get_sblock(name) for name in NAMES}
+
+    # the product with V anchors the thread block: (batch, head, 64 rows)
+    o = blk["attn_o"]
+    n, m, i, c, r = sch.get_loops(o)
+    io, ii = sch.split(i, [None, ROW_TILE])
+    sch.reorder(n, m, io, ii, c, r)
+    bx = sch.fuse(n, m, io)
+    sch.bind(bx, "blockIdx.x")
+    out = blk["attn_out"]
+    sch.reverse_compute_at(out, bx)
+    for name in ("attn_p", "attn_sum", "attn_max", "attn_s", "attn_q", "attn_k", "attn_v"):
+        sch.compute_at(blk[name], bx)
+    for name in ("attn_q", "attn_k", "attn_v", "attn_s", "attn_o"):
+        sch.set_scope(blk[name], 0, "shared.dyn")
+    # (the probabilities in a buffer of their own: in the one dynamic buffer
+    # TVM could not tell their writes from the scores' reads, and put a
+    # barrier in each step of the loop that writes them)
+    for name in ("attn_max", "attn_sum", "attn_p"):
+        sch.set_scope(blk[name], 0, "shared")
+
+    def copy(b, vector):  # a tile's elements spread over the block's threads
+        loops = sch.get_loops(b)[1:]
+        _, t1, t2, v = sch.split(sch.fuse(*loops), [None, WARPS, 32, vector])
+        sch.bind(t1, "threadIdx.y")
+        sch.bind(t2, "threadIdx.x")
+        sch.vectorize(v)
+
+    for name in ("attn_q", "attn_k", "attn_v"):
+        copy(blk[name], _copy_vector(sch, blk[name]))
+        sch.storage_align(blk[name], 0, axis=-2, factor=32, offset=ROW_PAD)
+    copy(out, OUT_VECTOR)
+
+    def rows(b):  # each warp its 16 rows, a row's keys across the lanes (a reduction: by shuffles)
+        row, key = sch.get_loops(b)[1:]
+        w, _ = sch.split(row, [WARPS, None])
+        sch.bind(w, "threadIdx.y")
+        _, lane = sch.split(key, [None, 32])
+        sch.bind(lane, "threadIdx.x")
+
+    rows(blk["attn_max"])
+    rows(blk["attn_sum"])
+    p = blk["attn_p"]
+    row, key = sch.get_loops(p)[1:]
+    w, row_in = sch.split(row, [WARPS, None])
+    sch.bind(w, "threadIdx.y")
+    _, lane = sch.split(key, [None, 32])
+    sch.bind(lane, "threadIdx.x")
+    sch.storage_align(p, 0, axis=-2, factor=32, offset=ROW_PAD)
+
+    _gemm(sch, blk["attn_s"], ci, a_intrin=ci.LDMATRIX_f16_A_DYN_INTRIN, transposed_b=True)
+    _gemm(sch, blk["attn_o"], ci, a_intrin=ci.LDMATRIX_f16_A_INTRIN, transposed_b=False)
+    return sch
+
+
+def _gemm(sch, block, ci, a_intrin, transposed_b: bool):
+    """One of the two GEMMs of a 64-row tile on tensor cores: each warp its
+    16 rows, every column, the reduction in steps of 16; its fp32 result
+    stored to the block's shared buffer."""
+    from ..tvm_compat import tirx
+
+    name = sch.get(block).name_hint
+    i, j, k = sch.get_loops(block)[-3:]
+    i, i_tc = sch.split(i, [None, 16])
+    j, j_tc = sch.split(j, [None, 16])
+    k, k_tc = sch.split(k, [None, 16])
+    sch.reorder(i, k, j, i_tc, j_tc, k_tc)
+    outer = sch.blockize(i_tc)
+    sch.bind(i, "threadIdx.y")
+    a_w = sch.cache_read(outer, 0, "warp")
+    b_w = sch.cache_read(outer, 1, "warp")
+    sch.compute_at(a_w, k)
+    sch.compute_at(b_w, j)  # (a fragment of B at a time, just before its mma)
+    c_w = sch.cache_write(outer, 0, "warp")
+    sch.reverse_compute_at(c_w, i)
+    ii, jj = sch.get_loops(c_w)[-2:]
+    io, ii = sch.split(ii, [None, 16])
+    jo, ji = sch.split(jj, [None, 16])
+    sch.reorder(io, jo, ii, ji)
+    init_outer = sch.decompose_reduction(outer, k)
+    inner, init = sch.get_sblock(name), sch.get_sblock(name + "_init")
+    # every loop over a warp's fragments unrolled: a fragment's registers
+    # are then known at compile time (a loop left to nvcc put them in
+    # local memory: 4 KB of stack)
+    sch.unroll(sch.get_loops(init_outer)[-1])
+    sch.unroll(j)
+    sch.unroll(sch.get_loops(c_w)[-4])
+    sch.unroll(sch.get_loops(c_w)[-3])
+
+    def fragment(b):
+        a, bb = sch.get_loops(b)[-2:]
+        a0, a1 = sch.split(a, [None, 16])
+        b0, b1 = sch.split(bb, [None, 16])
+        sch.reorder(a0, b0, a1, b1)
+        sch.unroll(a0)
+        sch.unroll(b0)
+        return a1
+
+    la, lb = fragment(a_w), fragment(b_w)
+
+    def tiles(b, kind):  # a warp buffer's [..., r, c] -> [..., its 16x16 tile, (thread, register) within it]
+        shape = (sch.get(b).writes if kind == "write" else sch.get(b).reads)[0].source.shape
+        rank, index_dtype = len(shape), str(shape[0].ty.dtype)
+
+        def to(*idx):
+            r, c = idx[-2:]
+            return [*idx[:-2], r // 16, c // 16, *ci.shared_16x16_to_ldmatrix_32x8_layout(r % 16, c % 16)]
+
+        sch.transform_layout(b, (kind, 0), tirx.IndexMap.from_func(to, ndim=rank, index_dtype=index_dtype))
+
+    tiles(a_w, "write")
+    tiles(b_w, "write")
+    tiles(c_w, "read")
+    sch.tensorize(la, a_intrin)
+    if transposed_b:
+        sch.tensorize(lb, ci.LDMATRIX_f16_B_TRANS_DYN_INTRIN)
+        sch.tensorize(sch.get_loops(inner)[-3], ci.MMA_f16f16f32_TRANS_B_INTRIN)
+    else:
+        sch.tensorize(lb, ci.LDMATRIX_f16_B_DYN_INTRIN)
+        sch.tensorize(sch.get_loops(inner)[-3], ci.MMA_f16f16f32_INTRIN)
+    sch.tensorize(sch.get_loops(init)[-2], ci.MMA_fill_16x16_f32_INTRIN)
+    sch.tensorize(sch.get_loops(c_w)[-2], ci.MMA_store_16x16_f32_shared_dyn_INTRIN)
+
+
+class Default:
+    """This schedule as a rule of the build (passes/schedule.py): the fused
+    attention kernels, on CUDA with sm_80's `mma.sync`."""
+
+    def apply(self, func, target, tunable=False):
+        from .mma_gemm import available
+
+        if not is_attention(func) or not available(target):
+            return None
+        return schedule(func)
