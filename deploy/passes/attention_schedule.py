@@ -45,18 +45,86 @@ def shared_bytes(keys: int, head_dim: int) -> int:
     return 2 * fp16_rows + 4 * ROW_TILE * (keys + head_dim) + 8 * ROW_TILE
 
 
-STATIC_LIMIT = 48 * 1024  # static shared memory a block may have (the probabilities' tile is static)
-
 
 def _copy_vector(sch, block) -> int:
     """Elements a thread copies at once into a Q, K or V tile: 8 halves (16
-    bytes), or 4 where the replayed layout operators compute in fp32 on the
-    way (ViT's Q, scaled in fp32). Workaround: TVM 0.27's CUDA codegen
-    prints a broadcast fp32 constant of 8 lanes as `make_ulonglong4` with 8
+    bytes) where every element it reads lies at 8 consecutive, 16-byte
+    aligned addresses along the head dimension (`_contiguous`), 4 where
+    the replayed layout operators compute in fp32 on the way (ViT's Q,
+    scaled in fp32), 1 where the reads are not contiguous (a K^T the model
+    made with the head dimension outermost). Workarounds of TVM 0.27's
+    CUDA codegen, which prints a broadcast fp32 constant of 8 lanes, and a
+    gather of 8 halves, as `make_ulonglong4` or `make_uint4` with 8
     arguments, which nvcc rejects ("too many arguments in function call");
     tests/passes/test_attention.py::test_tvm_prints_8_lane_fp32_broadcasts_nvcc_rejects
     fails once it does not."""
-    return 4 if "float32" in sch.get(block).script() else 8
+    b = sch.get(block)
+    for vector in (8, 4, 1):
+        if vector == 1 or (_contiguous(b, vector) and (vector < 8 or "float32" not in b.script())):
+            return vector
+    return 1
+
+
+_BINARY = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b,
+           "FloorDiv": lambda a, b: a // b, "FloorMod": lambda a, b: a % b, "Div": lambda a, b: int(a / b),
+           "Mod": lambda a, b: a - b * int(a / b), "Min": min, "Max": max}
+
+
+def _eval(expr, env: dict) -> int:
+    """An integer index expression's value, its variables from `env`
+    (raises on anything else: TVM 0.27 has no expression evaluator in
+    Python)."""
+    kind = type(expr).__name__
+    if kind == "IntImm":
+        return int(expr.value)
+    if kind in ("Var", "SizeVar"):
+        return env[expr.name]
+    if kind == "Cast":
+        return _eval(expr.value, env)
+    return _BINARY[kind](_eval(expr.a, env), _eval(expr.b, env))
+
+
+def _loads(expr) -> list:
+    """The buffer loads in an expression."""
+    found, todo = [], [expr]
+    while todo:
+        node = todo.pop()
+        kind = type(node).__name__
+        if kind in ("BufferLoad", "TensorLoad"):  # (TVM 0.27's name for a buffer's load)
+            found.append(node)
+            continue
+        for attr in ("a", "b", "value", "condition", "true_value", "false_value"):
+            child = getattr(node, attr, None)
+            if child is not None and not isinstance(child, (int, float)):
+                todo.append(child)
+        if kind == "Call":
+            todo += list(node.args)
+    return found
+
+
+def _contiguous(block, vector: int) -> bool:
+    """Whether every buffer the copy `block` reads is read at `vector`
+    consecutive elements along its last iteration variable, starting at a
+    multiple of `vector` (sampled at each other variable's ends)."""
+    names = [iv.var.name for iv in block.iter_vars]
+    extents = [int(iv.dom.extent) for iv in block.iter_vars]
+    try:
+        for load in _loads(block.body.value):
+            shape = [int(d) for d in (load.source if hasattr(load, "source") else load.buffer).shape]
+            strides = [1] * len(shape)
+            for k in range(len(shape) - 2, -1, -1):
+                strides[k] = strides[k + 1] * shape[k + 1]
+            for corner in range(2 ** (len(names) - 1)):
+                env = {n: (e - 1 if corner >> k & 1 else 0) for k, (n, e) in enumerate(zip(names[:-1], extents))}
+                offsets = []
+                for c in range(vector):
+                    env[names[-1]] = c
+                    offsets.append(sum(_eval(i, env) * st for i, st in zip(load.indices, strides)))
+                if offsets[0] % vector or offsets != list(range(offsets[0], offsets[0] + vector)):
+                    return False
+    except (KeyError, AttributeError):  # (an index this cannot evaluate: not known to be contiguous)
+        return False
+    return True
 
 
 def schedule(func):

@@ -156,7 +156,8 @@ def _finalize_device(stock):
                     if not any('scope="warp"' in f.script(show_meta=False) for f in sub.functions.values()):
                         break
                     sub = tirx.transform.LowerWarpMemory()(sub)
-                mod = tvm.IRModule({**dict(mod.functions.items()), **dict(sub.functions.items())}, attrs=mod.attrs)
+                mod = tvm.IRModule({**dict(mod.functions.items()), **dict(sub.functions.items())}, attrs=mod.attrs,
+                                   global_infos=mod.global_infos)
             return rest(mod)
 
         return run

@@ -76,6 +76,18 @@ def test_fused_attention_computes_what_the_graph_computed(name, tmp_path, sm90):
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), np.abs(a - b).max()
 
 
+def test_fp16_accumulation_rounds_the_scores_as_the_graph_does(tmp_path, sm90):
+    """With `accumulate = "fp16"` the model's QK^T gives fp16 scores: the
+    kernel rounds its (fp32-summed) scores to fp16 before the softmax too,
+    so the two differ by the sums' order and precision alone."""
+    plain = _run_on_cpu(_optimized("vit", sm90, tmp_path / "plain", fused=False, accumulate="fp16"))
+    fused_mod = _optimized("vit", sm90, tmp_path / "fused", fused=True, accumulate="fp16")
+    kernel = next(f for f in _kernels(fused_mod).values() if attention.is_attention(f))
+    assert "float16(attn_s" in kernel.script().replace('T.Cast("float16", attn_s', "float16(attn_s")
+    for a, b in zip(plain, _run_on_cpu(fused_mod), strict=True):
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(a)
+
+
 def test_the_fused_kernel_reads_qkv_where_the_projection_wrote_it(tmp_path, sm90):
     """ViT: no kernel is left that only moves Q, K or V into heads or the
     heads back; the attention kernel's one input is the QKV projection's
@@ -165,7 +177,49 @@ def test_the_tuner_leaves_it_out(tmp_path, sm90):
     assert names and not [n for n in names if "attention" in n]
 
 
+def _te_kernel(q_rows: int, keys: int, head_dim: int = 64):
+    """A fused attention kernel of separate Q [1, 2, q_rows, d], K^T [1, 2,
+    d, keys] (head dimension outermost: read 1 wide) and V tensors."""
+    from tvm import te
+
+    q = te.placeholder((1, 2, q_rows, head_dim), "float16", name="q")
+    kt = te.placeholder((1, 2, head_dim, keys), "float16", name="kt")
+    v = te.placeholder((1, 2, keys, head_dim), "float16", name="v")
+    out = attention.attention_te(q, kt, v, out_bshd=True)
+    return te.create_prim_func([q, kt, v, out]).with_attr(
+        attention.ATTR, {"q_rows": q_rows, "keys": keys, "head_dim": head_dim, "tokens_first": True})
+
+
+def test_a_k_transposed_in_memory_is_copied_one_element_at_a_time(tmp_path, sm90):
+    """16-byte copies need 8 consecutive, aligned halves: a K^T tensor of
+    the model's own (head dimension outermost) is copied one at a time, and
+    the kernel compiles (8 at a time, nvcc rejected it)."""
+    func = _te_kernel(197, 197)
+    sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+    widths = {name: attention_schedule._copy_vector(sch, sch.get_sblock(name)) for name in ("attn_k", "attn_v")}
+    assert widths == {"attn_k": 1, "attn_v": 8}
+    src = _cuda_source(func, sm90)
+    if shutil.which("nvcc"):
+        assert "0 bytes stack frame" in _nvcc_usage(src, tmp_path)
+
+
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 128, 197, 255, 256])
+def test_rows_the_schedule_takes(rows, sm90):
+    assert attention.schedulable_rows(rows)
+    attention_schedule.schedule(_te_kernel(rows, 64))
+
+
 # ---- the TVM defects the schedule works around (each test fails once TVM no longer has it)
+
+
+@pytest.mark.parametrize("rows", [66, 196, 198])
+def test_tvm_cannot_schedule_even_row_counts(rows):
+    """attention.schedulable_rows: even row counts above 64 that 64 does
+    not divide."""
+    assert not attention.schedulable_rows(rows)
+    with pytest.raises(Exception, match="stage pipeline"):
+        attention_schedule.schedule(_te_kernel(rows, 64))
+
 
 
 def test_tvm_lowers_only_the_first_warp_buffer(tmp_path, sm90):
