@@ -41,6 +41,9 @@ check the rewrite against the unfused graph.
 The kernel is marked opaque to fusion and carries ATTR, by which the build's
 default chain (rule `fused-attention`) and the tuner (which leaves it out)
 know it.
+
+(Over 500 lines: the pattern, the operator chains it replays and the
+kernel's computation are one rewrite's; each reads the others' details.)
 """
 
 from __future__ import annotations

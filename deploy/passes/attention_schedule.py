@@ -202,6 +202,7 @@ def _gemm(sch, block, ci, a_intrin, transposed_b: bool):
     16 rows, every column, the reduction in steps of 16; its fp32 result
     stored to the block's shared buffer."""
     from ..tvm_compat import tirx
+    from .mma_gemm import fragment_loops, warp_accumulator
 
     name = sch.get(block).name_hint
     i, j, k = sch.get_loops(block)[-3:]
@@ -215,12 +216,7 @@ def _gemm(sch, block, ci, a_intrin, transposed_b: bool):
     b_w = sch.cache_read(outer, 1, "warp")
     sch.compute_at(a_w, k)
     sch.compute_at(b_w, j)  # (a fragment of B at a time, just before its mma)
-    c_w = sch.cache_write(outer, 0, "warp")
-    sch.reverse_compute_at(c_w, i)
-    ii, jj = sch.get_loops(c_w)[-2:]
-    io, ii = sch.split(ii, [None, 16])
-    jo, ji = sch.split(jj, [None, 16])
-    sch.reorder(io, jo, ii, ji)
+    c_w = warp_accumulator(sch, outer, i)
     init_outer = sch.decompose_reduction(outer, k)
     inner, init = sch.get_sblock(name), sch.get_sblock(name + "_init")
     # every loop over a warp's fragments unrolled: a fragment's registers
@@ -232,13 +228,10 @@ def _gemm(sch, block, ci, a_intrin, transposed_b: bool):
     sch.unroll(sch.get_loops(c_w)[-3])
 
     def fragment(b):
-        a, bb = sch.get_loops(b)[-2:]
-        a0, a1 = sch.split(a, [None, 16])
-        b0, b1 = sch.split(bb, [None, 16])
-        sch.reorder(a0, b0, a1, b1)
-        sch.unroll(a0)
-        sch.unroll(b0)
-        return a1
+        outer_loops, inner = fragment_loops(sch, b)
+        for loop in outer_loops:
+            sch.unroll(loop)
+        return inner
 
     la, lb = fragment(a_w), fragment(b_w)
 

@@ -386,12 +386,7 @@ def schedule(func, gemm: Gemm, config: str | tuple, padding: list | None = None)
     b_w = sch.cache_read(outer, 1, "warp")
     sch.compute_at(a_w, k1)
     sch.compute_at(b_w, k1)
-    c_w = sch.cache_write(outer, 0, "warp")
-    sch.reverse_compute_at(c_w, ty)
-    ii, jj = sch.get_loops(c_w)[-2:]
-    io, ii = sch.split(ii, [None, 16])
-    jo, ji = sch.split(jj, [None, 16])
-    sch.reorder(io, jo, ii, ji)
+    c_w = warp_accumulator(sch, outer, ty)
     if out is not None:  # the accumulators through a shared tile, the epilogue as C is written
         sch.set_scope(c_w, 0, "shared.dyn")
         sch.reverse_compute_at(out, bx)
@@ -409,14 +404,7 @@ def schedule(func, gemm: Gemm, config: str | tuple, padding: list | None = None)
     sch.decompose_reduction(outer, sch.get_loops(outer)[2])
     init = sch.get_sblock(gemm.name + "_init")
 
-    def fragment(blk):
-        a, b = sch.get_loops(blk)[-2:]
-        a0, a1 = sch.split(a, [None, 16])
-        b0, b1 = sch.split(b, [None, 16])
-        sch.reorder(a0, b0, a1, b1)
-        return a1
-
-    la, lb = fragment(a_w), fragment(b_w)
+    la, lb = fragment_loops(sch, a_w)[1], fragment_loops(sch, b_w)[1]
 
     def tiles(layout):  # a warp buffer's [r, c] -> its 16x16 tile, then (thread, register) within it
         return lambda r, c: (r // 16, c // 16, *layout(r % 16, c % 16))
@@ -457,6 +445,29 @@ def schedule(func, gemm: Gemm, config: str | tuple, padding: list | None = None)
         sch.annotate(k1, "software_pipeline_stage", [0, 0, 1])
         sch.annotate(k1, "software_pipeline_order", [0, 1, 2])
     return sch
+
+
+def warp_accumulator(sch, block, at):
+    """The `warp` accumulator of a blockized 16x16x16 GEMM `block`, written
+    back under loop `at` by 16x16 tiles (the loops the store intrinsic
+    tensorizes); also the fused attention kernel's two GEMMs'."""
+    c_w = sch.cache_write(block, 0, "warp")
+    sch.reverse_compute_at(c_w, at)
+    ii, jj = sch.get_loops(c_w)[-2:]
+    io, ii = sch.split(ii, [None, 16])
+    jo, ji = sch.split(jj, [None, 16])
+    sch.reorder(io, jo, ii, ji)
+    return c_w
+
+
+def fragment_loops(sch, block) -> tuple:
+    """A `warp` operand's copy `block` by 16x16 fragments: (the loops over
+    the fragments, the loop ldmatrix tensorizes)."""
+    a, b = sch.get_loops(block)[-2:]
+    a0, a1 = sch.split(a, [None, 16])
+    b0, b1 = sch.split(b, [None, 16])
+    sch.reorder(a0, b0, a1, b1)
+    return (a0, b0), a1
 
 
 def _shared_copy(gemm: Gemm, index: int) -> tuple[int, int]:
