@@ -397,6 +397,9 @@ def _check_values(obj, where: str) -> None:
         if obj.fused_attention and not where.endswith("cuda"):
             raise ConfigError(f"invalid {where}.fused_attention", "true on the CPU",
                               "fused_attention = false (the fused attention kernel is scheduled for CUDA)")
+        if obj.fused_attention and obj.precision != "fp16":
+            raise ConfigError(f"invalid {where}.fused_attention", f"true with precision {obj.precision}",
+                              "precision fp16 (the kernel multiplies fp16 on tensor cores), or fused_attention = false")
         if obj.pad_gemm and obj.layout == "NCHWc":
             raise ConfigError(f"invalid {where}.pad_gemm", "true with layout NCHWc",
                               "pad_gemm = false (GEMM rows are padded for the CUDA tensor-core schedules)")

@@ -117,6 +117,9 @@ def test_attention_left_alone_where_its_kernel_would_not_fit(tmp_path, sm90, mon
 def test_fused_attention_is_a_cuda_option(tmp_path):
     with pytest.raises(config.ConfigError, match="fused_attention"):
         config.from_dict({"model": {"source": "vit"}, "llvm": {"fused_attention": True}})
+    for precision in ("fp32", "tf32"):  # (an fp16 kernel: refused rather than silently left out)
+        with pytest.raises(config.ConfigError, match=f"fused_attention .* precision {precision}"):
+            config.from_dict({"model": {"source": "vit"}, "cuda": {"fused_attention": True, "precision": precision}})
     cfg = config.from_dict({"model": {"source": "vit"}, "cuda": {"fused_attention": True}})
     assert "attention" in [n for n, _ in optimize.phases(cfg.profile("cuda"))]
     assert "attention" not in [n for n, _ in optimize.phases(config.from_dict({"model": {"source": "vit"}}).cuda)]
