@@ -48,12 +48,10 @@ kernel's computation are one rewrite's; each reads the others' details.)
 
 from __future__ import annotations
 
-import logging
 import math
 
 from . import static_shape, tensor_dtype
-
-log = logging.getLogger(__name__)
+from .schedule import OPAQUE
 
 # PrimFunc attribute: the kernel's shape, {"q_rows", "keys", "head_dim", "tokens_first": whether the output is
 # [batch, tokens, heads, head_dim] rather than [batch, heads, tokens, head_dim]}
@@ -62,7 +60,6 @@ MAX_KEYS = 256  # keys whose scores a tile of query rows keeps in shared memory 
 MAX_HEAD_DIM = 128
 KEY_ALIGN = 16  # keys padded to a multiple of this (a tensor-core fragment)
 ROW_TILE = 64  # query rows a thread block takes (passes/attention_schedule.py), rows padded to a multiple of it
-OPAQUE = 8  # OpPatternKind::kOpaque: FuseOps fuses nothing into or out of it
 
 # Operators replayed inside the kernel on the way from Q, K or V's source
 LAYOUT_OPS = ("relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.squeeze", "relax.astype")
@@ -109,13 +106,13 @@ def fuse_attention(shared_limit: int | None = None):
 
         def _rewrite(self, call):
             match = _match(self, call)
-            if match is None or shared_bytes(match[1].shape_info["keys"], match[1].shape_info["head_dim"]) > shared_limit:
+            if match is None or shared_bytes(match[2]["keys"], match[2]["head_dim"]) > shared_limit:
                 return None
-            sources, build, out_shape, view = match
+            sources, build, info, view = match
             inputs = [te.placeholder(static_shape(x), tensor_dtype(x), name=f"input{i}") for i, x in enumerate(sources)]
             out = build(*inputs)
             func = te.create_prim_func([*inputs, out]).without_attr("global_symbol").with_attrs(
-                {"op_pattern": OPAQUE, ATTR: build.shape_info, "tirx.noalias": True})
+                {"op_pattern": OPAQUE, ATTR: info, "tirx.noalias": True})
             # (the builder keeps one function of structurally equal ones: a
             # kernel for all the layers alike)
             gv = self.builder_.add_func(func, "fused_attention")
@@ -237,8 +234,7 @@ def _chain(mutator, expr) -> _Chain:
     while isinstance(expr, relax.Var):
         value = mutator.lookup_binding(expr)
         name = _op(value)
-        if name in ("relax.reshape", "relax.permute_dims", "relax.squeeze", "relax.astype",
-                    "relax.strided_slice") and static_shape(value.args[0]) is not None:
+        if name in LAYOUT_OPS and static_shape(value.args[0]) is not None:
             rank = len(static_shape(value.args[0]))
             if name == "relax.reshape":
                 step = static_shape(value)
@@ -260,12 +256,7 @@ def _chain(mutator, expr) -> _Chain:
         elif name in SCALAR_OPS and _scalar(value.args[1]) is not None:
             steps.append((name, _scalar(value.args[1])))
             expr = value.args[0]
-        elif isinstance(value, relax.TupleGetItem) and _op(mutator.lookup_binding(value.tuple_value)
-                                                          if isinstance(value.tuple_value, relax.Var)
-                                                          else value.tuple_value) == "relax.split":
-            split = value.tuple_value
-            if isinstance(split, relax.Var):
-                split = mutator.lookup_binding(split)
+        elif isinstance(value, relax.TupleGetItem) and _op(split := _split_of(mutator, value)) == "relax.split":
             shape = static_shape(split.args[0])
             if shape is None:
                 break
@@ -276,6 +267,12 @@ def _chain(mutator, expr) -> _Chain:
         else:
             break
     return _Chain(expr, steps[::-1])
+
+
+def _split_of(mutator, item):
+    """The value a TupleGetItem takes a field of (its var's binding)."""
+    bound = _binding(mutator, item.tuple_value)
+    return item.tuple_value if bound is None else bound
 
 
 def _split_bounds(sections, extent: int) -> list[tuple[int, int]]:
@@ -296,8 +293,9 @@ def _binding(mutator, expr):
 
 
 def _match(mutator, call):
-    """(source vars, te builder, output shape, view shape or None) where
-    `call` ends an attention (a product with V, then OUT_OPS), else None."""
+    """(source vars, te builder, the kernel's ATTR, view shape or None)
+    where `call` ends an attention (a product with V, then OUT_OPS), else
+    None."""
     out_steps = []
     x = call
     while _op(x) in OUT_OPS:  # walking back from the end of the chain
@@ -358,9 +356,9 @@ def _match(mutator, call):
         return None
     if any(tensor_dtype(t) != "float16" for t in (q, kt, v)) or p_dtype != "float16":
         return None
-    if d % 16 or d > MAX_HEAD_DIM or _padded(sk) > MAX_KEYS or not schedulable_rows(sq):
+    if d % 16 or d > MAX_HEAD_DIM or padded_keys(sk) > MAX_KEYS or not schedulable_rows(sq):
         return None
-    out = _output(out_steps[::-1], [b, h, sq, d], tensor_dtype(pv))
+    out = _output(out_steps[::-1], tensor_dtype(pv))
     if out is None:
         return None
     bshd, out_casts, view = out
@@ -378,8 +376,7 @@ def _match(mutator, call):
                             bias=tensors[-1] if bias is not None else None, score_steps=score_steps[::-1],
                             out_bshd=bshd, out_casts=out_casts)
 
-    build.shape_info = {"q_rows": sq, "keys": sk, "head_dim": d, "tokens_first": bshd}
-    return sources, build, static_shape(call), view
+    return sources, build, {"q_rows": sq, "keys": sk, "head_dim": d, "tokens_first": bshd}, view
 
 
 def _single_use(mutator, var) -> bool:
@@ -414,11 +411,12 @@ def _broadcasts(shape: list[int], to: list[int]) -> bool:
     return all(s in (1, t) for s, t in zip(shape[::-1], to[::-1]))
 
 
-def _padded(keys: int) -> int:
+def padded_keys(keys: int) -> int:
+    """Keys padded to KEY_ALIGN, as the kernel pads them."""
     return -(-keys // KEY_ALIGN) * KEY_ALIGN
 
 
-def _output(steps: list, shape: list[int], dtype: str):
+def _output(steps: list, dtype: str):
     """(heads permuted behind the tokens?, the dtypes the product is cast to
     in order (its own first), the view after it or None) for OUT_OPS after
     the product with V: a permute to [batch, tokens, heads, head_dim] first,
@@ -453,7 +451,7 @@ def attention_te(q, kt, v, bias=None, score_steps=(), out_bshd: bool = False, ou
 
     b, h, sq, d = (int(x) for x in q.shape)
     sk = int(kt.shape[3])
-    sqp, skp = -(-sq // ROW_TILE) * ROW_TILE, _padded(sk)
+    sqp, skp = -(-sq // ROW_TILE) * ROW_TILE, padded_keys(sk)
     f32, zero = "float32", tirx.const(0, q.dtype)
     minus_inf = tirx.const(float("-inf"), f32)  # (a row whose every key is masked to -inf stays NaN, as unfused)
 

@@ -29,7 +29,7 @@ pass rewrites only attention that fits the architecture's opt-in limit.
 
 from __future__ import annotations
 
-from .attention import ROW_TILE, is_attention
+from .attention import ROW_TILE, is_attention, padded_keys
 
 WARPS = 4  # a warp per 16 query rows
 OUT_VECTOR = 8  # fp16 elements a thread writes at once
@@ -40,10 +40,9 @@ NAMES = ("attn_q", "attn_k", "attn_v", "attn_s", "attn_max", "attn_sum", "attn_p
 def shared_bytes(keys: int, head_dim: int) -> int:
     """Shared memory the kernel asks for at most, static and dynamic (keys
     padded; TVM may let the output tile reuse Q's and K's)."""
-    keys = -(-keys // 16) * 16
+    keys = padded_keys(keys)
     fp16_rows = (ROW_TILE + 2 * keys) * (head_dim + ROW_PAD) + ROW_TILE * (keys + ROW_PAD)
     return 2 * fp16_rows + 4 * ROW_TILE * (keys + head_dim) + 8 * ROW_TILE
-
 
 
 def _copy_vector(sch, block) -> int:
@@ -59,10 +58,9 @@ def _copy_vector(sch, block) -> int:
     tests/passes/test_attention.py::test_tvm_prints_8_lane_fp32_broadcasts_nvcc_rejects
     fails once it does not."""
     b = sch.get(block)
-    for vector in (8, 4, 1):
-        if vector == 1 or (_contiguous(b, vector) and (vector < 8 or "float32" not in b.script())):
-            return vector
-    return 1
+    if _contiguous(b, 8) and "float32" not in b.script():
+        return 8
+    return 4 if _contiguous(b, 4) else 1
 
 
 _BINARY = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b,
@@ -182,15 +180,9 @@ def schedule(func):
         _, lane = sch.split(key, [None, 32])
         sch.bind(lane, "threadIdx.x")
 
-    rows(blk["attn_max"])
-    rows(blk["attn_sum"])
-    p = blk["attn_p"]
-    row, key = sch.get_loops(p)[1:]
-    w, row_in = sch.split(row, [WARPS, None])
-    sch.bind(w, "threadIdx.y")
-    _, lane = sch.split(key, [None, 32])
-    sch.bind(lane, "threadIdx.x")
-    sch.storage_align(p, 0, axis=-2, factor=32, offset=ROW_PAD)
+    for name in ("attn_max", "attn_sum", "attn_p"):  # (the probabilities: elementwise, laid out alike)
+        rows(blk[name])
+    sch.storage_align(blk["attn_p"], 0, axis=-2, factor=32, offset=ROW_PAD)
 
     _gemm(sch, blk["attn_s"], ci, a_intrin=ci.LDMATRIX_f16_A_DYN_INTRIN, transposed_b=True)
     _gemm(sch, blk["attn_o"], ci, a_intrin=ci.LDMATRIX_f16_A_INTRIN, transposed_b=False)
@@ -228,10 +220,10 @@ def _gemm(sch, block, ci, a_intrin, transposed_b: bool):
     sch.unroll(sch.get_loops(c_w)[-3])
 
     def fragment(b):
-        outer_loops, inner = fragment_loops(sch, b)
-        for loop in outer_loops:
+        fragments, tensorized = fragment_loops(sch, b)
+        for loop in fragments:
             sch.unroll(loop)
-        return inner
+        return tensorized
 
     la, lb = fragment(a_w), fragment(b_w)
 

@@ -138,17 +138,12 @@ def _sources(gv, plain, tuned, target, target_kind):
 
     if tuned is not None:
         yield TUNED, tuned
+    first = []  # (FUSED_ATTENTION: tried before the chain, outside it)
     if target_kind == "cuda":
         from .attention_schedule import Default as FusedAttention
 
-        try:
-            space = FusedAttention().apply(plain, target)
-        except Exception as e:  # noqa: BLE001 - its failure is this source's failure
-            space = e
-        if space is not None:
-            yield FUSED_ATTENTION, space if isinstance(space, Exception) else \
-                space.mod["main"].with_attr("tirx.is_scheduled", True)
-    for name, rule in rules(target_kind):
+        first.append((FUSED_ATTENTION, FusedAttention()))
+    for name, rule in [*first, *rules(target_kind)]:
         try:
             space = rule.apply(plain, target, False)
         except Exception as e:  # noqa: BLE001 - a rule's failure is this source's failure

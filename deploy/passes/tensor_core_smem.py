@@ -21,6 +21,8 @@ upstream failures still happen, and fails once TVM no longer needs this.
 
 from __future__ import annotations
 
+from .attention import ATTR as _ATTENTION_ATTR
+
 PIPELINE = "deploy"  # the name to give tvm.compile(tir_pipeline=) / tvm.tirx.build(pipeline=)
 OPTION = "tirx.merge_static_smem"
 # Also set for the tensor-core kernels, where one asks for it (a stage of its
@@ -55,7 +57,7 @@ _ASYNC_MARKER = "software_pipeline_async_stages"  # a scheduled kernel that asks
 # tests/passes/test_attention.py::test_tvm_lowers_only_the_first_warp_buffer
 # fails once TVM lowers them all.
 EVERY_WARP_BUFFER = "deploy.lower_every_warp_buffer"
-_ATTENTION_MARKER = '"deploy.attention"'  # (passes/attention.py: ATTR, in a kernel's TVMScript)
+_ATTENTION_MARKER = f'"{_ATTENTION_ATTR}"'  # (passes/attention.py's kernels, in their TVMScript)
 
 
 def _has_tensor_cores(text: str) -> bool:
