@@ -110,7 +110,10 @@ def tensor_core_context(async_copy: bool = False, no_cse: bool = False):
 
 def _pipeline_factory():
     from ..tvm_compat import default_tir_pipeline, tirx, tvm
-    from . import mma_epilogue  # (the other workaround its tensor-core kernels need, applied first)
+    from . import (
+        mma_epilogue,  # (the other workaround its tensor-core kernels need, applied first)
+        shared_limit,  # (and the runtime's shared-memory limit, after lowering)
+    )
 
     stock, finalize_host, finalize_device = default_tir_pipeline()
 
@@ -128,6 +131,12 @@ def _pipeline_factory():
                 continue
             with tensor_core_context(async_copy=any(_ASYNC_MARKER in texts[gv] for gv in group), no_cse=no_cse):
                 out = stock(tvm.IRModule(group, attrs=mod.attrs))
+                # (kernels the runtime would refuse their shared memory: again, declaring 48 KB dynamic)
+                short = shared_limit.short_of_limit(out)
+                declared = {gv: shared_limit.declare(f) for gv, f in group.items() if gv.name_hint in short}
+                if any(f is not None for f in declared.values()):
+                    group = {**group, **{gv: f for gv, f in declared.items() if f is not None}}
+                    out = stock(tvm.IRModule(group, attrs=mod.attrs))
             lowered.append(_launch_bounds(out, {gv.name_hint: texts[gv] for gv in group}))
         _mark_device_functions(lowered[-1], {gv.name_hint: 1 for gv in attention}, EVERY_WARP_BUFFER)
         out = stock(tvm.IRModule(rest, attrs=mod.attrs)) if rest else lowered.pop()
