@@ -163,10 +163,11 @@ def schedule(func):
 
     def copy(b, vector):  # a tile's elements spread over the block's threads
         loops = sch.get_loops(b)[1:]
-        _, t1, t2, v = sch.split(sch.fuse(*loops), [None, WARPS, 32, vector])
+        steps, t1, t2, v = sch.split(sch.fuse(*loops), [None, WARPS, 32, vector])
         sch.bind(t1, "threadIdx.y")
         sch.bind(t2, "threadIdx.x")
         sch.vectorize(v)
+        sch.unroll(steps)  # (a thread's loads all issued before its first store waits)
 
     for name in ("attn_q", "attn_k", "attn_v"):
         copy(blk[name], _copy_vector(sch, blk[name]))
