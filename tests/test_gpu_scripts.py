@@ -73,3 +73,10 @@ def test_make_bench_passes_runners_iters_and_rounds():
     assert r.returncode == 0, r.stderr
     (line,) = [ln for ln in r.stdout.splitlines() if "-m deploy bench" in ln]  # under `make test` too
     assert line.endswith("--runners \"tvm, onnxruntime\" --iters 10 --rounds 2")  # quoted: a space is fine
+
+
+def test_attention_script_refuses_an_unknown_pass(tmp_path):
+    r = subprocess.run(["bash", "scripts/gpu_attention.sh", "fused"], cwd=ROOT,
+                       env={**os.environ, "OUT": str(tmp_path / "out")}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown pass 'fused'" in r.stderr
+    assert not (tmp_path / "out").exists()

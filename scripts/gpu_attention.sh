@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The fused attention kernel across the corpus's transformers on the GPU
+# machine (the `device` tool's H200): each model built at full size,
+# untuned, validated and timed (`scripts/corpus.py --iters`), without and
+# with `--fused-attention`. Resumable: the corpus keeps its results in
+# $WORK/corpus-{off,on} while the machine stays warm, and a second call
+# times only what the first did not finish; both folders are copied to
+# $OUT after each pass.
+#
+#   bash scripts/gpu_attention.sh [off|on|both] [MODELS]
+#   e.g. bash scripts/gpu_attention.sh both vit,bert,gpt,swin_tiny_window,mobilevit_like,tiny_vit
+#        bash scripts/gpu_attention.sh tests      (the kernel's -m gpu tests only)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-both}
+models=${2:-vit,bert,gpt,swin_tiny_window,mobilevit_like,tiny_vit}
+case "$what" in off|on|both|tests) ;; *)
+  echo "error: unknown pass '$what' | expected: off, on, both or tests" >&2; exit 2;; esac
+source scripts/gpu_env.sh
+WORK=${WORK:-/tmp/attention}
+mkdir -p "$WORK"
+if [ "$what" = tests ]; then
+  python3 -m pytest -q -m gpu tests/passes/test_attention.py tests/passes/test_shared_limit.py \
+    -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
+  exit "${PIPESTATUS[0]}"
+fi
+rc=0
+for v in off on; do
+  [ "$what" = both ] || [ "$what" = "$v" ] || continue
+  flag=(); [ "$v" = on ] && flag=(--fused-attention)
+  python3 scripts/corpus.py --target cuda --size full --models "$models" --iters 100 \
+    --out "$WORK/corpus-$v" --work "$WORK/work-$v" "${flag[@]}" > "$WORK/corpus-$v.log" 2>&1 || rc=$?
+  mkdir -p "$OUT/corpus-$v"
+  cp "$WORK/corpus-$v"/corpus.json "$WORK/corpus-$v"/corpus.md "$OUT/corpus-$v/" 2>/dev/null
+  grep -v "Fast mode segfaults" "$WORK/corpus-$v.log" > "$OUT/corpus-$v/corpus.log"
+done
+exit "$rc"
