@@ -35,7 +35,7 @@ _BYTES = {"uint8": 1, "int8": 1, "float16": 2, "bfloat16": 2, "int16": 2, "float
 # (TVMScript of a lowered module: a host function's launch, a device function's static shared memory)
 _LAUNCH = re.compile(r'T\.call_ffi_kernel\("(\w+)",.*?(?:T\.int64\((\d+)\)|(\d+)), launch_params=\[[^\]]*'
                      r'"tirx\.use_dyn_shared_memory"\]')
-_STATIC = re.compile(r'T\.alloc_shared\(\(([\d, ]+)\)(?:, "(\w+)")?\)')
+_STATIC = re.compile(r'T\.alloc_shared\(\(([\d, ]+)\)(?:, "(\w+)")?')
 
 
 def static_bytes(device_script: str) -> int:

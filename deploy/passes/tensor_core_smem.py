@@ -21,7 +21,11 @@ upstream failures still happen, and fails once TVM no longer needs this.
 
 from __future__ import annotations
 
+import logging
+
 from .attention import ATTR as _ATTENTION_ATTR
+
+_log = logging.getLogger(__name__)
 
 PIPELINE = "deploy"  # the name to give tvm.compile(tir_pipeline=) / tvm.tirx.build(pipeline=)
 OPTION = "tirx.merge_static_smem"
@@ -134,6 +138,9 @@ def _pipeline_factory():
                 # (kernels the runtime would refuse their shared memory: again, declaring 48 KB dynamic)
                 short = shared_limit.short_of_limit(out)
                 declared = {gv: shared_limit.declare(f) for gv, f in group.items() if gv.name_hint in short}
+                for gv in (gv for gv, f in declared.items() if f is None):
+                    _log.warning("kernel %s: its shared memory passes 48 KB with %d bytes of it dynamic, which TVM's "
+                                 "runtime will not allow (docs/tvm-notes.md)", gv.name_hint, short[gv.name_hint])
                 if any(f is not None for f in declared.values()):
                     group = {**group, **{gv: f for gv, f in declared.items() if f is not None}}
                     out = stock(tvm.IRModule(group, attrs=mod.attrs))
