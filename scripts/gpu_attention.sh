@@ -10,18 +10,23 @@
 #   bash scripts/gpu_attention.sh [off|on|both] [MODELS]
 #   e.g. bash scripts/gpu_attention.sh both vit,bert,gpt,swin_tiny_window,mobilevit_like,tiny_vit
 #        bash scripts/gpu_attention.sh tests      (the kernel's -m gpu tests only)
+#        bash scripts/gpu_attention.sh probe      (scripts/attention_probe.py: its schedule variants, in $OUT/probe)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-both}
 models=${2:-vit,bert,gpt,swin_tiny_window,mobilevit_like,tiny_vit}
-case "$what" in off|on|both|tests) ;; *)
-  echo "error: unknown pass '$what' | expected: off, on, both or tests" >&2; exit 2;; esac
+case "$what" in off|on|both|tests|probe) ;; *)
+  echo "error: unknown pass '$what' | expected: off, on, both, tests or probe" >&2; exit 2;; esac
 source scripts/gpu_env.sh
 WORK=${WORK:-/tmp/attention}
 mkdir -p "$WORK"
 if [ "$what" = tests ]; then
   python3 -m pytest -q -m gpu tests/passes/test_attention.py tests/passes/test_shared_limit.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
+  exit "${PIPESTATUS[0]}"
+fi
+if [ "$what" = probe ]; then
+  python3 scripts/attention_probe.py --out "$OUT/probe" 2>&1 | grep -v "Fast mode segfaults" | tee "$OUT/probe.log"
   exit "${PIPESTATUS[0]}"
 fi
 rc=0

@@ -411,9 +411,9 @@ def _broadcasts(shape: list[int], to: list[int]) -> bool:
     return all(s in (1, t) for s, t in zip(shape[::-1], to[::-1]))
 
 
-def padded_keys(keys: int) -> int:
-    """Keys padded to KEY_ALIGN, as the kernel pads them."""
-    return -(-keys // KEY_ALIGN) * KEY_ALIGN
+def padded_keys(keys: int, align: int = KEY_ALIGN) -> int:
+    """Keys padded to `align` (KEY_ALIGN), as the kernel pads them."""
+    return -(-keys // align) * align
 
 
 def _output(steps: list, dtype: str):
@@ -438,7 +438,8 @@ def _output(steps: list, dtype: str):
     return bshd, casts, view
 
 
-def attention_te(q, kt, v, bias=None, score_steps=(), out_bshd: bool = False, out_casts=("float16",)):
+def attention_te(q, kt, v, bias=None, score_steps=(), out_bshd: bool = False, out_casts=("float16",),
+                 key_align: int = KEY_ALIGN):
     """The fused kernel's computation as TE stages (see the module docstring):
     q [B, H, Sq, D], kt [B, H, D, Sk], v [B, H, Sk, D] (fp16), `bias`
     broadcasting to the scores, `score_steps` applied to the fp32 scores in
@@ -446,12 +447,13 @@ def attention_te(q, kt, v, bias=None, score_steps=(), out_bshd: bool = False, ou
     ("bias", None)). Query rows are padded to a multiple of ROW_TILE and keys to
     KEY_ALIGN inside the kernel: padded keys score -inf (a zero
     probability), padded rows are never written. `out_casts`: the dtypes the
-    fp32 product is cast to, in order."""
+    fp32 product is cast to, in order. `key_align`: what the keys are padded
+    to (a multiple of KEY_ALIGN; scripts/attention_probe.py's variants)."""
     from ..tvm_compat import te, tirx
 
     b, h, sq, d = (int(x) for x in q.shape)
     sk = int(kt.shape[3])
-    sqp, skp = -(-sq // ROW_TILE) * ROW_TILE, padded_keys(sk)
+    sqp, skp = -(-sq // ROW_TILE) * ROW_TILE, padded_keys(sk, key_align)
     f32, zero = "float32", tirx.const(0, q.dtype)
     minus_inf = tirx.const(float("-inf"), f32)  # (a row whose every key is masked to -inf stays NaN, as unfused)
 

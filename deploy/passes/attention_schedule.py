@@ -125,15 +125,19 @@ def _contiguous(block, vector: int) -> bool:
     return True
 
 
-def schedule(func):
+def schedule(func, col_warps: int = 1):
     """The scheduled kernel (a Schedule); raises where the kernel is not
-    passes/attention.py's."""
+    passes/attention.py's. `col_warps` > 1: that many warps share each 16
+    rows, the GEMMs' columns split between them (WARPS x col_warps warps a
+    block; the keys, padded, and the head dimension must split into 16-wide
+    tiles evenly: a variant scripts/attention_probe.py measures)."""
     from tvm.s_tir.tensor_intrin import cuda as ci
 
     from ..tvm_compat import register_tensor_intrinsics, s_tir, tvm
 
     if not is_attention(func):
         raise ValueError("not a fused attention kernel")
+    warps = WARPS * col_warps
     register_tensor_intrinsics()
     sch = s_tir.Schedule(tvm.IRModule({"main": func}))
     root = sch.get_sblock("root")
@@ -163,7 +167,7 @@ def schedule(func):
 
     def copy(b, vector):  # a tile's elements spread over the block's threads
         loops = sch.get_loops(b)[1:]
-        steps, t1, t2, v = sch.split(sch.fuse(*loops), [None, WARPS, 32, vector])
+        steps, t1, t2, v = sch.split(sch.fuse(*loops), [None, warps, 32, vector])
         sch.bind(t1, "threadIdx.y")
         sch.bind(t2, "threadIdx.x")
         sch.vectorize(v)
@@ -174,9 +178,9 @@ def schedule(func):
         sch.storage_align(blk[name], 0, axis=-2, factor=32, offset=ROW_PAD)
     copy(out, OUT_VECTOR)
 
-    def rows(b):  # each warp its 16 rows, a row's keys across the lanes (a reduction: by shuffles)
+    def rows(b):  # each warp its 64 / warps rows, a row's keys across the lanes (a reduction: by shuffles)
         row, key = sch.get_loops(b)[1:]
-        w, _ = sch.split(row, [WARPS, None])
+        w, _ = sch.split(row, [warps, None])
         sch.bind(w, "threadIdx.y")
         _, lane = sch.split(key, [None, 32])
         sch.bind(lane, "threadIdx.x")
@@ -185,15 +189,15 @@ def schedule(func):
         rows(blk[name])
     sch.storage_align(blk["attn_p"], 0, axis=-2, factor=32, offset=ROW_PAD)
 
-    _gemm(sch, blk["attn_s"], ci, a_intrin=ci.LDMATRIX_f16_A_DYN_INTRIN, transposed_b=True)
-    _gemm(sch, blk["attn_o"], ci, a_intrin=ci.LDMATRIX_f16_A_INTRIN, transposed_b=False)
+    _gemm(sch, blk["attn_s"], ci, a_intrin=ci.LDMATRIX_f16_A_DYN_INTRIN, transposed_b=True, col_warps=col_warps)
+    _gemm(sch, blk["attn_o"], ci, a_intrin=ci.LDMATRIX_f16_A_INTRIN, transposed_b=False, col_warps=col_warps)
     return sch
 
 
-def _gemm(sch, block, ci, a_intrin, transposed_b: bool):
+def _gemm(sch, block, ci, a_intrin, transposed_b: bool, col_warps: int = 1):
     """One of the two GEMMs of a 64-row tile on tensor cores: each warp its
-    16 rows, every column, the reduction in steps of 16; its fp32 result
-    stored to the block's shared buffer."""
+    16 rows and 1 / col_warps of the columns, the reduction in steps of 16;
+    its fp32 result stored to the block's shared buffer."""
     from ..tvm_compat import tirx
     from .mma_gemm import fragment_loops, warp_accumulator
 
@@ -202,7 +206,15 @@ def _gemm(sch, block, ci, a_intrin, transposed_b: bool):
     i, i_tc = sch.split(i, [None, 16])
     j, j_tc = sch.split(j, [None, 16])
     k, k_tc = sch.split(k, [None, 16])
-    sch.reorder(i, k, j, i_tc, j_tc, k_tc)
+    if col_warps > 1:
+        tiles = int(sch.get(j).extent)
+        if tiles % col_warps:
+            raise ValueError(f"{name}: {tiles} column tiles do not split between {col_warps} warps")
+        jw, j = sch.split(j, [col_warps, None])
+        sch.reorder(i, jw, k, j, i_tc, j_tc, k_tc)
+        i = sch.fuse(i, jw)  # (a warp: its 16 rows and its share of the columns)
+    else:
+        sch.reorder(i, k, j, i_tc, j_tc, k_tc)
     outer = sch.blockize(i_tc)
     sch.bind(i, "threadIdx.y")
     a_w = sch.cache_read(outer, 0, "warp")
