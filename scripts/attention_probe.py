@@ -6,8 +6,9 @@ Needs a GPU; `--build-only` builds every variant for sm_90 without one and repor
     python scripts/attention_probe.py --out DIR [--build-only] [--cases NAME,...]
 
 The variants: `4 warps` is the package's schedule (a block of 64 query rows, a warp per 16 rows);
-`8 warps` gives each 16 rows two warps, the GEMMs' columns split between them, the keys padded to 32
-(Nsight Compute found the 4-warp kernel at 2 warps a scheduler: results/h200/2026-12-05/).
+`8 warps` gives each 16 rows two warps, the GEMMs' columns split between them, the keys padded to 32;
+`16 warps` four, the keys padded to 64 (more padding, fewer registers a thread). Nsight Compute found the
+4-warp kernel at 2 warps a scheduler (results/h200/2026-12-05/).
 Writes DIR/probe.json and DIR/probe.md.
 """
 
@@ -28,7 +29,7 @@ CASES = {  # name: (batch, heads, query rows, keys, head dimension), as the corp
     "BERT b32 seq64": (32, 4, 64, 64, 64),
     "ViT-S/16 b1": (1, 6, 197, 197, 64),
 }
-VARIANTS = {"4 warps": (1, 16), "8 warps": (2, 32)}  # name: (col_warps, key padding)
+VARIANTS = {"4 warps": (1, 16), "8 warps": (2, 32), "16 warps": (4, 64)}  # name: (col_warps, key padding)
 
 
 def kernel(shape, col_warps: int, key_align: int):
