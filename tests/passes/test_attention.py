@@ -225,6 +225,77 @@ def test_the_wider_variants_build_with_fewer_registers(tmp_path):
     assert probe.main(["--out", str(tmp_path), "--build-only", "--cases", "GPT"]) == 2
 
 
+def _launch(func, target) -> tuple[int, tuple[int, int], int]:
+    """A scheduled kernel's grid, block and dynamic shared bytes, as our TIR
+    pipeline lowers its launch."""
+    func = func.with_attr("global_symbol", "k").with_attr("target", target)
+    with target, tvm.transform.PassContext(opt_level=3):
+        lowered = tensor_core_smem._pipeline_factory()[0](tvm.IRModule({"k": func}))
+    text = "".join(f.script(show_meta=False) for f in lowered.functions.values())
+    found = re.search(r"call_ffi_kernel\(\"k_kernel\", [^)]*?(\d+), (\d+), (\d+), (?:T\.int64\()?(\d+)", text)
+    grid, tx, ty, dyn = (int(x) for x in found.groups())
+    return grid, (tx, ty), dyn
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 64, 64, 64), (1, 1, 197, 197, 64)])
+@pytest.mark.parametrize("variant", ["4 warps", "8 warps"])
+def test_the_generated_cuda_computes_attention_in_emulation(shape, variant, sm90):
+    """The kernel's CUDA, as built for sm_90, run by tests/cuda_emu.py (a
+    CPU interpreter of it: every thread, shared memory by the byte,
+    ldmatrix, mma.sync and the shuffles per the PTX ISA): softmax(Q K^T) V
+    to an fp16 rounding, every output written once, no shared-memory race
+    between barriers, no read of memory never written."""
+    from .. import cuda_emu
+
+    probe = load_script("attention_probe")
+    func = probe.kernel(shape, *probe.VARIANTS[variant])
+    src = _built_source(func, sm90)
+    grid, block, dyn = _launch(func, sm90.tvm_target())
+    b, h, s, k, d = shape
+    rng = np.random.default_rng(0)
+    q, kk, v = (rng.standard_normal(sh).astype("float16") for sh in ((b, h, s, d), (b, h, k, d), (b, h, k, d)))
+    tensors = {"q": q.view(np.uint8).ravel().copy(), "k": kk.view(np.uint8).ravel().copy(),
+               "v": v.view(np.uint8).ravel().copy(), "out": np.full(b * s * h * d * 2, 0xFF, np.uint8)}
+    params = {"attn_out_ptr": ("out", "half"), "k_ptr": ("k", "half"), "q_ptr": ("q", "half"), "v_ptr": ("v", "half")}
+    problems, written = cuda_emu.run(src, "k_kernel", grid, block, dyn, tensors, params)
+    assert not problems, sorted(problems)
+    assert (written["out"] == 1).all()
+    scores = np.einsum("bhsd,bhkd->bhsk", q.astype("float32"), kk.astype("float32"))
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True)).astype("float16").astype("float32")
+    want = np.einsum("bhsk,bhkd->bshd", p, v.astype("float32"))
+    got = tensors["out"].view(np.float16).reshape(b, s, h, d).astype("float32")
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_the_emulation_sees_a_missing_barrier(sm90):
+    """tests/cuda_emu.py fails a kernel whose warps read what others write
+    without a barrier between: the 8-warp kernel with its scores' barrier
+    (the third) taken out."""
+    from .. import cuda_emu
+
+    probe = load_script("attention_probe")
+    shape = (1, 1, 64, 64, 64)
+    func = probe.kernel(shape, *probe.VARIANTS["8 warps"])
+    src = _built_source(func, sm90)
+    grid, block, dyn = _launch(func, sm90.tvm_target())
+    parts = src.split("__syncthreads();")
+    assert len(parts) > 4
+    broken = "__syncthreads();".join(parts[:3]) + ";" + "__syncthreads();".join(parts[3:])
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(64 * 64).astype("float16").view(np.uint8) for n in ("q", "k", "v")}
+    tensors["out"] = np.zeros(64 * 64 * 2, np.uint8)
+    params = {"attn_out_ptr": ("out", "half"), "k_ptr": ("k", "half"), "q_ptr": ("q", "half"), "v_ptr": ("v", "half")}
+    problems, _ = cuda_emu.run(broken, "k_kernel", grid, block, dyn, tensors, params)
+    assert any("RACE" in p for p in problems), problems
+
+
+def _built_source(func, sm90) -> str:
+    from deploy.build import build_kernel
+
+    return build_kernel("k", func, sm90).imports[0].inspect_source()
+
+
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 128, 197, 255, 256])
 def test_rows_the_schedule_takes(rows, sm90):
     assert attention.schedulable_rows(rows)
