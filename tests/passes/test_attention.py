@@ -238,7 +238,7 @@ def _launch(func, target) -> tuple[int, tuple[int, int], int]:
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 64, 64, 64), (1, 1, 197, 197, 64)])
-@pytest.mark.parametrize("variant", ["4 warps", "8 warps"])
+@pytest.mark.parametrize("variant", ["4 warps", "8 warps", "16 warps"])
 def test_the_generated_cuda_computes_attention_in_emulation(shape, variant, sm90):
     """The kernel's CUDA, as built for sm_90, run by tests/cuda_emu.py (a
     CPU interpreter of it: every thread, shared memory by the byte,
