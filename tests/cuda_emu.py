@@ -136,23 +136,10 @@ class P:
             s = ""
             while self.peek().startswith('"'):
                 s += self.next()[1:-1]
-            outs, ins = [], []
             self.expect(":")
-            while self.peek() != ":":
-                self.next()
-                self.expect("(")
-                outs.append(self.expr())
-                self.expect(")")
-                if self.peek() == ",":
-                    self.next()
+            outs = self.asm_operands(":")
             self.expect(":")
-            while self.peek() != ")":
-                self.next()
-                self.expect("(")
-                ins.append(self.expr())
-                self.expect(")")
-                if self.peek() == ",":
-                    self.next()
+            ins = self.asm_operands(")")
             self.expect(")")
             self.expect(";")
             return ("asm", s.replace("\\n", "\n"), outs, ins)
@@ -163,6 +150,18 @@ class P:
         r = self.expr()
         self.expect(";")
         return ("assign", e, r)
+
+    def asm_operands(self, end: str) -> list:
+        """An asm statement's operands (`"=r"(x), ...`) up to `end`: their expressions."""
+        out = []
+        while self.peek() != end:
+            self.next()
+            self.expect("(")
+            out.append(self.expr())
+            self.expect(")")
+            if self.peek() == ",":
+                self.next()
+        return out
 
     def decl(self):
         shared = False
