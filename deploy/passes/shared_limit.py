@@ -30,8 +30,6 @@ import re
 DEFAULT_LIMIT = 48 * 1024  # CUDA's shared memory a block without the opt-in attribute
 DECLARATION = "tirx.dyn_smem_bytes"
 
-_BYTES = {"uint8": 1, "int8": 1, "float16": 2, "bfloat16": 2, "int16": 2, "float32": 4, "int32": 4,
-          "float64": 8, "int64": 8}
 # (TVMScript of a lowered module: a host function's launch, a device function's static shared memory)
 _LAUNCH = re.compile(r'T\.call_ffi_kernel\("(\w+)",.*?(?:T\.int64\((\d+)\)|(\d+)), launch_params=\[[^\]]*'
                      r'"tirx\.use_dyn_shared_memory"\]')
@@ -40,12 +38,14 @@ _STATIC = re.compile(r'T\.alloc_shared\(\(([\d, ]+)\)(?:, "(\w+)")?')
 
 def static_bytes(device_script: str) -> int:
     """Bytes of static shared memory a lowered device function allocates."""
+    from ..tvm_compat import tvm
+
     total = 0
     for shape, dtype in _STATIC.findall(device_script):
         n = 1
         for d in shape.replace(" ", "").strip(",").split(","):
             n *= int(d)
-        total += n * _BYTES.get(dtype or "float32", 4)
+        total += n * tvm.DataType(dtype or "float32").bits // 8
     return total
 
 
