@@ -134,11 +134,8 @@ def _attention_kernel(tmp_path, sm90, name="vit"):
 
 
 def _cuda_source(func, sm90):
-    sch = attention_schedule.schedule(func)
-    mod = tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main").with_attr("tirx.is_scheduled", True)})
-    with tvm.transform.PassContext(opt_level=3):
-        lib = tvm.compile(mod, target=sm90.tvm_target(), tir_pipeline=tensor_core_smem.register())
-    return lib.mod.imports[0].inspect_source()
+    """The CUDA of the fused kernel `func`, scheduled and built as the package builds it."""
+    return _built_source(attention_schedule.schedule(func).mod["main"], sm90)
 
 
 @pytest.mark.parametrize("name", ["vit", "bert"])
@@ -237,6 +234,10 @@ def _launch(func, target) -> tuple[int, tuple[int, int], int]:
     return grid, (tx, ty), dyn
 
 
+# the probe kernel's pointer parameters: the emulated global buffers they name, their element type
+_EMU_PARAMS = {"attn_out_ptr": ("out", "half"), "k_ptr": ("k", "half"), "q_ptr": ("q", "half"), "v_ptr": ("v", "half")}
+
+
 @pytest.mark.parametrize("shape", [(1, 2, 64, 64, 64), (1, 1, 197, 197, 64)])
 @pytest.mark.parametrize("variant", ["4 warps", "8 warps", "16 warps"])
 def test_the_generated_cuda_computes_attention_in_emulation(shape, variant, sm90):
@@ -256,8 +257,7 @@ def test_the_generated_cuda_computes_attention_in_emulation(shape, variant, sm90
     q, kk, v = (rng.standard_normal(sh).astype("float16") for sh in ((b, h, s, d), (b, h, k, d), (b, h, k, d)))
     tensors = {"q": q.view(np.uint8).ravel().copy(), "k": kk.view(np.uint8).ravel().copy(),
                "v": v.view(np.uint8).ravel().copy(), "out": np.full(b * s * h * d * 2, 0xFF, np.uint8)}
-    params = {"attn_out_ptr": ("out", "half"), "k_ptr": ("k", "half"), "q_ptr": ("q", "half"), "v_ptr": ("v", "half")}
-    problems, written = cuda_emu.run(src, "k_kernel", grid, block, dyn, tensors, params)
+    problems, written = cuda_emu.run(src, "k_kernel", grid, block, dyn, tensors, _EMU_PARAMS)
     assert not problems, sorted(problems)
     assert (written["out"] == 1).all()
     scores = np.einsum("bhsd,bhkd->bhsk", q.astype("float32"), kk.astype("float32"))
@@ -285,8 +285,7 @@ def test_the_emulation_sees_a_missing_barrier(sm90):
     rng = np.random.default_rng(0)
     tensors = {n: rng.standard_normal(64 * 64).astype("float16").view(np.uint8) for n in ("q", "k", "v")}
     tensors["out"] = np.zeros(64 * 64 * 2, np.uint8)
-    params = {"attn_out_ptr": ("out", "half"), "k_ptr": ("k", "half"), "q_ptr": ("q", "half"), "v_ptr": ("v", "half")}
-    problems, _ = cuda_emu.run(broken, "k_kernel", grid, block, dyn, tensors, params)
+    problems, _ = cuda_emu.run(broken, "k_kernel", grid, block, dyn, tensors, _EMU_PARAMS)
     assert any("RACE" in p for p in problems), problems
 
 

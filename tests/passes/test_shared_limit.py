@@ -7,21 +7,18 @@ import numpy as np
 import pytest
 
 from deploy import targets
-from deploy.passes import attention, attention_schedule, shared_limit, tensor_core_smem
+from deploy.passes import shared_limit, tensor_core_smem
 from deploy.tvm_compat import PassContext, te, tvm
+
+from ..conftest import load_script
 
 
 def _kernel(rows: int, keys: int, head_dim: int = 64):
-    """A fused attention kernel of separate Q, K and V [1, 4, n, d] (fp16), scheduled."""
-    q = te.placeholder((1, 4, rows, head_dim), "float16", name="q")
-    k = te.placeholder((1, 4, keys, head_dim), "float16", name="k")
-    v = te.placeholder((1, 4, keys, head_dim), "float16", name="v")
-    kt = te.compute((1, 4, head_dim, keys), lambda b, h, d, j: k[b, h, j, d], name="kt")
-    out = attention.attention_te(q, kt, v, out_bshd=True)
-    func = te.create_prim_func([q, k, v, out]).with_attr(
-        attention.ATTR, {"q_rows": rows, "keys": keys, "head_dim": head_dim, "tokens_first": True})
-    return attention_schedule.schedule(func).mod["main"].with_attr("global_symbol", "main").with_attr(
-        "tirx.is_scheduled", True)
+    """The fused attention kernel of Q, K and V [1, 4, n, d] (fp16), scheduled
+    as the package schedules it (scripts/attention_probe.py's)."""
+    probe = load_script("attention_probe")
+    return probe.kernel((1, 4, rows, keys, head_dim), *probe.VARIANTS["4 warps"]).with_attr(
+        "global_symbol", "main").with_attr("tirx.is_scheduled", True)
 
 
 def _launch(lowered) -> str:
