@@ -77,9 +77,6 @@ def main(argv=None) -> int:
         if not args.build_only:
             import torch
 
-            from deploy.tvm_compat import tvm
-
-            dev = tvm.cuda(0)
             rng = np.random.default_rng(0)
             host = [rng.standard_normal(sh).astype("float16") for sh in ((b, h, s, d), (b, h, k, d), (b, h, k, d))]
             t = [torch.from_numpy(a).cuda() for a in host]
@@ -91,16 +88,10 @@ def main(argv=None) -> int:
         for label, (col_warps, align) in VARIANTS.items():
             row = {"shape": name, "config": label}
             try:
-                lib = build_kernel("k", kernel(shape, col_warps, align), info)
+                lib = build_kernel("main", kernel(shape, col_warps, align), info)
                 row["ptxas"] = probe_common.nvcc_usage(lib.imports[0].inspect_source(), "attention", "sm_90")
                 if not args.build_only:
-                    dev_args = [tvm.runtime.tensor(a, dev) for a in host]
-                    dev_args.append(tvm.runtime.tensor(np.zeros((b, s, h, d), "float16"), dev))
-                    lib["k"](*dev_args)
-                    got = dev_args[-1].numpy().astype("float32")
-                    row["rel_l2"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-                    row["us"] = round(probe_common.tvm_us(lib, dev, *dev_args, name="k", number=100), 2)
-                    row["tflops"] = round(flop / row["us"] / 1e6, 1)
+                    row.update(probe_common.run_and_time(lib, host, (b, s, h, d), "float16", ref, flop))
             except Exception as e:  # noqa: BLE001 - a probe records what fails and goes on
                 row["error"] = probe_common.error_line(e)
             rows.append(row)

@@ -111,8 +111,9 @@ def measure(row: dict, build, checks: dict, run_args: tuple | None, arch: str) -
 
 
 def run_and_time(lib, inputs: list, out_shape, out_dtype: str, ref, flop: float) -> dict:
-    """Runs a built GEMM's `main` on the GPU (inputs as NumPy arrays, then
-    the output), and returns its rel_l2 against `ref`, its time and TFLOP/s."""
+    """Runs a built kernel's `main` on the GPU (inputs as NumPy arrays, then
+    the output), and returns its rel_l2 against `ref`, its time and TFLOP/s.
+    `lib`: what tvm.compile gives, or a runtime module (deploy.build.build_kernel)."""
     import numpy as np
 
     from deploy.tvm_compat import tvm
@@ -122,7 +123,7 @@ def run_and_time(lib, inputs: list, out_shape, out_dtype: str, ref, flop: float)
     out = tvm.runtime.tensor(np.zeros(out_shape, out_dtype), dev)
     lib["main"](*arrays, out)
     got = out.numpy().astype("float32")
-    t_us = tvm_us(lib.mod, dev, *arrays, out)
+    t_us = tvm_us(getattr(lib, "mod", lib), dev, *arrays, out)
     return {"rel_l2": f"{float(np.linalg.norm(got - ref) / np.linalg.norm(ref)):.2e}", "us": round(t_us, 2),
             "tflops": round(flop / t_us / 1e6, 1)}
 
