@@ -6,8 +6,10 @@ input shapes: shape computations (Shape -> Gather -> Concat -> Reshape, masks
 broadcast from a computed shape) fold into constants, so TVM's importer sees
 static shapes. Without it, TVM 0.27 refuses such graphs at import (`emit_te
 now only supports Tensor that has ShapeExpr shape`, `Reshape expects the input
-tensor to have known shape`). The manifest records the node counts before and
-after. The slimmed graph is checked like any other: validation compares the
+tensor to have known shape`). Then LSTM, GRU and RNN nodes, which TVM's
+importer lacks, are unrolled into the operators they are made of
+(passes/onnx_rnn.py). The manifest records the node counts before and
+after, and the nodes unrolled. The slimmed graph is checked like any other: validation compares the
 package with the exported (unslimmed) graph."""
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from . import artifacts
 from .config import Profile
 from .errors import BuildError, UnsupportedOperatorError, error_line, run_in_processes
 from .export import ExportArtifact, check_buckets, load_onnx
+from .passes import onnx_rnn
 from .shapes import Bucket, as_bucket, parse
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,9 @@ def _import_bucket(job) -> dict:
     shapes = {i.name: [bucket.batch, *i.shape] for i in inputs}
     dtypes = {i.name: i.dtype for i in inputs}
     graph, changes = simplify(model, inputs, bucket.batch, bucket.label)
+    graph, unrolled = onnx_rnn.decompose(graph, shapes)  # (TVM has no LSTM, GRU or RNN converter)
+    if unrolled:
+        changes["unrolled"] = unrolled
     Path(out).write_text(save_json(import_graph(graph, shapes, dtypes, bucket)))
     return changes
 
@@ -117,7 +123,11 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
     buckets = exported.buckets(profile)
     model = load_onnx(exported.onnx_path)
     hist = onnx_op_histogram(model.graph)
-    missing = unsupported_ops(hist)
+    refused = onnx_rnn.refusals(model.graph)
+    if refused:
+        raise UnsupportedOperatorError(f"{len(refused)} recurrent node(s) cannot be rewritten for TVM: "
+                                       + "; ".join(refused))
+    missing = unsupported_ops(hist - onnx_rnn.decomposed_ops(model.graph))
     if missing:
         listed = ", ".join(f"{op} x{n}" for op, n in missing.items())
         raise UnsupportedOperatorError(
@@ -133,8 +143,9 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
         simplified = {}
         for b, changes in zip(buckets, run_in_processes(_import_bucket, jobs, workers)):
             simplified[b.label] = changes
-            log.info("frontend: bucket %s imported (onnxslim: %d -> %d nodes)", b,
-                     changes["nodes_before"], changes["nodes_after"])
+            log.info("frontend: bucket %s imported (onnxslim: %d -> %d nodes%s)", b,
+                     changes["nodes_before"], changes["nodes_after"],
+                     "".join(f"; {n} {op} unrolled" for op, n in changes.get("unrolled", {}).items()))
         artifacts.write_manifest(
             tmp,
             STAGE,

@@ -1,0 +1,328 @@
+"""LSTM, GRU and RNN nodes rewritten as the ONNX operators they are made of,
+unrolled over the sequence.
+
+A workaround: TVM 0.27's Relax ONNX frontend has no converter for these
+three operators (nor has apache/tvm's main branch as of 2026-08), so every
+model with a `torch.nn.LSTM`, `GRU` or `RNN` stopped at the frontend with
+"not supported by TVM's ONNX frontend". The frontend stage runs this on each
+bucket's graph once its shapes are static (after onnxslim), before TVM
+imports it; tests/passes/test_onnx_rnn.py::test_tvm_has_no_rnn_converters
+fails once TVM converts them itself.
+
+Each direction of a recurrent node becomes:
+- one MatMul of the whole sequence with the input weights and both biases
+  added (`[S, B, I] x [I, gates*H]`: every step's input projection at once);
+- per step, in the direction's order: the recurrent MatMul with the
+  previous hidden state and the gates' elementwise operators (the optimize
+  stage fuses them into the MatMul's epilogue);
+- the steps' hidden states concatenated into Y, the last ones into Y_h
+  (and Y_c), in the node's `layout`.
+Equations, gate order and defaults are the ONNX operators' (LSTM-14, GRU-14,
+RNN-14): peepholes, `clip`, `linear_before_reset`, initial states, forward,
+reverse and bidirectional. ONNX Runtime runs the original and the rewritten
+graph alike in the tests.
+
+Shape-specialised, like the package: the sequence length and the batch
+must be static (the batch need not be). Refused with a one-line UnsupportedOperatorError
+(`refusals`, checked before any bucket is imported): activations other than
+Sigmoid, Tanh and Relu (or with alpha/beta), `input_forget`, weights
+computed in the graph, and per-sequence lengths other than the full one.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+OPS = {"LSTM": 4, "GRU": 3, "RNN": 1}  # operator: gates
+DEFAULT_ACTIVATIONS = {"LSTM": ("Sigmoid", "Tanh", "Tanh"), "GRU": ("Sigmoid", "Tanh"), "RNN": ("Tanh",)}
+ACTIVATIONS = {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu"}  # (ONNX names them case-insensitively)
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    out = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    for key in ("direction", "activations"):
+        if key in out:
+            v = out[key]
+            out[key] = v.decode() if isinstance(v, bytes) else [s.decode() if isinstance(s, bytes) else s for s in v]
+    return out
+
+
+def _input(node, index: int) -> str:
+    return node.input[index] if len(node.input) > index else ""
+
+
+def _constants(graph) -> dict:
+    """Initializers and Constant nodes' values, by name."""
+    from onnx import numpy_helper
+
+    values = {t.name: t for t in graph.initializer}
+    for n in graph.node:
+        if n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value":
+            values[n.output[0]] = n.attribute[0].t
+    return {k: numpy_helper.to_array(v) for k, v in values.items()}
+
+
+def recurrent_nodes(graph) -> list:
+    return [n for n in graph.node if n.domain in ("", "ai.onnx") and n.op_type in OPS]
+
+
+def decomposed_ops(graph) -> collections.Counter:
+    """(domain, op) counts of the nodes this rewrites (a graph's top level;
+    inside an If or Loop body they stay unsupported)."""
+    return collections.Counter(("ai.onnx", n.op_type) for n in recurrent_nodes(graph))
+
+
+def _refusal(node, constants: dict) -> str | None:
+    a = _attrs(node)
+    directions = 2 if a.get("direction", "forward") == "bidirectional" else 1
+    acts = a.get("activations")
+    if acts is not None:
+        if any(s.lower() not in ACTIVATIONS for s in acts):
+            return f"activations {acts} (only Sigmoid, Tanh and Relu are rewritten)"
+        if len(acts) != directions * len(DEFAULT_ACTIVATIONS[node.op_type]):
+            return f"{len(acts)} activations for {directions} direction(s)"
+    if "activation_alpha" in a or "activation_beta" in a:
+        return "activation_alpha/activation_beta"
+    if a.get("input_forget", 0):
+        return "input_forget=1"
+    for index, what in ((1, "W"), (2, "R"), (3, "B"), (7, "P")):
+        name = _input(node, index)
+        if name and name not in constants:
+            return f"its {what} weights computed in the graph (a constant is expected)"
+    lens = _input(node, 4)
+    if lens and lens not in constants:
+        return "per-sequence lengths given at run time (every sequence must have the full length)"
+    return None
+
+
+def refusals(graph) -> list[str]:
+    """One line for each recurrent node this cannot rewrite."""
+    constants = _constants(graph)
+    out = []
+    for n in recurrent_nodes(graph):
+        why = _refusal(n, constants)
+        if why:
+            out.append(f"{n.op_type} '{n.name or n.output[0]}' with {why}")
+    return out
+
+
+class _Emitter:
+    """ONNX nodes and constants of one rewritten node, their names prefixed."""
+
+    def __init__(self, prefix: str, opset: int, dtype):
+        self.prefix, self.opset, self.dtype = prefix, opset, dtype
+        self.nodes, self.initializers, self.count = [], [], 0
+
+    def _name(self, hint: str) -> str:
+        self.count += 1
+        return f"{self.prefix}/{hint}_{self.count}"
+
+    def const(self, value, dtype=None) -> str:
+        from onnx import numpy_helper
+
+        name = self._name("const")
+        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype or self.dtype), name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        from onnx import helper
+
+        out = out or self._name(op_type)
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self._name(op_type), **attrs))
+        return out
+
+    def unsqueeze(self, x: str, axis: int, out: str | None = None) -> str:
+        if self.opset >= 13:
+            return self.op("Unsqueeze", x, self.const([axis], np.int64), out=out)
+        return self.op("Unsqueeze", x, out=out, axes=[axis])
+
+    def take(self, x: str, index: int, axis: int = 0) -> str:
+        """x[index] along `axis`, that axis dropped (a Slice and a Squeeze:
+        TVM imports a Gather as a `take` in its fast mode and warns of
+        out-of-range indices at each one)."""
+        one = self.op("Slice", x, self.const([index], np.int64), self.const([index + 1], np.int64),
+                      self.const([axis], np.int64))
+        if self.opset >= 13:
+            return self.op("Squeeze", one, self.const([axis], np.int64))
+        return self.op("Squeeze", one, axes=[axis])
+
+    def cols(self, x: str, start: int, end: int) -> str:  # x[..., start:end]
+        return self.op("Slice", x, self.const([start], np.int64), self.const([end], np.int64),
+                       self.const([-1], np.int64))
+
+    def act(self, name: str, x: str, clip: float | None) -> str:
+        if clip is not None:
+            x = self.op("Clip", x, self.const(-clip), self.const(clip))
+        return self.op(name, x)
+
+    def add(self, a: str | None, b: str) -> str:
+        return b if a is None else self.op("Add", a, b)
+
+
+def _static_shapes(model, input_shapes: dict) -> dict:
+    """Every tensor's static shape (None for a dimension not known), the
+    graph inputs taken at `input_shapes`."""
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for vi in m.graph.input:
+        if vi.name in input_shapes:
+            dims = vi.type.tensor_type.shape.dim
+            for d, v in zip(dims, input_shapes[vi.name]):
+                d.Clear()
+                d.dim_value = int(v)
+    m = onnx.shape_inference.infer_shapes(m)
+    out = {}
+    for vi in (*m.graph.input, *m.graph.value_info, *m.graph.output):
+        out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+    return out
+
+
+def _unroll(node, e: _Emitter, constants: dict, seq: int) -> None:
+    """`node`'s outputs computed by `e`'s nodes."""
+    a = _attrs(node)
+    op, gates, hidden = node.op_type, OPS[node.op_type], int(a["hidden_size"])
+    direction = a.get("direction", "forward")
+    steps_of = {"forward": [range(seq)], "reverse": [range(seq - 1, -1, -1)],
+                "bidirectional": [range(seq), range(seq - 1, -1, -1)]}[direction]
+    acts = [ACTIVATIONS[s.lower()] for s in a.get("activations", DEFAULT_ACTIVATIONS[op] * len(steps_of))]
+    per = len(DEFAULT_ACTIVATIONS[op])
+    clip = float(a["clip"]) if "clip" in a else None
+    layout, lbr = int(a.get("layout", 0)), int(a.get("linear_before_reset", 0))
+    W, R = constants[_input(node, 1)], constants[_input(node, 2)]
+    B = constants[_input(node, 3)] if _input(node, 3) else np.zeros((len(steps_of), 2 * gates * hidden), W.dtype)
+    P = constants[_input(node, 7)] if _input(node, 7) else None
+    if _input(node, 4) and not np.all(constants[_input(node, 4)] == seq):
+        from ..errors import UnsupportedOperatorError
+
+        raise UnsupportedOperatorError(f"{op} '{node.name}' with sequences shorter than the input's {seq} steps")
+
+    x = _input(node, 0)
+    if layout == 1:  # [B, S, I] -> [S, B, I]
+        x = e.op("Transpose", x, perm=[1, 0, 2])
+    h0, c0 = _input(node, 5), _input(node, 6)
+    ys, last_h, last_c = [], [], []
+    for d, steps in enumerate(steps_of):
+        f, g, h_act = (acts[d * per:(d + 1) * per] + [None, None])[:3]
+        gh = gates * hidden
+        bias = B[d][:gh] + B[d][gh:]
+        if op == "GRU" and lbr:  # the reset gate multiplies (H R_h^T + Rb_h): Rb_h stays out of the input part
+            bias[2 * hidden:] = B[d][2 * hidden:gh]
+        xw = e.op("Add", e.op("MatMul", x, e.const(W[d].T)), e.const(bias))  # [S, B, gates*H]
+        rt = R[d].T  # [H, gates*H]
+        H = e.take(h0, d, axis=1 if layout else 0) if h0 else None
+        C = e.take(c0, d, axis=1 if layout else 0) if (op == "LSTM" and c0) else None
+        outs = {}
+        for t in steps:
+            xt = e.take(xw, t)  # [B, gates*H]
+            if op == "RNN":
+                H = e.act(f, e.add(None if H is None else e.op("MatMul", H, e.const(rt)), xt), clip)
+            elif op == "LSTM":
+                pre = e.add(None if H is None else e.op("MatMul", H, e.const(rt)), xt)
+                gi, go, gf, gc = (e.cols(pre, k * hidden, (k + 1) * hidden) for k in range(4))
+                if P is not None and C is not None:
+                    gi = e.op("Add", gi, e.op("Mul", C, e.const(P[d][:hidden])))
+                    gf = e.op("Add", gf, e.op("Mul", C, e.const(P[d][2 * hidden:])))
+                i, cand = e.act(f, gi, clip), e.act(g, gc, clip)
+                new_c = e.op("Mul", i, cand)
+                if C is not None:
+                    new_c = e.op("Add", e.op("Mul", e.act(f, gf, clip), C), new_c)
+                C = new_c
+                if P is not None:
+                    go = e.op("Add", go, e.op("Mul", C, e.const(P[d][hidden:2 * hidden])))
+                H = e.op("Mul", e.act(f, go, clip), e.op(h_act, C))
+            else:  # GRU: z, r, h
+                xz, xr, xh = (e.cols(xt, k * hidden, (k + 1) * hidden) for k in range(3))
+                if H is None:
+                    z, r = e.act(f, xz, clip), e.act(f, xr, clip)
+                    gh_in = e.op("Add", xh, e.op("Mul", r, e.const(B[d][gh + 2 * hidden:]))) if lbr else xh
+                    cand = e.act(g, gh_in, clip)
+                    H = e.op("Sub", cand, e.op("Mul", z, cand))  # (1 - z) * h~
+                    outs[t] = H
+                    continue
+                if lbr:
+                    rec = e.op("MatMul", H, e.const(rt))
+                    rz, rr, rh = (e.cols(rec, k * hidden, (k + 1) * hidden) for k in range(3))
+                    z, r = e.act(f, e.op("Add", xz, rz), clip), e.act(f, e.op("Add", xr, rr), clip)
+                    rh = e.op("Mul", r, e.op("Add", rh, e.const(B[d][gh + 2 * hidden:])))
+                else:
+                    rec = e.op("MatMul", H, e.const(rt[:, :2 * hidden]))
+                    rz, rr = e.cols(rec, 0, hidden), e.cols(rec, hidden, 2 * hidden)
+                    z, r = e.act(f, e.op("Add", xz, rz), clip), e.act(f, e.op("Add", xr, rr), clip)
+                    rh = e.op("MatMul", e.op("Mul", r, H), e.const(rt[:, 2 * hidden:]))
+                cand = e.act(g, e.op("Add", xh, rh), clip)
+                H = e.op("Add", cand, e.op("Mul", z, e.op("Sub", H, cand)))  # (1 - z) * h~ + z * H
+            outs[t] = H
+        ys.append(e.op("Concat", *(e.unsqueeze(outs[t], 0) for t in range(seq)), axis=0))  # [S, B, H]
+        last_h.append(H)
+        last_c.append(C)
+
+    y, y_h, y_c = (_input_or_output(node, k) for k in range(3))
+    if y:
+        full = e.op("Concat", *(e.unsqueeze(v, 1) for v in ys), axis=1)  # [S, D, B, H]
+        if layout:
+            e.op("Transpose", full, out=y, perm=[2, 0, 1, 3])
+        else:
+            e.op("Identity", full, out=y)
+    for name, states in ((y_h, last_h), (y_c if op == "LSTM" else "", last_c)):
+        if name:
+            stacked = e.op("Concat", *(e.unsqueeze(v, 0) for v in states), axis=0)  # [D, B, H]
+            if layout:
+                e.op("Transpose", stacked, out=name, perm=[1, 0, 2])
+            else:
+                e.op("Identity", stacked, out=name)
+
+
+def _input_or_output(node, k: int) -> str:
+    return node.output[k] if len(node.output) > k else ""
+
+
+def decompose(model, input_shapes: dict):
+    """(model, {op: count}): a copy of `model` with each top-level LSTM, GRU
+    and RNN node rewritten; the model itself where it has none. Raises
+    UnsupportedOperatorError where one cannot be (see `refusals`), or where
+    its sequence length is not static at `input_shapes`."""
+    import onnx
+
+    from ..errors import UnsupportedOperatorError
+
+    nodes = recurrent_nodes(model.graph)
+    rewritten = {i for i, n in enumerate(model.graph.node) if n.domain in ("", "ai.onnx") and n.op_type in OPS}
+    if not nodes:
+        return model, {}
+    refused = refusals(model.graph)
+    if refused:
+        raise UnsupportedOperatorError("; ".join(refused))
+    shapes = _static_shapes(model, input_shapes)
+    constants = _constants(model.graph)
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=13)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    used_before = {n.input[k] for n in nodes for k in (1, 2, 3, 4, 7) if _input(n, k)}
+    counts: collections.Counter = collections.Counter()
+    for index, n in enumerate(model.graph.node):
+        if index not in rewritten:
+            out.graph.node.append(n)
+            continue
+        x_shape = shapes.get(n.input[0])
+        layout = int(_attrs(n).get("layout", 0))
+        seq = x_shape[layout] if x_shape and len(x_shape) == 3 else None
+        if not seq:
+            raise UnsupportedOperatorError(f"{n.op_type} '{n.name}' over an input of shape {x_shape} "
+                                           "(its sequence length must be static)")
+        e = _Emitter(f"{n.name or n.op_type}.unrolled{index}", opset, constants[n.input[1]].dtype)
+        _unroll(n, e, constants, seq)
+        out.graph.node.extend(e.nodes)
+        out.graph.initializer.extend(e.initializers)
+        counts[n.op_type] += 1
+    still_used = {i for n in out.graph.node for i in n.input} | {o.name for o in out.graph.output}
+    kept = [t for t in out.graph.initializer if t.name not in used_before or t.name in still_used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    return out, dict(counts)
