@@ -6,8 +6,8 @@ realistic size (ImageNet-style 224x224 for most CNNs, < 30M params); the
 ``small`` variant is the same architecture, narrower and on a smaller input
 (< 1M params, < 20 MFLOP per sample) for the fast test suite.  Integer inputs
 (token ids, attention masks) are int64 and are fed values in [0, 10); masks
-treat 0 as padding.  LSTM/GRU entries are ``expect="unsupported"``: TVM's ONNX
-frontend has no LSTM/GRU converter.
+treat 0 as padding.  An entry TVM cannot import would be ``expect="unsupported"``
+(the LSTM and GRU nets were, until passes/onnx_rnn.py unrolled them).
 """
 
 from __future__ import annotations
@@ -195,20 +195,18 @@ CORPUS: tuple[ModelSpec, ...] = (
          "GPT-style decoder: seq 16, dim 64, 2 layers (vocab 100)"),
         outputs=("logits",),
     ),
-    # ------------------------------------------------------------------ RNNs (no TVM ONNX converter)
+    # ------------------------------------------------------------------ RNNs (unrolled: passes/onnx_rnn.py)
     _entry(
         "lstm_classifier", "rnn",
         (lstm_classifier, _tokens(64), "Embedding + 2-layer LSTM (hidden 256) + Linear on the last step (5 classes)"),
         (partial(lstm_classifier, vocab=100, embed=16, hidden=32), _tokens(16),
          "Embedding + 2-layer LSTM (hidden 32), seq 16 (5 classes)"),
-        expect="unsupported",
     ),
     _entry(
         "gru_tagger", "rnn",
         (gru_tagger, _img(100, 40),
          "2-layer bidirectional GRU (hidden 128) tagger on [100, 40] features (12 tags per step)"),
         (partial(gru_tagger, features=8, hidden=16), _img(16, 8), "2-layer bidirectional GRU (hidden 16) on [16, 8]"),
-        expect="unsupported",
     ),
     # ------------------------------------------------------------------ other
     _entry(

@@ -3,8 +3,8 @@ size (narrower, smaller inputs: the 2-core CI machine's budget; the full
 sizes run in scripts/corpus.py, results under results/*/corpus-*), on llvm
 validated against ONNX Runtime and PyTorch, and built for cuda:sm_90 here
 (no GPU needed: the cross-compile runs every TIR pass). A model whose
-operators TVM's ONNX frontend lacks (LSTM, GRU) must end in the one-line
-unsupported-operator error."""
+operators TVM's ONNX frontend lacks (an entry marked `expect="unsupported"`)
+must end in the one-line unsupported-operator error."""
 
 import json
 
