@@ -115,18 +115,23 @@ class _Emitter:
 
     def __init__(self, prefix: str, opset: int, dtype):
         self.prefix, self.opset, self.dtype = prefix, opset, dtype
-        self.nodes, self.initializers, self.count = [], [], 0
+        self.nodes, self.initializers, self.count, self.constants = [], [], 0, {}
 
     def _name(self, hint: str) -> str:
         self.count += 1
         return f"{self.prefix}/{hint}_{self.count}"
 
     def const(self, value, dtype=None) -> str:
+        """An initializer of that value (one per distinct value: the steps
+        share their weights, biases and slice bounds)."""
         from onnx import numpy_helper
 
-        name = self._name("const")
-        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype or self.dtype), name))
-        return name
+        array = np.ascontiguousarray(value, dtype=dtype or self.dtype)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self.constants:
+            self.constants[key] = self._name("const")
+            self.initializers.append(numpy_helper.from_array(array, self.constants[key]))
+        return self.constants[key]
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
         from onnx import helper
@@ -144,15 +149,31 @@ class _Emitter:
         """x[index] along `axis`, that axis dropped (a Slice and a Squeeze:
         TVM imports a Gather as a `take` in its fast mode and warns of
         out-of-range indices at each one)."""
-        one = self.op("Slice", x, self.const([index], np.int64), self.const([index + 1], np.int64),
-                      self.const([axis], np.int64))
-        if self.opset >= 13:
-            return self.op("Squeeze", one, self.const([axis], np.int64))
-        return self.op("Squeeze", one, axes=[axis])
+        return self.squeeze(self.op("Slice", x, self.const([index], np.int64), self.const([index + 1], np.int64),
+                                    self.const([axis], np.int64)), axis)
 
     def cols(self, x: str, start: int, end: int) -> str:  # x[..., start:end]
         return self.op("Slice", x, self.const([start], np.int64), self.const([end], np.int64),
                        self.const([-1], np.int64))
+
+    def squeeze(self, x: str, axis: int) -> str:
+        if self.opset >= 13:
+            return self.op("Squeeze", x, self.const([axis], np.int64))
+        return self.op("Squeeze", x, axes=[axis])
+
+    def steps(self, x: str, count: int) -> list[str]:
+        """x's `count` rows along axis 0, each without that axis: one Split
+        (a Slice a step would make each step's slice a kernel of its own)."""
+        from onnx import helper
+
+        outs = [self._name("step") for _ in range(count)]
+        if self.opset >= 13:
+            node = helper.make_node("Split", [x, self.const([1] * count, np.int64)], outs, name=self._name("Split"),
+                                    axis=0)
+        else:
+            node = helper.make_node("Split", [x], outs, name=self._name("Split"), axis=0, split=[1] * count)
+        self.nodes.append(node)
+        return [self.squeeze(o, 0) for o in outs]
 
     def act(self, name: str, x: str, clip: float | None) -> str:
         if clip is not None:
@@ -214,16 +235,19 @@ def _unroll(node, e: _Emitter, constants: dict, seq: int) -> None:
         if op == "GRU" and lbr:  # the reset gate multiplies (H R_h^T + Rb_h): Rb_h stays out of the input part
             bias[2 * hidden:] = B[d][2 * hidden:gh]
         xw = e.op("Add", e.op("MatMul", x, e.const(W[d].T)), e.const(bias))  # [S, B, gates*H]
-        rt = R[d].T  # [H, gates*H]
+        rt = e.const(R[d].T)  # [H, gates*H], one constant a direction
+        if op == "GRU" and not lbr:
+            rt_zr, rt_h = e.const(R[d].T[:, :2 * hidden]), e.const(R[d].T[:, 2 * hidden:])
         H = e.take(h0, d, axis=1 if layout else 0) if h0 else None
         C = e.take(c0, d, axis=1 if layout else 0) if (op == "LSTM" and c0) else None
         outs = {}
+        xws = e.steps(xw, seq)
         for t in steps:
-            xt = e.take(xw, t)  # [B, gates*H]
+            xt = xws[t]  # [B, gates*H]
             if op == "RNN":
-                H = e.act(f, e.add(None if H is None else e.op("MatMul", H, e.const(rt)), xt), clip)
+                H = e.act(f, e.add(None if H is None else e.op("MatMul", H, rt), xt), clip)
             elif op == "LSTM":
-                pre = e.add(None if H is None else e.op("MatMul", H, e.const(rt)), xt)
+                pre = e.add(None if H is None else e.op("MatMul", H, rt), xt)
                 gi, go, gf, gc = (e.cols(pre, k * hidden, (k + 1) * hidden) for k in range(4))
                 if P is not None and C is not None:
                     gi = e.op("Add", gi, e.op("Mul", C, e.const(P[d][:hidden])))
@@ -246,15 +270,15 @@ def _unroll(node, e: _Emitter, constants: dict, seq: int) -> None:
                     outs[t] = H
                     continue
                 if lbr:
-                    rec = e.op("MatMul", H, e.const(rt))
+                    rec = e.op("MatMul", H, rt)
                     rz, rr, rh = (e.cols(rec, k * hidden, (k + 1) * hidden) for k in range(3))
                     z, r = e.act(f, e.op("Add", xz, rz), clip), e.act(f, e.op("Add", xr, rr), clip)
                     rh = e.op("Mul", r, e.op("Add", rh, e.const(B[d][gh + 2 * hidden:])))
                 else:
-                    rec = e.op("MatMul", H, e.const(rt[:, :2 * hidden]))
+                    rec = e.op("MatMul", H, rt_zr)
                     rz, rr = e.cols(rec, 0, hidden), e.cols(rec, hidden, 2 * hidden)
                     z, r = e.act(f, e.op("Add", xz, rz), clip), e.act(f, e.op("Add", xr, rr), clip)
-                    rh = e.op("MatMul", e.op("Mul", r, H), e.const(rt[:, 2 * hidden:]))
+                    rh = e.op("MatMul", e.op("Mul", r, H), rt_h)
                 cand = e.act(g, e.op("Add", xh, rh), clip)
                 H = e.op("Add", cand, e.op("Mul", z, e.op("Sub", H, cand)))  # (1 - z) * h~ + z * H
             outs[t] = H
