@@ -134,6 +134,24 @@ def test_a_model_convert_layout_fails_on_keeps_nchw(caplog):
     assert "(relax.nn.layer_norm requires the input gamma" in line
 
 
+def test_a_module_without_convolutions_skips_convert_layout(monkeypatch):
+    """(TVM's pass took 13 s over a GRU's 8,000 unrolled ops, converting nothing.)"""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.tanh(relax.op.matmul(x, relax.const(np.ones((8, 8), "float32")))))
+        bb.emit_func_output(out)
+    plain = bb.get()
+
+    ran = []
+    monkeypatch.setattr(relax.transform, "ConvertLayout", lambda *args: ran.append(args) or (lambda mod: mod))
+    assert nchwc.convert()(plain).script() == plain.script()
+    assert not ran
+    nchwc.convert()(_mean_then_layer_norm())
+    assert ran
+
+
 def test_nchwc_is_the_cpu_default_and_not_a_cuda_layout():
     assert config.LLVM_DEFAULTS.layout == "NCHWc"
     with pytest.raises(config.ConfigError, match="NCHWc is the CPU's layout"):
