@@ -38,6 +38,7 @@ import numpy as np
 OPS = {"LSTM": 4, "GRU": 3, "RNN": 1}  # operator: gates
 DEFAULT_ACTIVATIONS = {"LSTM": ("Sigmoid", "Tanh", "Tanh"), "GRU": ("Sigmoid", "Tanh"), "RNN": ("Tanh",)}
 ACTIVATIONS = {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu"}  # (ONNX names them case-insensitively)
+GROUP = 16  # the most steps one Split or Concat takes
 
 
 def _attrs(node) -> dict:
@@ -161,19 +162,39 @@ class _Emitter:
             return self.op("Squeeze", x, self.const([axis], np.int64))
         return self.op("Squeeze", x, axes=[axis])
 
-    def steps(self, x: str, count: int) -> list[str]:
-        """x's `count` rows along axis 0, each without that axis: one Split
-        (a Slice a step would make each step's slice a kernel of its own)."""
+    def _split(self, x: str, sizes: list[int]) -> list[str]:
         from onnx import helper
 
-        outs = [self._name("step") for _ in range(count)]
+        outs = [self._name("part") for _ in sizes]
         if self.opset >= 13:
-            node = helper.make_node("Split", [x, self.const([1] * count, np.int64)], outs, name=self._name("Split"),
-                                    axis=0)
+            node = helper.make_node("Split", [x, self.const(sizes, np.int64)], outs, name=self._name("Split"), axis=0)
         else:
-            node = helper.make_node("Split", [x], outs, name=self._name("Split"), axis=0, split=[1] * count)
+            node = helper.make_node("Split", [x], outs, name=self._name("Split"), axis=0, split=sizes)
         self.nodes.append(node)
-        return [self.squeeze(o, 0) for o in outs]
+        return outs
+
+    def steps(self, x: str, count: int) -> list[str]:
+        """x's `count` rows along axis 0, each without that axis: Splits of
+        at most GROUP parts (a Slice a step makes each step's slice a kernel
+        of its own; one Split of 100 a kernel of 100 blocks, which DLight's
+        inlining took 40 s to schedule), in levels."""
+        if count <= GROUP:
+            return [self.squeeze(o, 0) for o in self._split(x, [1] * count)]
+        chunk = GROUP
+        while -(-count // chunk) > GROUP:
+            chunk *= GROUP
+        sizes = [min(chunk, count - k) for k in range(0, count, chunk)]
+        return [row for part, n in zip(self._split(x, sizes), sizes) for row in self.steps(part, n)]
+
+    def rows(self, xs: list[str], hidden: int) -> str:
+        """The [B, hidden] tensors `xs` stacked on a new axis 0: Concats of at
+        most GROUP inputs, in levels (one of 100 Unsqueezes was a kernel of
+        249 blocks and 205 parameters), and a Reshape of [len * B, hidden]."""
+        flat = list(xs)
+        while len(flat) > 1:
+            groups = [flat[k:k + GROUP] for k in range(0, len(flat), GROUP)]
+            flat = [g[0] if len(g) == 1 else self.op("Concat", *g, axis=0) for g in groups]
+        return self.op("Reshape", flat[0], self.const([len(xs), -1, hidden], np.int64))
 
     def act(self, name: str, x: str, clip: float | None) -> str:
         if clip is not None:
@@ -282,7 +303,7 @@ def _unroll(node, e: _Emitter, constants: dict, seq: int) -> None:
                 cand = e.act(g, e.op("Add", xh, rh), clip)
                 H = e.op("Add", cand, e.op("Mul", z, e.op("Sub", H, cand)))  # (1 - z) * h~ + z * H
             outs[t] = H
-        ys.append(e.op("Concat", *(e.unsqueeze(outs[t], 0) for t in range(seq)), axis=0))  # [S, B, H]
+        ys.append(e.rows([outs[t] for t in range(seq)], hidden))  # [S, B, H]
         last_h.append(H)
         last_c.append(C)
 

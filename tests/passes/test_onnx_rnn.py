@@ -16,7 +16,8 @@ from deploy.passes import onnx_rnn
 SEQ, BATCH, INPUT, HIDDEN = 5, 3, 4, 6
 
 
-def _model(op, direction="forward", layout=0, initial=False, peephole=False, lens=False, opset=17, **attrs):
+def _model(op, direction="forward", layout=0, initial=False, peephole=False, lens=False, opset=17, seq=SEQ,
+           **attrs):
     """One recurrent node over input x, every output a graph output."""
     rng = np.random.default_rng(0)
     gates, dirs = onnx_rnn.OPS[op], 2 if direction == "bidirectional" else 1
@@ -32,17 +33,17 @@ def _model(op, direction="forward", layout=0, initial=False, peephole=False, len
         w["P"] = rng.normal(0, 0.5, (dirs, 3 * HIDDEN))
     inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in w.items()]
     if lens:
-        inits.append(numpy_helper.from_array(np.full(BATCH, SEQ, np.int32), "lens"))
+        inits.append(numpy_helper.from_array(np.full(BATCH, seq, np.int32), "lens"))
     names = ["x", "W", "R", "B", "lens" if lens else "", "h0" if initial else "", "c0" if initial else "",
              "P" if peephole else ""]
     names = names[: 6 if op != "LSTM" else 8]
     outs = ["y", "y_h"] + (["y_c"] if op == "LSTM" else [])
     node = helper.make_node(op, names, outs, name="rnn", hidden_size=HIDDEN, direction=direction,
                             **({"layout": layout} if layout else {}), **attrs)
-    x_shape = [BATCH, SEQ, INPUT] if layout else [SEQ, BATCH, INPUT]
+    x_shape = [BATCH, seq, INPUT] if layout else [seq, BATCH, INPUT]
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
                               [helper.make_tensor_value_info(o, TensorProto.FLOAT, shape) for o, shape in
-                               zip(outs, [[BATCH, SEQ, dirs, HIDDEN] if layout else [SEQ, dirs, BATCH, HIDDEN],
+                               zip(outs, [[BATCH, seq, dirs, HIDDEN] if layout else [seq, dirs, BATCH, HIDDEN],
                                           state, state])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), x_shape
 
@@ -80,6 +81,8 @@ def _check(model, x_shape):
     rewritten, counts = onnx_rnn.decompose(model, {"x": x_shape})
     assert counts == {model.graph.node[0].op_type: 1}
     assert not onnx_rnn.recurrent_nodes(rewritten.graph)
+    parts = {"Split": lambda n: len(n.output), "Concat": lambda n: len(n.input)}
+    assert all(parts[n.op_type](n) <= onnx_rnn.GROUP for n in rewritten.graph.node if n.op_type in parts)
     onnx.checker.check_model(rewritten)
     for want, got in zip(_reference(model, x), _run(rewritten, x), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -100,6 +103,10 @@ CASES = [  # (op, attributes)
     ("GRU", dict(activations=["Tanh", "Sigmoid"], initial=True)),
     ("LSTM", dict(lens=True, initial=True)),
     ("GRU", dict(opset=11, direction="bidirectional", initial=True)),
+    # longer than one Split or Concat takes (onnx_rnn.GROUP): in two and three levels
+    ("LSTM", dict(seq=37, direction="bidirectional", layout=1)),
+    ("GRU", dict(seq=300, linear_before_reset=1, opset=11)),
+    ("RNN", dict(seq=16, direction="reverse")),
 ]
 
 
