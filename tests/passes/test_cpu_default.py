@@ -178,3 +178,55 @@ def test_batch_matmul_blocks_no_axis_both_operands_index(llvm_target):
     sch = _check(te.create_prim_func([a, b, topi.nn.batch_matmul(a, b, transpose_b=False)]), llvm_target)
     script = sch.mod.script()
     assert "T.unroll(8)" in script and "T.unroll(2)" not in script and "T.unroll(4)" not in script
+
+
+def _equal_not_cast():
+    """RoBERTa's padding mask before its CumSum: Equal, Not, Cast, each its
+    own block over bool intermediates (as FuseTIR leaves them)."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def main(x: T.Buffer((T.int64(2), T.int64(16)), "int64"), y: T.Buffer((T.int64(2), T.int64(16)), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        e = T.sblock_alloc_buffer((T.int64(2), T.int64(16)), "bool")
+        n = T.sblock_alloc_buffer((T.int64(2), T.int64(16)), "bool")
+        for i, j in T.grid(T.int64(2), T.int64(16)):
+            with T.sblock("eq"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                e[vi, vj] = x[vi, vj] == T.int64(1)
+        for i, j in T.grid(T.int64(2), T.int64(16)):
+            with T.sblock("not"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                n[vi, vj] = not e[vi, vj]
+        for i, j in T.grid(T.int64(2), T.int64(16)):
+            with T.sblock("cast"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.Cast("int32", n[vi, vj])
+
+    return main
+
+
+_PADDED_IDS = np.array([[8, 6, 5, 2, 3, 0, 0, 0, 1, 8, 1, 1, 4, 1, 9, 1]] * 2, "int64")
+
+
+def _masked(func, llvm_target):
+    return _run(func, llvm_target, [_PADDED_IDS, np.zeros(_PADDED_IDS.shape, "int32")])
+
+
+def test_bool_intermediates_stay_scalar_and_compute_the_mask(llvm_target):
+    sch = InjectiveParallel().apply(_equal_not_cast(), llvm_target.tvm_target(), False)
+    got = _masked(sch.mod["main"].with_attr("tirx.is_scheduled", True), llvm_target)
+    np.testing.assert_array_equal(got, (_PADDED_IDS != 1).astype("int32"))
+
+
+def test_tvm_still_miscompiles_vectorized_bool_intermediates(llvm_target):
+    """The defect `cpu_default._touches_bool` works around: fails once TVM's
+    LLVM codegen computes Not over a vectorized bool buffer right."""
+    from deploy.tvm_compat import s_tir
+
+    sch = s_tir.Schedule(_equal_not_cast())
+    for name in ("eq", "not", "cast"):
+        sch.vectorize(sch.get_loops(sch.get_sblock(name))[-1])
+    got = _masked(sch.mod["main"].with_attr("tirx.is_scheduled", True), llvm_target)
+    assert not np.array_equal(got, (_PADDED_IDS != 1).astype("int32"))
+    assert set(np.unique(got)) <= {-2, -1, 0, 1}
