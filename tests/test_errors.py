@@ -70,6 +70,34 @@ def test_unsupported_operators_are_listed_with_counts(capsys, tmp_path):
     assert not (ws / "frontend").exists()
 
 
+def _shape_decided_if(path):
+    """y = Relu(x) if x.shape[1] > 0 else Neg(x): an If whose condition the
+    static shapes decide (DeBERTa's TorchScript helpers export such If
+    nodes, which TVM's importer does not convert)."""
+    branch = [helper.make_graph([helper.make_node(op, ["x"], [out])], out, [],
+                                [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+              for op, out in (("Relu", "t"), ("Neg", "e"))]
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "one"], ["d"], axis=0),
+             helper.make_node("Greater", ["d", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=branch[0], else_branch=branch[1])]
+    inits = [helper.make_tensor("one", TensorProto.INT64, [], [1]), helper.make_tensor("zero", TensorProto.INT64, [], [0])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_an_if_that_static_shapes_decide_is_not_refused(capsys, tmp_path):
+    path = tmp_path / "if.onnx"
+    _shape_decided_if(path)
+    ws = tmp_path / "ws"
+    assert run_cli(capsys, "export", "-m", path, "--input", "x:4", "--workdir", ws)[0] == 0
+    rc, _, err = run_cli(capsys, "frontend", "-m", path, "--input", "x:4", "--workdir", ws, "--target", "llvm",
+                         "--buckets", "1,2")
+    assert rc == 0, err
+    m = json.loads((ws / "frontend" / "manifest.json").read_text())
+    assert m["onnx_ops"]["If"] == 1 and m["simplified"]["2"]["nodes_after"] == 1
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [("x:3x8x8", "dim 2 of input 'x'"), ("x:3x16x16:int64", "dtype of input 'x'"),
