@@ -135,7 +135,7 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
     buckets = exported.buckets(profile)
     model = load_onnx(exported.onnx_path)
     hist = onnx_op_histogram(model.graph)
-    refused = onnx_rnn.refusals(model.graph)
+    refused = onnx_rnn.refusals(model)
     if refused:
         raise UnsupportedOperatorError(f"{len(refused)} recurrent node(s) cannot be rewritten for TVM: "
                                        + "; ".join(refused))

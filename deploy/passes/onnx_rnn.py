@@ -22,11 +22,12 @@ RNN-14): peepholes, `clip`, `linear_before_reset`, initial states, forward,
 reverse and bidirectional. ONNX Runtime runs the original and the rewritten
 graph alike in the tests.
 
-Shape-specialised, like the package: the sequence length and the batch
-must be static (the batch need not be). Refused with a one-line UnsupportedOperatorError
-(`refusals`, checked before any bucket is imported): activations other than
-Sigmoid, Tanh and Relu (or with alpha/beta), `input_forget`, weights
-computed in the graph, and per-sequence lengths other than the full one.
+Shape-specialised, like the package: the sequence length must be static
+(the batch need not be). Refused with a one-line UnsupportedOperatorError:
+before any bucket is imported (`refusals`), activations other than Sigmoid,
+Tanh and Relu (or with alpha/beta), `input_forget`, and opsets before 11;
+in each bucket's simplified graph (`decompose`), weights computed in the
+graph and per-sequence lengths other than the full one.
 """
 
 from __future__ import annotations
@@ -77,7 +78,15 @@ def decomposed_ops(graph) -> collections.Counter:
     return collections.Counter(("ai.onnx", n.op_type) for n in recurrent_nodes(graph))
 
 
-def _refusal(node, constants: dict) -> str | None:
+MIN_OPSET = 11  # the rewrite emits Slice (inputs from opset 10) and Clip (inputs from opset 11)
+
+
+def _label(node) -> str:
+    return f"{node.op_type} '{node.name or node.output[0] or node.op_type}'"
+
+
+def _attribute_refusal(node, opset: int) -> str | None:
+    """Why the node's attributes (or the model's opset) cannot be rewritten."""
     a = _attrs(node)
     directions = 2 if a.get("direction", "forward") == "bidirectional" else 1
     acts = a.get("activations")
@@ -90,6 +99,15 @@ def _refusal(node, constants: dict) -> str | None:
         return "activation_alpha/activation_beta"
     if a.get("input_forget", 0):
         return "input_forget=1"
+    if opset < MIN_OPSET:
+        return f"opset {opset} (the rewrite needs opset {MIN_OPSET} or later)"
+    return None
+
+
+def _constant_refusal(node, constants: dict) -> str | None:
+    """Why the node's weights cannot be rewritten: only known once the
+    graph is simplified (the dynamo exporter builds a large LSTM's W, R and
+    B with Slice and Concat, which onnxslim folds)."""
     for index, what in ((1, "W"), (2, "R"), (3, "B"), (7, "P")):
         name = _input(node, index)
         if name and name not in constants:
@@ -100,15 +118,28 @@ def _refusal(node, constants: dict) -> str | None:
     return None
 
 
-def refusals(graph) -> list[str]:
-    """One line for each recurrent node this cannot rewrite."""
-    constants = _constants(graph)
-    out = []
-    for n in recurrent_nodes(graph):
-        why = _refusal(n, constants)
-        if why:
-            out.append(f"{n.op_type} '{n.name or n.output[0]}' with {why}")
-    return out
+def _opset(model) -> int:
+    return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=1)
+
+
+def refusals(model) -> list[str]:
+    """One line for each recurrent node whose attributes this cannot
+    rewrite (weights computed in the graph are refused by `decompose`, in
+    the simplified graph)."""
+    opset = _opset(model)
+    return [f"{_label(n)} with {why}" for n in recurrent_nodes(model.graph)
+            if (why := _attribute_refusal(n, opset))]
+
+
+def _graph_inputs(graph) -> set[str]:
+    """Every name the graph's nodes read, those of If/Loop/Scan bodies included."""
+    names = set()
+    for n in graph.node:
+        names.update(n.input)
+        for attr in n.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                names |= _graph_inputs(sub)
+    return names
 
 
 class _Emitter:
@@ -228,7 +259,8 @@ def _static_shapes(model, input_shapes: dict) -> dict:
 def _unroll(node, e: _Emitter, constants: dict, seq: int) -> None:
     """`node`'s outputs computed by `e`'s nodes."""
     a = _attrs(node)
-    op, gates, hidden = node.op_type, OPS[node.op_type], int(a["hidden_size"])
+    op, gates = node.op_type, OPS[node.op_type]
+    hidden = int(a.get("hidden_size", constants[_input(node, 2)].shape[-1]))  # (optional: R is [D, gates*H, H])
     direction = a.get("direction", "forward")
     steps_of = {"forward": [range(seq)], "reverse": [range(seq - 1, -1, -1)],
                 "bidirectional": [range(seq), range(seq - 1, -1, -1)]}[direction]
@@ -242,7 +274,7 @@ def _unroll(node, e: _Emitter, constants: dict, seq: int) -> None:
     if _input(node, 4) and not np.all(constants[_input(node, 4)] == seq):
         from ..errors import UnsupportedOperatorError
 
-        raise UnsupportedOperatorError(f"{op} '{node.name}' with sequences shorter than the input's {seq} steps")
+        raise UnsupportedOperatorError(f"{_label(node)} with sequences shorter than the input's {seq} steps")
 
     x = _input(node, 0)
     if layout == 1:  # [B, S, I] -> [S, B, I]
@@ -256,9 +288,10 @@ def _unroll(node, e: _Emitter, constants: dict, seq: int) -> None:
         if op == "GRU" and lbr:  # the reset gate multiplies (H R_h^T + Rb_h): Rb_h stays out of the input part
             bias[2 * hidden:] = B[d][2 * hidden:gh]
         xw = e.op("Add", e.op("MatMul", x, e.const(W[d].T)), e.const(bias))  # [S, B, gates*H]
-        rt = e.const(R[d].T)  # [H, gates*H], one constant a direction
-        if op == "GRU" and not lbr:
+        if op == "GRU" and not lbr:  # (the reset gate multiplies H before its product with R_h)
             rt_zr, rt_h = e.const(R[d].T[:, :2 * hidden]), e.const(R[d].T[:, 2 * hidden:])
+        else:
+            rt = e.const(R[d].T)  # [H, gates*H], one constant a direction
         H = e.take(h0, d, axis=1 if layout else 0) if h0 else None
         C = e.take(c0, d, axis=1 if layout else 0) if (op == "LSTM" and c0) else None
         outs = {}
@@ -337,37 +370,38 @@ def decompose(model, input_shapes: dict):
     from ..errors import UnsupportedOperatorError
 
     nodes = recurrent_nodes(model.graph)
-    rewritten = {i for i, n in enumerate(model.graph.node) if n.domain in ("", "ai.onnx") and n.op_type in OPS}
     if not nodes:
         return model, {}
-    refused = refusals(model.graph)
-    if refused:
-        raise UnsupportedOperatorError("; ".join(refused))
-    shapes = _static_shapes(model, input_shapes)
     constants = _constants(model.graph)
-    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=13)
+    refused = refusals(model) + [f"{_label(n)} with {why}" for n in nodes if (why := _constant_refusal(n, constants))]
+    if refused:
+        raise UnsupportedOperatorError(f"{len(refused)} recurrent node(s) cannot be rewritten for TVM: "
+                                       + "; ".join(refused))
+    shapes = _static_shapes(model, input_shapes)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
     used_before = {n.input[k] for n in nodes for k in (1, 2, 3, 4, 7) if _input(n, k)}
     counts: collections.Counter = collections.Counter()
     for index, n in enumerate(model.graph.node):
-        if index not in rewritten:
+        if not (n.domain in ("", "ai.onnx") and n.op_type in OPS):
             out.graph.node.append(n)
             continue
         x_shape = shapes.get(n.input[0])
         layout = int(_attrs(n).get("layout", 0))
         seq = x_shape[layout] if x_shape and len(x_shape) == 3 else None
         if not seq:
-            raise UnsupportedOperatorError(f"{n.op_type} '{n.name}' over an input of shape {x_shape} "
+            raise UnsupportedOperatorError(f"{_label(n)} over an input of shape {x_shape} "
                                            "(its sequence length must be static)")
-        e = _Emitter(f"{n.name or n.op_type}.unrolled{index}", opset, constants[n.input[1]].dtype)
+        e = _Emitter(f"{n.name or n.op_type}.unrolled{index}", _opset(model), constants[n.input[1]].dtype)
         _unroll(n, e, constants, seq)
         out.graph.node.extend(e.nodes)
         out.graph.initializer.extend(e.initializers)
         counts[n.op_type] += 1
-    still_used = {i for n in out.graph.node for i in n.input} | {o.name for o in out.graph.output}
-    kept = [t for t in out.graph.initializer if t.name not in used_before or t.name in still_used]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(kept)
+    # the weights no node reads any more go, with their graph-input entries (old exporters list initializers there)
+    unused = used_before - _graph_inputs(out.graph) - {o.name for o in out.graph.output}
+    for field in (out.graph.initializer, out.graph.input):
+        kept = [t for t in field if t.name not in unused]
+        del field[:]
+        field.extend(kept)
     return out, dict(counts)

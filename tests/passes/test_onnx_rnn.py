@@ -3,6 +3,7 @@ compute what ONNX Runtime computes for the nodes themselves, over every
 attribute the rewrite takes; and what it refuses, it refuses in one line."""
 
 import itertools
+import re
 
 import numpy as np
 import onnx
@@ -117,14 +118,16 @@ def test_rewrite_computes_what_onnxruntime_computes(op, attrs):
 
 @pytest.mark.parametrize("attrs, message", [
     (dict(activations=["HardSigmoid", "Tanh", "Tanh"]), "activations"),
+    (dict(activations=["Sigmoid", "Tanh", "Tanh"], direction="bidirectional"), "3 activations for 2 direction(s)"),
+    (dict(opset=10), "opset 10 (the rewrite needs opset 11 or later)"),
     (dict(activations=["Sigmoid", "Tanh", "Tanh"], activation_alpha=[0.1]), "activation_alpha"),
     (dict(input_forget=1), "input_forget=1"),
 ])
 def test_refused_in_one_line(attrs, message):
     model, x_shape = _model("LSTM", **attrs)
-    [line] = onnx_rnn.refusals(model.graph)
+    [line] = onnx_rnn.refusals(model)
     assert line.startswith("LSTM 'rnn' with ") and message in line
-    with pytest.raises(UnsupportedOperatorError, match=message):
+    with pytest.raises(UnsupportedOperatorError, match=re.escape(message)):
         onnx_rnn.decompose(model, {"x": x_shape})
 
 
@@ -194,3 +197,57 @@ def test_pytorch_export_rewritten_matches_pytorch(make, tmp_path):
     assert sum(counts.values()) >= 1 and not onnx_rnn.recurrent_nodes(rewritten.graph)
     want = net(x)[0].detach().numpy()
     np.testing.assert_allclose(_run(rewritten, x.numpy())[0], want, rtol=1e-4, atol=1e-5)
+
+
+def _weights_concatenated(model):
+    """W made in the graph from two halves, as torch's dynamo exporter makes
+    a large LSTM's weights (onnxslim folds them at static shapes)."""
+    w = next(t for t in model.graph.initializer if t.name == "W")
+    halves = np.split(numpy_helper.to_array(w), 2, axis=1)
+    kept = [t for t in model.graph.initializer if t.name != "W"]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept + [numpy_helper.from_array(h, f"W{k}") for k, h in enumerate(halves)])
+    model.graph.node.insert(0, helper.make_node("Concat", ["W0", "W1"], ["W"], axis=1))
+    return model
+
+
+def test_weights_computed_in_the_graph_are_refused_only_if_still_there_once_simplified():
+    import onnxslim
+
+    model, x_shape = _model("LSTM", initial=True)
+    model = _weights_concatenated(model)
+    assert onnx_rnn.refusals(model) == []  # (the frontend's early check)
+    with pytest.raises(UnsupportedOperatorError, match="LSTM 'rnn' with its W weights computed in the graph"):
+        onnx_rnn.decompose(model, {"x": x_shape})
+    slim = onnxslim.slim(model)
+    x = np.random.default_rng(1).normal(0, 1, x_shape).astype(np.float32)
+    rewritten, _ = onnx_rnn.decompose(slim, {"x": x_shape})
+    for want, got in zip(_run(model, x), _run(rewritten, x), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_read_elsewhere_stay_and_the_rest_go_with_their_graph_inputs():
+    """An initializer another node reads (here a graph output made from R)
+    is kept; W and B, also listed as graph inputs (as exporters before IR 4
+    did), go from both lists."""
+    model, x_shape = _model("GRU", initial=True)
+    model.graph.node.append(helper.make_node("Identity", ["R"], ["r_out"]))
+    model.graph.output.append(helper.make_tensor_value_info("r_out", TensorProto.FLOAT, None))
+    model.graph.input.extend(helper.make_tensor_value_info(t.name, TensorProto.FLOAT, list(t.dims))
+                             for t in model.graph.initializer if t.name in ("W", "B"))
+    rewritten, _ = onnx_rnn.decompose(model, {"x": x_shape})
+    names = {t.name for t in rewritten.graph.initializer}
+    assert "R" in names and not {"W", "B"} & names
+    assert [i.name for i in rewritten.graph.input] == ["x"]
+
+
+def test_hidden_size_taken_from_r_when_absent():
+    model, x_shape = _model("RNN", initial=True)
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    attrs = [a for a in bare.graph.node[0].attribute if a.name != "hidden_size"]
+    del bare.graph.node[0].attribute[:]
+    bare.graph.node[0].attribute.extend(attrs)
+    x = np.random.default_rng(1).normal(0, 1, x_shape).astype(np.float32)
+    rewritten, _ = onnx_rnn.decompose(bare, {"x": x_shape})
+    np.testing.assert_allclose(_run(rewritten, x)[0], _run(model, x)[0], rtol=1e-5, atol=1e-5)
