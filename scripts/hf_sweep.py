@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ = 16
+TIMEOUT_S = 1800  # one model on one target
 TEXT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
             max_position_embeddings=64)
 DECODER = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -166,12 +167,16 @@ def run(onnx_path: Path, inputs, target: str, work: Path, log_path: Path) -> dic
     cmd += ["--target", target, "--trials", "0", "--buckets", "1,2", "--workdir", str(work), "--db-root",
             str(work.parent / "db")]
     start = time.time()
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
-    log_path.write_text(" ".join(cmd) + "\n\n" + p.stdout + p.stderr)
-    lines = [ln.strip() for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    try:
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"{e.stdout or ''}{e.stderr or ''}\nerror: timed out after {TIMEOUT_S} s", "timeout"
+    log_path.write_text(" ".join(cmd) + "\n\n" + text)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("error:")]
     checked = [ln for ln in lines if ln.startswith("validation ")]
-    outcome = "failed" if p.returncode else ("validated" if checked and "PASSED" in checked[-1] else "built")
+    outcome = "failed" if rc else ("validated" if checked and "PASSED" in checked[-1] else "built")
     return {"outcome": outcome, "line": (errors or checked or lines or [""])[-1][:300],
             "seconds": round(time.time() - start, 1)}
 
@@ -179,8 +184,12 @@ def run(onnx_path: Path, inputs, target: str, work: Path, log_path: Path) -> dic
 def write(out: Path, rows: dict, targets: list[str]) -> None:
     (out / "sweep.json").write_text(json.dumps(rows, indent=1))
     head = "| model | export | " + " | ".join(targets) + " |\n|---|---|" + "---|" * len(targets) + "\n"
-    body = "".join(f"| {name} | {r['export']} | " + " | ".join(
-        f"{r[t]['outcome']}: {r[t]['line']}" if t in r else "" for t in targets) + " |\n" for name, r in rows.items())
+    def cell(text):  # (error lines hold " | ")
+        return text.replace("|", "\\|")
+
+    body = "".join(f"| {name} | {cell(r['export'])} | " + " | ".join(
+        cell(f"{r[t]['outcome']}: {r[t]['line']}") if t in r else "" for t in targets) + " |\n"
+        for name, r in rows.items())
     def count(t, *outcomes):
         return sum(1 for r in rows.values() if r.get(t, {}).get("outcome") in outcomes)
 

@@ -234,7 +234,7 @@ def _touches_bool(block) -> bool:
     it are vectorized: it holds the vector as <N x i8> and lowers `not` to
     `xor -1` (0/1 become -1/-2). RoBERTa's position ids (Equal, Not, Cast,
     CumSum) came out wrong: rel. L2 0.73 against ONNX Runtime. Such blocks
-    stay scalar (a mask's few elements);
+    stay scalar (mask arithmetic; the kernel's other blocks are vectorized);
     tests/passes/test_cpu_default.py::test_tvm_still_miscompiles_vectorized_bool_intermediates
     fails once TVM computes them right."""
     return any(str(r.source.dtype) == "bool" for r in (*block.reads, *block.writes))

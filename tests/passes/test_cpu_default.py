@@ -186,7 +186,8 @@ def _equal_not_cast():
     from tvm.script import tirx as T
 
     @T.prim_func(s_tir=True)
-    def main(x: T.Buffer((T.int64(2), T.int64(16)), "int64"), y: T.Buffer((T.int64(2), T.int64(16)), "int32")):
+    def main(x: T.Buffer((T.int64(2), T.int64(16)), "int64"), y: T.Buffer((T.int64(2), T.int64(16)), "int32"),
+             z: T.Buffer((T.int64(2), T.int64(16)), "int64")):
         T.func_attr({"tirx.noalias": True})
         e = T.sblock_alloc_buffer((T.int64(2), T.int64(16)), "bool")
         n = T.sblock_alloc_buffer((T.int64(2), T.int64(16)), "bool")
@@ -202,6 +203,10 @@ def _equal_not_cast():
             with T.sblock("cast"):
                 vi, vj = T.axis.remap("SS", [i, j])
                 y[vi, vj] = T.Cast("int32", n[vi, vj])
+        for i, j in T.grid(T.int64(2), T.int64(16)):
+            with T.sblock("twice"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                z[vi, vj] = x[vi, vj] * T.int64(2)
 
     return main
 
@@ -210,13 +215,19 @@ _PADDED_IDS = np.array([[8, 6, 5, 2, 3, 0, 0, 0, 1, 8, 1, 1, 4, 1, 9, 1]] * 2, "
 
 
 def _masked(func, llvm_target):
-    return _run(func, llvm_target, [_PADDED_IDS, np.zeros(_PADDED_IDS.shape, "int32")])
+    lib = build_kernel("k", func, llvm_target)
+    arrays = [tensor(a, tvm.cpu()) for a in (_PADDED_IDS, np.zeros(_PADDED_IDS.shape, "int32"),
+                                              np.zeros(_PADDED_IDS.shape, "int64"))]
+    lib["k"](*arrays)
+    np.testing.assert_array_equal(arrays[2].numpy(), _PADDED_IDS * 2)
+    return arrays[1].numpy()
 
 
 def test_bool_intermediates_stay_scalar_and_compute_the_mask(llvm_target):
     sch = InjectiveParallel().apply(_equal_not_cast(), llvm_target.tvm_target(), False)
     got = _masked(sch.mod["main"].with_attr("tirx.is_scheduled", True), llvm_target)
     np.testing.assert_array_equal(got, (_PADDED_IDS != 1).astype("int32"))
+    assert sch.mod.script().count("T.vectorized") == 1  # the block without bool ("twice") still is
 
 
 def test_tvm_still_miscompiles_vectorized_bool_intermediates(llvm_target):
@@ -225,7 +236,7 @@ def test_tvm_still_miscompiles_vectorized_bool_intermediates(llvm_target):
     from deploy.tvm_compat import s_tir
 
     sch = s_tir.Schedule(_equal_not_cast())
-    for name in ("eq", "not", "cast"):
+    for name in ("eq", "not", "cast", "twice"):
         sch.vectorize(sch.get_loops(sch.get_sblock(name))[-1])
     got = _masked(sch.mod["main"].with_attr("tirx.is_scheduled", True), llvm_target)
     assert not np.array_equal(got, (_PADDED_IDS != 1).astype("int32"))
