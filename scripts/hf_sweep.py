@@ -10,6 +10,7 @@ those that do not. `transformers` is not one of the project's dependencies:
 
     pip install transformers==5.18.0
     python scripts/hf_sweep.py --out results/cpu/DATE/hf-sweep [--models BertModel,GPT2LMHeadModel] [--targets llvm]
+        [--exporter dynamo]
 
 Results: sweep.md and sweep.json in --out (resumable: models already in
 sweep.json are skipped unless --force), each run's output in --out/logs/.
@@ -134,8 +135,10 @@ def specs(lm_mask: bool = True) -> dict:
     }
 
 
-def export(spec, path: Path) -> list:
-    """The model exported as a user would; its inputs."""
+def export(spec, path: Path, dynamo: bool = False) -> list:
+    """The model exported as a user would (torch's TorchScript exporter, or
+    with `dynamo` torch.export's, `torch.onnx.export`'s default since torch
+    2.9); its inputs."""
     import torch
 
     factory, forward, inputs, outputs = spec
@@ -152,10 +155,15 @@ def export(spec, path: Path) -> list:
     model = Wrapped(factory().eval()).eval()
     args = tuple(torch.randint(0, 10, (2, *shape)) if dtype == "int64" else torch.randn(2, *shape)
                  for _, shape, dtype in inputs)
-    axes = {n: {0: "batch"} for n in [i[0] for i in inputs] + list(outputs)}
+    names = [i[0] for i in inputs]
+    if dynamo:  # (forward(*args): one tuple of per-input shapes)
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        dynamic = {"dynamic_shapes": (tuple({0: batch} for _ in inputs),)}
+    else:
+        dynamic = {"dynamic_axes": {n: {0: "batch"} for n in names + list(outputs)}}
     with torch.no_grad():
-        torch.onnx.export(model, args, str(path), opset_version=17, dynamo=False,
-                          input_names=[i[0] for i in inputs], output_names=list(outputs), dynamic_axes=axes)
+        torch.onnx.export(model, args, str(path), opset_version=18 if dynamo else 17, dynamo=dynamo,
+                          input_names=names, output_names=list(outputs), **dynamic)
     return inputs
 
 
@@ -206,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default="llvm,cuda:sm_90")
     ap.add_argument("--force", action="store_true", help="re-run models already in sweep.json")
     ap.add_argument("--no-lm-mask", action="store_true", help="export decoder LMs without an attention mask")
+    ap.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
+                    help="torch.onnx.export(dynamo=False) (opset 17) or dynamo=True (opset 18, torch's default)")
     args = ap.parse_args(argv)
     try:
         table = specs(lm_mask=not args.no_lm_mask)
@@ -228,7 +238,7 @@ def main(argv=None) -> int:
             continue
         row = {}
         try:
-            inputs = export(table[name], work / f"{name}.onnx")
+            inputs = export(table[name], work / f"{name}.onnx", dynamo=args.exporter == "dynamo")
             row["export"] = "ok"
         except Exception as e:  # noqa: BLE001 - an export failure is the outcome (PyTorch's, not ours)
             row["export"] = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
