@@ -135,10 +135,7 @@ def run(profile: Profile, exported: ExportArtifact, folder: Path) -> FrontendArt
     buckets = exported.buckets(profile)
     model = load_onnx(exported.onnx_path)
     hist = onnx_op_histogram(model.graph)
-    refused = onnx_rnn.refusals(model)
-    if refused:
-        raise UnsupportedOperatorError(f"{len(refused)} recurrent node(s) cannot be rewritten for TVM: "
-                                       + "; ".join(refused))
+    onnx_rnn.check(model)
     missing = unsupported_ops(hist - onnx_rnn.decomposed_ops(model.graph))
     if missing:  # (decided per bucket, once onnxslim has folded what static shapes decide: DeBERTa's two If nodes)
         log.info("frontend: the graph as exported has %s; checked again in each bucket's simplified graph",

@@ -24,7 +24,7 @@ graph alike in the tests.
 
 Shape-specialised, like the package: the sequence length must be static
 (the batch need not be). Refused with a one-line UnsupportedOperatorError:
-before any bucket is imported (`refusals`), activations other than Sigmoid,
+before any bucket is imported (`check`), activations other than Sigmoid,
 Tanh and Relu (or with alpha/beta), `input_forget`, and opsets before 11;
 in each bucket's simplified graph (`decompose`), weights computed in the
 graph and per-sequence lengths other than the full one.
@@ -68,8 +68,12 @@ def _constants(graph) -> dict:
     return {k: numpy_helper.to_array(v) for k, v in values.items()}
 
 
+def _is_recurrent(node) -> bool:
+    return node.domain in ("", "ai.onnx") and node.op_type in OPS
+
+
 def recurrent_nodes(graph) -> list:
-    return [n for n in graph.node if n.domain in ("", "ai.onnx") and n.op_type in OPS]
+    return [n for n in graph.node if _is_recurrent(n)]
 
 
 def decomposed_ops(graph) -> collections.Counter:
@@ -122,13 +126,18 @@ def _opset(model) -> int:
     return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=1)
 
 
-def refusals(model) -> list[str]:
-    """One line for each recurrent node whose attributes this cannot
-    rewrite (weights computed in the graph are refused by `decompose`, in
-    the simplified graph)."""
+def check(model, constants: dict | None = None) -> None:
+    """Raises UnsupportedOperatorError, one line naming each recurrent node
+    this cannot rewrite: for its attributes; with `constants` (the graph's,
+    once simplified), for weights computed in the graph too."""
+    from ..errors import UnsupportedOperatorError
+
     opset = _opset(model)
-    return [f"{_label(n)} with {why}" for n in recurrent_nodes(model.graph)
-            if (why := _attribute_refusal(n, opset))]
+    refused = [f"{_label(n)} with {why}" for n in recurrent_nodes(model.graph)
+               if (why := _attribute_refusal(n, opset) or (constants is not None and _constant_refusal(n, constants)))]
+    if refused:
+        raise UnsupportedOperatorError(f"{len(refused)} recurrent node(s) cannot be rewritten for TVM: "
+                                       + "; ".join(refused))
 
 
 def _graph_inputs(graph) -> set[str]:
@@ -172,37 +181,38 @@ class _Emitter:
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self._name(op_type), **attrs))
         return out
 
-    def unsqueeze(self, x: str, axis: int, out: str | None = None) -> str:
+    def _listing(self, op_type: str, x: str, attr: str, values: list[int], outs: list[str], **attrs) -> list[str]:
+        """A node whose list argument (axes, split) is an input from opset 13
+        on and an attribute before."""
+        from onnx import helper
+
         if self.opset >= 13:
-            return self.op("Unsqueeze", x, self.const([axis], np.int64), out=out)
-        return self.op("Unsqueeze", x, out=out, axes=[axis])
+            inputs, attrs = [x, self.const(values, np.int64)], attrs
+        else:
+            inputs, attrs = [x], {**attrs, attr: values}
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self._name(op_type), **attrs))
+        return outs
+
+    def unsqueeze(self, x: str, axis: int) -> str:
+        return self._listing("Unsqueeze", x, "axes", [axis], [self._name("Unsqueeze")])[0]
+
+    def squeeze(self, x: str, axis: int) -> str:
+        return self._listing("Squeeze", x, "axes", [axis], [self._name("Squeeze")])[0]
+
+    def _split(self, x: str, sizes: list[int]) -> list[str]:  # along axis 0
+        return self._listing("Split", x, "split", sizes, [self._name("part") for _ in sizes], axis=0)
+
+    def _slice(self, x: str, start: int, end: int, axis: int) -> str:
+        return self.op("Slice", x, *(self.const([v], np.int64) for v in (start, end, axis)))
 
     def take(self, x: str, index: int, axis: int = 0) -> str:
         """x[index] along `axis`, that axis dropped (a Slice and a Squeeze:
         TVM imports a Gather as a `take` in its fast mode and warns of
         out-of-range indices at each one)."""
-        return self.squeeze(self.op("Slice", x, self.const([index], np.int64), self.const([index + 1], np.int64),
-                                    self.const([axis], np.int64)), axis)
+        return self.squeeze(self._slice(x, index, index + 1, axis), axis)
 
     def cols(self, x: str, start: int, end: int) -> str:  # x[..., start:end]
-        return self.op("Slice", x, self.const([start], np.int64), self.const([end], np.int64),
-                       self.const([-1], np.int64))
-
-    def squeeze(self, x: str, axis: int) -> str:
-        if self.opset >= 13:
-            return self.op("Squeeze", x, self.const([axis], np.int64))
-        return self.op("Squeeze", x, axes=[axis])
-
-    def _split(self, x: str, sizes: list[int]) -> list[str]:
-        from onnx import helper
-
-        outs = [self._name("part") for _ in sizes]
-        if self.opset >= 13:
-            node = helper.make_node("Split", [x, self.const(sizes, np.int64)], outs, name=self._name("Split"), axis=0)
-        else:
-            node = helper.make_node("Split", [x], outs, name=self._name("Split"), axis=0, split=sizes)
-        self.nodes.append(node)
-        return outs
+        return self._slice(x, start, end, -1)
 
     def steps(self, x: str, count: int) -> list[str]:
         """x's `count` rows along axis 0, each without that axis: Splits of
@@ -314,27 +324,21 @@ def _unroll(node, e: _Emitter, constants: dict, seq: int) -> None:
                 if P is not None:
                     go = e.op("Add", go, e.op("Mul", C, e.const(P[d][hidden:2 * hidden])))
                 H = e.op("Mul", e.act(f, go, clip), e.op(h_act, C))
-            else:  # GRU: z, r, h
+            else:  # GRU: z, r, h (a term of the hidden state is None before the first step)
                 xz, xr, xh = (e.cols(xt, k * hidden, (k + 1) * hidden) for k in range(3))
+                rec = None if H is None else e.op("MatMul", H, rt if lbr else rt_zr)
+                rz, rr = (None, None) if rec is None else (e.cols(rec, 0, hidden), e.cols(rec, hidden, 2 * hidden))
+                z, r = e.act(f, e.add(rz, xz), clip), e.act(f, e.add(rr, xr), clip)
+                if lbr:  # r * (H R_h^T + Rb_h)
+                    rb_h = e.const(B[d][gh + 2 * hidden:])
+                    rh = e.op("Mul", r, rb_h if rec is None else e.op("Add", e.cols(rec, 2 * hidden, gh), rb_h))
+                else:  # (r * H) R_h^T
+                    rh = None if H is None else e.op("MatMul", e.op("Mul", r, H), rt_h)
+                cand = e.act(g, e.add(rh, xh), clip)
                 if H is None:
-                    z, r = e.act(f, xz, clip), e.act(f, xr, clip)
-                    gh_in = e.op("Add", xh, e.op("Mul", r, e.const(B[d][gh + 2 * hidden:]))) if lbr else xh
-                    cand = e.act(g, gh_in, clip)
                     H = e.op("Sub", cand, e.op("Mul", z, cand))  # (1 - z) * h~
-                    outs[t] = H
-                    continue
-                if lbr:
-                    rec = e.op("MatMul", H, rt)
-                    rz, rr, rh = (e.cols(rec, k * hidden, (k + 1) * hidden) for k in range(3))
-                    z, r = e.act(f, e.op("Add", xz, rz), clip), e.act(f, e.op("Add", xr, rr), clip)
-                    rh = e.op("Mul", r, e.op("Add", rh, e.const(B[d][gh + 2 * hidden:])))
                 else:
-                    rec = e.op("MatMul", H, rt_zr)
-                    rz, rr = e.cols(rec, 0, hidden), e.cols(rec, hidden, 2 * hidden)
-                    z, r = e.act(f, e.op("Add", xz, rz), clip), e.act(f, e.op("Add", xr, rr), clip)
-                    rh = e.op("MatMul", e.op("Mul", r, H), rt_h)
-                cand = e.act(g, e.op("Add", xh, rh), clip)
-                H = e.op("Add", cand, e.op("Mul", z, e.op("Sub", H, cand)))  # (1 - z) * h~ + z * H
+                    H = e.op("Add", cand, e.op("Mul", z, e.op("Sub", H, cand)))  # (1 - z) * h~ + z * H
             outs[t] = H
         ys.append(e.rows([outs[t] for t in range(seq)], hidden))  # [S, B, H]
         last_h.append(H)
@@ -363,7 +367,7 @@ def _input_or_output(node, k: int) -> str:
 def decompose(model, input_shapes: dict):
     """(model, {op: count}): a copy of `model` with each top-level LSTM, GRU
     and RNN node rewritten; the model itself where it has none. Raises
-    UnsupportedOperatorError where one cannot be (see `refusals`), or where
+    UnsupportedOperatorError where one cannot be (see `check`), or where
     its sequence length is not static at `input_shapes`."""
     import onnx
 
@@ -373,18 +377,16 @@ def decompose(model, input_shapes: dict):
     if not nodes:
         return model, {}
     constants = _constants(model.graph)
-    refused = refusals(model) + [f"{_label(n)} with {why}" for n in nodes if (why := _constant_refusal(n, constants))]
-    if refused:
-        raise UnsupportedOperatorError(f"{len(refused)} recurrent node(s) cannot be rewritten for TVM: "
-                                       + "; ".join(refused))
+    check(model, constants)
     shapes = _static_shapes(model, input_shapes)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
+    opset = _opset(model)
     used_before = {n.input[k] for n in nodes for k in (1, 2, 3, 4, 7) if _input(n, k)}
     counts: collections.Counter = collections.Counter()
     for index, n in enumerate(model.graph.node):
-        if not (n.domain in ("", "ai.onnx") and n.op_type in OPS):
+        if not _is_recurrent(n):
             out.graph.node.append(n)
             continue
         x_shape = shapes.get(n.input[0])
@@ -393,7 +395,7 @@ def decompose(model, input_shapes: dict):
         if not seq:
             raise UnsupportedOperatorError(f"{_label(n)} over an input of shape {x_shape} "
                                            "(its sequence length must be static)")
-        e = _Emitter(f"{n.name or n.op_type}.unrolled{index}", _opset(model), constants[n.input[1]].dtype)
+        e = _Emitter(f"{n.name or n.op_type}.unrolled{index}", opset, constants[n.input[1]].dtype)
         _unroll(n, e, constants, seq)
         out.graph.node.extend(e.nodes)
         out.graph.initializer.extend(e.initializers)
