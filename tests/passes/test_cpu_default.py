@@ -14,11 +14,13 @@ from deploy.passes.cpu_default import ContractionTiling, InjectiveParallel
 from deploy.tvm_compat import ms, tensor, tvm
 
 
-def _run(func, llvm_target, args):
+def _run(func, llvm_target, args, outputs: int = 1):
+    """The kernel's last `outputs` arguments after a run (one: that array)."""
     lib = build_kernel("k", func, llvm_target)
     arrays = [tensor(a, tvm.cpu()) for a in args]
     lib["k"](*arrays)
-    return arrays[-1].numpy()
+    got = [a.numpy() for a in arrays[-outputs:]]
+    return got[0] if outputs == 1 else got
 
 
 def _check(func, llvm_target, rule=ContractionTiling):
@@ -215,12 +217,10 @@ _PADDED_IDS = np.array([[8, 6, 5, 2, 3, 0, 0, 0, 1, 8, 1, 1, 4, 1, 9, 1]] * 2, "
 
 
 def _masked(func, llvm_target):
-    lib = build_kernel("k", func, llvm_target)
-    arrays = [tensor(a, tvm.cpu()) for a in (_PADDED_IDS, np.zeros(_PADDED_IDS.shape, "int32"),
-                                              np.zeros(_PADDED_IDS.shape, "int64"))]
-    lib["k"](*arrays)
-    np.testing.assert_array_equal(arrays[2].numpy(), _PADDED_IDS * 2)
-    return arrays[1].numpy()
+    mask, twice = _run(func, llvm_target, [_PADDED_IDS, np.zeros(_PADDED_IDS.shape, "int32"),
+                                           np.zeros(_PADDED_IDS.shape, "int64")], outputs=2)
+    np.testing.assert_array_equal(twice, _PADDED_IDS * 2)
+    return mask
 
 
 def test_bool_intermediates_stay_scalar_and_compute_the_mask(llvm_target):
