@@ -11,12 +11,15 @@
 #   e.g. bash scripts/gpu_attention.sh both vit,bert,gpt,swin_tiny_window,mobilevit_like,tiny_vit
 #        bash scripts/gpu_attention.sh tests      (the kernel's -m gpu tests only)
 #        bash scripts/gpu_attention.sh probe      (scripts/attention_probe.py: its schedule variants, in $OUT/probe)
+#        bash scripts/gpu_attention.sh bench vit,bert   (BATCH=32: each model's package from the committed
+#             databases without and with the flag, `deploy bench` of each beside torch.compile and eager
+#             fp16, 100 iterations, 3 rounds: $OUT/bench.tgz)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-both}
 models=${2:-vit,bert,gpt,swin_tiny_window,mobilevit_like,tiny_vit}
-case "$what" in off|on|both|tests|probe) ;; *)
-  echo "error: unknown pass '$what' | expected: off, on, both, tests or probe" >&2; exit 2;; esac
+case "$what" in off|on|both|tests|probe|bench) ;; *)
+  echo "error: unknown pass '$what' | expected: off, on, both, tests, probe or bench" >&2; exit 2;; esac
 source scripts/gpu_env.sh
 WORK=${WORK:-/tmp/attention}
 mkdir -p "$WORK"
@@ -30,6 +33,26 @@ if [ "$what" = probe ]; then
   exit "${PIPESTATUS[0]}"
 fi
 rc=0
+if [ "$what" = bench ]; then
+  B=$WORK/bench; mkdir -p "$B"
+  for m in ${models//,/ }; do
+    for v in off on; do
+      flag=(); [ "$v" = on ] && flag=(--fused-attention)
+      runners=tvm; [ "$v" = on ] && runners=tvm,torch-compile,torch-eager-fp16
+      W=$WORK/ws-$m-b${BATCH:-32}-$v; s=$(date +%s)
+      python3 -m deploy run --model "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" --trials 0 \
+        --db-root "$DB_ROOT" --workdir "$W" --alternatives none "${flag[@]}" 2>&1 \
+        | grep -v "Fast mode segfaults" > "$B/$m-$v-run.log" || rc=1
+      echo "run: $(( $(date +%s) - s )) s" >> "$B/$m-$v-run.log"
+      python3 -m deploy bench --model "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" --workdir "$W" \
+        --db-root "$DB_ROOT" --compile-mode default --out "$B/$m-$v-bench" --runners "$runners" \
+        --iters 100 --rounds 3 "${flag[@]}" > "$B/$m-$v-bench.log" 2>&1 || rc=1
+      tail -n 12 "$B/$m-$v-bench.log"
+      tar czf "$OUT/bench.tgz" -C "$WORK" bench
+    done
+  done
+  exit "$rc"
+fi
 for v in off on; do
   [ "$what" = both ] || [ "$what" = "$v" ] || continue
   flag=(); [ "$v" = on ] && flag=(--fused-attention)

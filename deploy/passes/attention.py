@@ -54,7 +54,7 @@ from . import static_shape, tensor_dtype
 from .schedule import OPAQUE
 
 # PrimFunc attribute: the kernel's shape, {"q_rows", "keys", "head_dim", "tokens_first": whether the output is
-# [batch, tokens, heads, head_dim] rather than [batch, heads, tokens, head_dim]}
+# [batch, tokens, heads, head_dim] rather than [batch, heads, tokens, head_dim], "col_warps": col_warps()'s}
 ATTR = "deploy.attention"
 MAX_KEYS = 256  # keys whose scores a tile of query rows keeps in shared memory (passes/attention_schedule.py)
 MAX_HEAD_DIM = 128
@@ -371,12 +371,14 @@ def _match(mutator, call):
         sources.append(bias)
     index = [next(i for i, s in enumerate(sources) if s.same_as(c.source)) for c in chains]
 
+    warps = col_warps(sk, d)
+
     def build(*tensors):
         return attention_te(*(chains[i].replay(tensors[index[i]]) for i in range(3)),
                             bias=tensors[-1] if bias is not None else None, score_steps=score_steps[::-1],
-                            out_bshd=bshd, out_casts=out_casts)
+                            out_bshd=bshd, out_casts=out_casts, key_align=KEY_ALIGN * warps)
 
-    return sources, build, {"q_rows": sq, "keys": sk, "head_dim": d, "tokens_first": bshd}, view
+    return sources, build, {"q_rows": sq, "keys": sk, "head_dim": d, "tokens_first": bshd, "col_warps": warps}, view
 
 
 def _single_use(mutator, var) -> bool:
@@ -414,6 +416,23 @@ def _broadcasts(shape: list[int], to: list[int]) -> bool:
 def padded_keys(keys: int, align: int = KEY_ALIGN) -> int:
     """Keys padded to `align` (KEY_ALIGN), as the kernel pads them."""
     return -(-keys // align) * align
+
+
+def col_warps(keys: int, head_dim: int) -> int:
+    """Warps that share each 16 query rows of the kernel (1, 2 or 4: a block
+    of 4, 8 or 16 warps; attention_schedule.schedule), the keys padded to
+    KEY_ALIGN times that many: the most whose padding adds no key to 2
+    warps' (32) and whose GEMMs' column tiles, the padded keys and the head
+    dimension, split evenly between them. Fewer registers a thread, more
+    warps an SM: on the H200, ViT-S/16's 197 keys at batch 32 took 42.9 us
+    in 8 warps, 78.7 in 4 and 45.5 in 16 (its keys padded to 256), BERT's
+    128 keys 11.1 us in 16 warps, 11.7 in 8 and 14.3 in 4
+    (results/h200/2026-12-05/attention-probe/)."""
+    for warps in (4, 2):
+        if padded_keys(keys, KEY_ALIGN * warps) == padded_keys(keys, 2 * KEY_ALIGN) \
+                and head_dim % (KEY_ALIGN * warps) == 0:
+            return warps
+    return 1
 
 
 def _output(steps: list, dtype: str):

@@ -1,14 +1,16 @@
 """The CUDA schedule of the fused attention kernel (passes/attention.py).
 
 A thread block takes ROW_TILE (64) query rows of one (batch, head): four
-warps, sixteen rows each. In order, all in dynamic shared memory:
+groups of warps, sixteen rows each, of 1, 2 or 4 warps that split the
+GEMMs' columns between them (attention.col_warps: 4, 8 or 16 warps a block,
+the keys padded to 16, 32 or 64). In order, all in dynamic shared memory:
 
-1. Q's 64 rows, and all of K's and V's keys (padded to a multiple of 16),
+1. Q's 64 rows, and all of K's and V's keys (padded),
    are read from where the model's layout operators leave them (those are
    inlined into the copies: the QKV projection's output read in place),
    rows padded by 8 halves so that `ldmatrix` meets no bank conflict;
 2. the scores S = Q K^T: an `mma.sync` GEMM (m16n8k16 through TVM's
-   16x16x16 intrinsics, fp32 accumulators), each warp its 16 rows against
+   16x16x16 intrinsics, fp32 accumulators), each group its 16 rows against
    every key, stored to shared memory in fp32;
 3. the softmax of each row, a warp a row (the rows' maximum and sum reduced
    across the warp's lanes by shuffles), the scale and bias applied as the
@@ -29,7 +31,7 @@ pass rewrites only attention that fits the architecture's opt-in limit.
 
 from __future__ import annotations
 
-from .attention import ROW_TILE, is_attention, padded_keys
+from .attention import ATTR, KEY_ALIGN, ROW_TILE, col_warps, is_attention, padded_keys
 
 WARPS = 4  # a warp per 16 query rows
 OUT_VECTOR = 8  # fp16 elements a thread writes at once
@@ -39,8 +41,9 @@ NAMES = ("attn_q", "attn_k", "attn_v", "attn_s", "attn_max", "attn_sum", "attn_p
 
 def shared_bytes(keys: int, head_dim: int) -> int:
     """Shared memory the kernel asks for at most, static and dynamic (keys
-    padded; TVM may let the output tile reuse Q's and K's)."""
-    keys = padded_keys(keys)
+    padded as col_warps() pads them; TVM may let the output tile reuse Q's
+    and K's)."""
+    keys = padded_keys(keys, KEY_ALIGN * col_warps(keys, head_dim))
     fp16_rows = (ROW_TILE + 2 * keys) * (head_dim + ROW_PAD) + ROW_TILE * (keys + ROW_PAD)
     return 2 * fp16_rows + 4 * ROW_TILE * (keys + head_dim) + 8 * ROW_TILE
 
@@ -125,18 +128,21 @@ def _contiguous(block, vector: int) -> bool:
     return True
 
 
-def schedule(func, col_warps: int = 1):
+def schedule(func, col_warps: int | None = None):
     """The scheduled kernel (a Schedule); raises where the kernel is not
     passes/attention.py's. `col_warps` > 1: that many warps share each 16
     rows, the GEMMs' columns split between them (WARPS x col_warps warps a
     block; the keys, padded, and the head dimension must split into 16-wide
-    tiles evenly: a variant scripts/attention_probe.py measures)."""
+    tiles evenly). By default the kernel's own (its ATTR's "col_warps",
+    attention.col_warps(); 1 where it has none)."""
     from tvm.s_tir.tensor_intrin import cuda as ci
 
     from ..tvm_compat import register_tensor_intrinsics, s_tir, tvm
 
     if not is_attention(func):
         raise ValueError("not a fused attention kernel")
+    if col_warps is None:
+        col_warps = int(func.attrs[ATTR].get("col_warps", 1))
     warps = WARPS * col_warps
     register_tensor_intrinsics()
     sch = s_tir.Schedule(tvm.IRModule({"main": func}))

@@ -295,6 +295,30 @@ def _built_source(func, sm90) -> str:
     return build_kernel("k", func, sm90).imports[0].inspect_source()
 
 
+@pytest.mark.parametrize("keys, head_dim, warps", [
+    (197, 64, 2),  # ViT-S/16: 224 keys in 8 warps, where 16 would pad to 256
+    (128, 64, 4), (64, 64, 4), (100, 64, 4),  # BERT's, and keys that 64 pads no more than 32
+    (16, 64, 2),  # 32 keys in 8 warps, not 64 in 16
+    (128, 32, 2), (128, 16, 1), (128, 48, 1),  # head dimensions of 2, 1 and 3 column tiles
+])
+def test_the_block_takes_as_many_warps_as_its_keys_allow(keys, head_dim, warps):
+    assert attention.col_warps(keys, head_dim) == warps
+
+
+def test_the_package_kernel_is_scheduled_with_its_warps(tmp_path, sm90):
+    """The rewrite pads the keys for the warps it chooses, and the build's
+    schedule launches that many: 32 x 4 x col_warps threads a block."""
+    func = _attention_kernel(tmp_path, sm90)
+    info = func.attrs[attention.ATTR]
+    warps = attention.col_warps(int(info["keys"]), int(info["head_dim"]))
+    assert int(info["col_warps"]) == warps > 1
+    padded = attention.padded_keys(int(info["keys"]), attention.KEY_ALIGN * warps)
+    k_shape = re.search(r"attn_k = T\.\w*alloc_buffer\(\(([^)]*)\)", func.script()).group(1)
+    assert [int(d) for d in k_shape.split(",")][2] == padded, k_shape
+    _, block, _ = _launch(attention_schedule.schedule(func).mod["main"], sm90.tvm_target())
+    assert block == (32, attention_schedule.WARPS * warps)
+
+
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 128, 197, 255, 256])
 def test_rows_the_schedule_takes(rows, sm90):
     assert attention.schedulable_rows(rows)
