@@ -258,9 +258,7 @@ def run(
             )
         manifest = {
             "model": model,
-            "inputs": [
-                {"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in exported.inputs
-            ],
+            "inputs": [_input_entry(i, exported.manifest.get("index_ranges", {})) for i in exported.inputs],
             "outputs": [
                 {"name": n, "shape": o["shape"][1:], "dtype": o["dtype"]} for n, o in zip(exported.outputs, outputs_sig)
             ],
@@ -279,6 +277,17 @@ def run(
         }
         artifacts.write_manifest(tmp, STAGE, manifest, files=[b["file"] for b in buckets.values()])
     return load(folder)
+
+
+def _input_entry(spec, index_ranges: dict) -> dict:
+    """An input in the package's manifest: name, per-sample shape, dtype and,
+    for an integer input that indexes a table, the values it may take
+    ("range": [lowest, one past the highest]; runtime.Package.check_inputs
+    refuses others, passes/onnx_indices.py says why)."""
+    entry = {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype}
+    if spec.name in index_ranges:
+        entry["range"] = list(index_ranges[spec.name])
+    return entry
 
 
 def gpu_info(target: TargetInfo) -> dict | None:

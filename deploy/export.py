@@ -19,6 +19,7 @@ from pathlib import Path
 from . import artifacts
 from .config import Config, DimSpec, InputSpec, Profile, check_dims
 from .errors import ConfigError, InputFileError, ShapeError
+from .passes import onnx_indices
 
 log = logging.getLogger(__name__)
 STAGE = "export"
@@ -56,6 +57,12 @@ class ExportArtifact:
 
         return input_specs(self.inputs, self.dims, bucket)
 
+    def random_specs(self, bucket) -> list[tuple]:
+        """(per-sample shape, dtype, rows of the table it indexes or None) of
+        each input in one bucket: what runtime.random_inputs takes."""
+        rows = {k: v[1] for k, v in self.manifest.get("index_ranges", {}).items()}
+        return [(i.shape, i.dtype, rows.get(i.name)) for i in self.bucket_inputs(bucket)]
+
     @property
     def fixed_batch(self) -> int | None:
         """The batch size the graph is fixed to (None: any batch)."""
@@ -87,6 +94,8 @@ def run(cfg: Config, folder: Path) -> ExportArtifact:
                 "fixed_batch": fixed_batch,
                 "dims": [dataclasses.asdict(d) for d in cfg.model.dims],
                 "external_data": (tmp / DATA_FILE).is_file(),
+                # integer inputs that index a table, and the values they may take (passes/onnx_indices.py)
+                "index_ranges": {k: list(v) for k, v in onnx_indices.input_ranges(model).items()},
             },
         )
     log.info("export: wrote %s", folder / ONNX_FILE)

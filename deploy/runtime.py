@@ -304,8 +304,8 @@ class Predictor:
             a = kwargs[spec["name"]]
             if hasattr(a, "detach"):
                 a = a.detach().cpu().numpy()
-            elif not hasattr(a, "read_into"):  # an input read at staging (a shared-memory tensor) stays as it is
-                a = np.asarray(a)
+            elif not hasattr(a, "read_into") or "range" in spec:  # an input read at staging (a shared-memory
+                a = np.asarray(a)  # tensor) stays as it is, unless its values are to be checked
             if str(a.dtype) != spec["dtype"]:
                 raise ShapeError(f"input '{spec['name']}' has the wrong dtype", str(a.dtype), spec["dtype"])
             want = self._accepted_shape(spec)
@@ -317,6 +317,8 @@ class Predictor:
             if batch is not None and a.shape[0] != batch:
                 raise ShapeError("inputs disagree on the batch size", a.shape[0], batch)
             batch = a.shape[0]
+            if "range" in spec and a.size:
+                check_range(spec, a)
             arrays.append(np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a)
         if self.dims:
             fit(self.lengths_of(arrays), self.dims)  # one line when a request is longer than the largest bucket
@@ -618,8 +620,8 @@ class Predictor:
             dims, batch = bucket.dims, bucket.batch
         else:
             dims, batch = self.buckets[-1].dims, int(bucket)
-        return random_inputs([(shape, s["dtype"]) for s, (shape, _) in zip(self.inputs, self.row_specs(dims))],
-                             batch, seed)
+        return random_inputs([(shape, s["dtype"], s.get("range", (None, None))[1])
+                              for s, (shape, _) in zip(self.inputs, self.row_specs(dims))], batch, seed)
 
     def latency(self, bucket: Bucket | int, number: int | None = None, repeat: int | None = None,
                 seed: int = 0) -> dict:
@@ -655,6 +657,17 @@ class Predictor:
         }
 
 
+def check_range(spec: dict, a: np.ndarray) -> None:
+    """An integer input that indexes a table holds only the values its
+    manifest entry allows (passes/onnx_indices.py: TVM's gather does not
+    check them)."""
+    lo, hi = spec["range"]
+    least, most = int(a.min()), int(a.max())
+    if least < lo or most >= hi:
+        raise ShapeError(f"input '{spec['name']}' has values outside the table it indexes",
+                         f"values {least}..{most}", f"{lo} <= value < {hi}")
+
+
 def _output_list(out) -> list:
     """A VM result (one tensor, or a tuple of them) as a list of tensors."""
     return [out] if hasattr(out, "numpy") else list(out)
@@ -666,16 +679,19 @@ def outputs_to_numpy(out) -> list[np.ndarray]:
 
 
 def random_inputs(specs, batch: int | None, seed: int = 0) -> list[np.ndarray]:
-    """Seeded inputs for (shape, dtype) pairs; `batch` is prepended unless None.
-    Floats are standard normal, integers uniform in [0, 10)."""
+    """Seeded inputs for (shape, dtype) or (shape, dtype, rows) specs; `batch`
+    is prepended unless None. Floats are standard normal, integers uniform in
+    [0, 10), or in [0, rows) where an input indexes a table of fewer rows
+    (an input's manifest "range")."""
     rng = np.random.default_rng(seed)
     out = []
-    for shape, dtype in specs:
+    for shape, dtype, *rows in specs:
         shape = tuple(shape) if batch is None else (batch, *shape)
         if str(dtype).startswith("float"):
             out.append(rng.standard_normal(shape).astype(dtype))
         else:
-            out.append(rng.integers(0, 10, shape).astype(dtype))
+            top = 10 if not rows or rows[0] is None else max(1, min(10, int(rows[0])))
+            out.append(rng.integers(0, top, shape).astype(dtype))
     return out
 
 

@@ -49,7 +49,7 @@ def main() -> int:
     key = json.loads((folder / dbs.KEY_FILE).read_text())
     workloads, records = dbs._best_lines(folder, 1)
     specs = ex.bucket_inputs(bucket)
-    inputs = random_inputs([(i.shape, i.dtype) for i in specs], bucket.batch, seed=0)
+    inputs = random_inputs(ex.random_specs(bucket), bucket.batch, seed=0)
     ref = ort.InferenceSession(str(ex.onnx_path)).run(None, {i.name: a for i, a in zip(specs, inputs)})
     dev = target.device()
 

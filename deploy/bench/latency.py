@@ -149,8 +149,7 @@ def cases(cfg, profile, ws, ex, names, factory, tmpdir: Path, *, baselines, warm
     out = []
     for bucket in ex.buckets(profile):
         batch = bucket.batch
-        inputs = random_inputs([(i.shape, i.dtype) for i in ex.bucket_inputs(bucket)], batch,
-                               seed=cfg.model.seed + 1000 + batch)
+        inputs = random_inputs(ex.random_specs(bucket), batch, seed=cfg.model.seed + 1000 + batch)
         reference = reference_for(inputs)["onnxruntime"]
         make16 = None
         if factory is not None:
@@ -219,8 +218,7 @@ def alternatives(cfg, profile, target_kind: str, exported, buckets, names, secon
             row = out.setdefault(str(b), {})
             label = r.name
             try:
-                specs = [(i.shape, i.dtype) for i in exported.bucket_inputs(b)]
-                r.activate(random_inputs(specs, b.batch, seed=0))
+                r.activate(random_inputs(exported.random_specs(b), b.batch, seed=0))
                 label = r.name  # ONNX Runtime names itself by its provider in activate
                 n_iter = bench_runners.iterations_for(r, seconds, 100)
                 times = r.time(max(1, n_iter // 10), n_iter)
