@@ -131,7 +131,9 @@ class Profile:
     # take them. Changes those kernels.
     implicit_gemm: bool = False
     # Attention (matmul, softmax, matmul and the layout operators around them)
-    # as one kernel of ours (passes.attention), fp16 on CUDA. Changes those kernels.
+    # as one kernel of ours (passes.attention), fp16 on CUDA: on by default
+    # there (another precision turns the default off; an explicit true is
+    # refused). Changes those kernels.
     fused_attention: bool = False
 
 
@@ -194,6 +196,7 @@ CUDA_DEFAULTS = Profile(
     builder_timeout_s=120.0,
     runner_timeout_s=60.0,
     pad_gemm=True,
+    fused_attention=True,
 )
 
 
@@ -354,6 +357,8 @@ def _build(cls, table: dict, where: str, base=None):
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing key '{where}.{name}'")
     obj = cls(**kwargs)
+    if isinstance(obj, Profile) and obj.fused_attention and obj.precision != "fp16" and "fused_attention" not in table:
+        obj = dataclasses.replace(obj, fused_attention=False)  # (a default, where the kernel does not apply)
     _check_values(obj, where)
     if isinstance(obj, Profile) and obj.precision == "tf32":
         # convolutions reach TF32 tensor cores only as GEMMs (passes/tf32.py)
@@ -561,6 +566,8 @@ def apply_overrides(cfg: Config, target_kind: str, **overrides) -> Config:
         return cfg
     table = dataclasses.asdict(cfg.profile(target_kind))
     table.update(given)
+    if "fused_attention" not in given:  # (an fp16 kernel: another --precision turns it off)
+        table["fused_attention"] = table["fused_attention"] and table["precision"] == "fp16"
     if "buckets" in given and "tune_buckets" not in given:
         # Tune the smallest bucket asked for unless told otherwise.
         table["tune_buckets"] = [b for b in table["tune_buckets"] if b in given["buckets"]] or [min(given["buckets"])]

@@ -222,8 +222,8 @@ def main(argv=None) -> int:
                     help="precisions torch.compile is timed at with --baselines (its compile takes ~30 s a model)")
     ap.add_argument("--plain-tvm", action="store_true", help="also try TVM alone on each graph")
     ap.add_argument("--force", action="store_true", help="re-run models already in corpus.json")
-    ap.add_argument("--fused-attention", action="store_true",
-                    help="the profile's fused_attention (passes/attention.py; CUDA only)")
+    ap.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
+                    help="the profile's fused_attention (passes/attention.py; CUDA only, on by default for fp16)")
     ap.add_argument("--work", default="", help="keep each model's workdir here (timing resumes from it)")
     ap.add_argument("--jobs", type=int, default=1, help="models built in parallel (timing is always one at a time)")
     args = ap.parse_args(argv)
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
 
     extra = {**({"layout": args.layout} if args.layout else {}), **({"flat_gemm": True} if args.flat_gemm else {}),
              **({"implicit_gemm": True} if args.implicit_gemm else {}),
-             **({"fused_attention": True} if args.fused_attention else {})}
+             **({"fused_attention": args.fused_attention} if args.fused_attention is not None else {})}
     jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, extra)
             for n in names for p in precisions if args.force or (n, p) not in results]
     try:

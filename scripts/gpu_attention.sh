@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The fused attention kernel across the corpus's transformers on the GPU
 # machine (the `device` tool's H200): each model built at full size,
-# untuned, validated and timed (`scripts/corpus.py --iters`), without and
-# with `--fused-attention`. Resumable: the corpus keeps its results in
+# untuned, validated and timed (`scripts/corpus.py --iters`), with
+# `--no-fused-attention` and `--fused-attention` (the default). Resumable: the corpus keeps its results in
 # $WORK/corpus-{off,on} while the machine stays warm, and a second call
 # times only what the first did not finish; both folders are copied to
 # $OUT after each pass.
@@ -37,7 +37,7 @@ if [ "$what" = bench ]; then
   B=$WORK/bench; mkdir -p "$B"
   for m in ${models//,/ }; do
     for v in off on; do
-      flag=(); [ "$v" = on ] && flag=(--fused-attention)
+      flag=(--no-fused-attention); [ "$v" = on ] && flag=(--fused-attention)
       runners=tvm; [ "$v" = on ] && runners=tvm,torch-compile,torch-eager-fp16
       W=$WORK/ws-$m-b${BATCH:-32}-$v; s=$(date +%s)
       python3 -m deploy run --model "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" --trials 0 \
@@ -55,7 +55,7 @@ if [ "$what" = bench ]; then
 fi
 for v in off on; do
   [ "$what" = both ] || [ "$what" = "$v" ] || continue
-  flag=(); [ "$v" = on ] && flag=(--fused-attention)
+  flag=(--no-fused-attention); [ "$v" = on ] && flag=(--fused-attention)
   python3 scripts/corpus.py --target cuda --size full --models "$models" --iters 100 \
     --out "$WORK/corpus-$v" --work "$WORK/work-$v" "${flag[@]}" > "$WORK/corpus-$v.log" 2>&1 || rc=$?
   mkdir -p "$OUT/corpus-$v"

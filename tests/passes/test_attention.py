@@ -123,9 +123,23 @@ def test_fused_attention_is_a_cuda_option(tmp_path):
     for precision in ("fp32", "tf32"):  # (an fp16 kernel: refused rather than silently left out)
         with pytest.raises(config.ConfigError, match=f"fused_attention .* precision {precision}"):
             config.from_dict({"model": {"source": "vit"}, "cuda": {"fused_attention": True, "precision": precision}})
-    cfg = config.from_dict({"model": {"source": "vit"}, "cuda": {"fused_attention": True}})
-    assert "attention" in [n for n, _ in optimize.phases(cfg.profile("cuda"))]
-    assert "attention" not in [n for n, _ in optimize.phases(config.from_dict({"model": {"source": "vit"}}).cuda)]
+    cfg = config.from_dict({"model": {"source": "vit"}, "cuda": {"fused_attention": False}})
+    assert "attention" not in [n for n, _ in optimize.phases(cfg.profile("cuda"))]
+
+
+def test_fused_attention_is_on_by_default_where_it_applies():
+    """On for CUDA fp16 (results/h100/2026-12-05/attention-8-16-warps/);
+    another precision, on the command line too, turns the default off
+    rather than failing."""
+    cfg = config.from_dict({"model": {"source": "vit"}})
+    assert cfg.cuda.fused_attention and not cfg.llvm.fused_attention
+    assert "attention" in [n for n, _ in optimize.phases(cfg.cuda)]
+    for precision in ("fp32", "tf32"):
+        assert not config.from_dict({"model": {"source": "vit"}, "cuda": {"precision": precision}}).cuda.fused_attention
+        assert not config.apply_overrides(cfg, "cuda", precision=precision).cuda.fused_attention
+    assert config.apply_overrides(cfg, "cuda", precision="fp16").cuda.fused_attention
+    with pytest.raises(config.ConfigError, match="fused_attention"):
+        config.apply_overrides(cfg, "cuda", precision="fp32", fused_attention=True)
 
 
 def _attention_kernel(tmp_path, sm90, name="vit"):
