@@ -131,10 +131,16 @@ class Profile:
     # take them. Changes those kernels.
     implicit_gemm: bool = False
     # Attention (matmul, softmax, matmul and the layout operators around them)
-    # as one kernel of ours (passes.attention), fp16 on CUDA: on by default
-    # there (another precision turns the default off; an explicit true is
-    # refused). Changes those kernels.
-    fused_attention: bool = False
+    # as one kernel of ours (passes.attention), fp16 on CUDA. None (the CUDA
+    # default): on where it applies, in fp16 (`fuses_attention`); true with
+    # another precision is refused. Changes those kernels.
+    fused_attention: bool | None = False
+
+    @property
+    def fuses_attention(self) -> bool:
+        """Whether the optimize stage fuses attention (fused_attention, or
+        by default: in fp16)."""
+        return self.precision == "fp16" if self.fused_attention is None else self.fused_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +202,7 @@ CUDA_DEFAULTS = Profile(
     builder_timeout_s=120.0,
     runner_timeout_s=60.0,
     pad_gemm=True,
-    fused_attention=True,
+    fused_attention=None,
 )
 
 
@@ -328,7 +334,12 @@ def _coerce(value, hint, where: str):
             raise ConfigError(f"{where} must be a list", repr(value), "a list")
         return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
     if origin in (typing.Union, types.UnionType):
-        raise TypeError(f"unsupported config type {hint}")
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported config type {hint}")
+        if value is None and len(args) < len(typing.get_args(hint)):  # X | None: None is "the default" (no TOML value)
+            return None
+        return _coerce(value, args[0], where)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is int and isinstance(value, bool) or not isinstance(value, hint):
@@ -357,8 +368,6 @@ def _build(cls, table: dict, where: str, base=None):
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing key '{where}.{name}'")
     obj = cls(**kwargs)
-    if isinstance(obj, Profile) and obj.fused_attention and obj.precision != "fp16" and "fused_attention" not in table:
-        obj = dataclasses.replace(obj, fused_attention=False)  # (a default, where the kernel does not apply)
     _check_values(obj, where)
     if isinstance(obj, Profile) and obj.precision == "tf32":
         # convolutions reach TF32 tensor cores only as GEMMs (passes/tf32.py)
@@ -566,8 +575,6 @@ def apply_overrides(cfg: Config, target_kind: str, **overrides) -> Config:
         return cfg
     table = dataclasses.asdict(cfg.profile(target_kind))
     table.update(given)
-    if "fused_attention" not in given:  # (an fp16 kernel: another --precision turns it off)
-        table["fused_attention"] = table["fused_attention"] and table["precision"] == "fp16"
     if "buckets" in given and "tune_buckets" not in given:
         # Tune the smallest bucket asked for unless told otherwise.
         table["tune_buckets"] = [b for b in table["tune_buckets"] if b in given["buckets"]] or [min(given["buckets"])]

@@ -114,7 +114,7 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
                                         *([cancel_transposes()] if profile.layout == "NHWC" else []),
                                         T.CanonicalizeBindings(),
                                         T.DeadCodeElimination(), *fold()]))
-    if profile.fused_attention and profile.precision == "fp16":
+    if profile.fuses_attention:
         out.append(("attention", [fuse_attention(), T.DeadCodeElimination()]))
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), *fold()]))

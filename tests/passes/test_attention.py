@@ -113,7 +113,7 @@ def test_attention_left_alone_where_its_kernel_would_not_fit(tmp_path, sm90, mon
     # no sm_80 mma.sync: nothing fused
     assert not fused(_optimized("vit", targets.resolve("cuda:sm_75"), tmp_path / "sm75", fused=True))
     # shared memory the architecture does not have: nothing fused (one bucket: optimized in this process)
-    monkeypatch.setattr(attention_schedule, "shared_bytes", lambda keys, head_dim: 1 << 30)
+    monkeypatch.setattr(attention_schedule, "shared_bytes", lambda keys, head_dim, warps=None: 1 << 30)
     assert not fused(_optimized("vit", sm90, tmp_path / "big", fused=True))
 
 
@@ -128,18 +128,26 @@ def test_fused_attention_is_a_cuda_option(tmp_path):
 
 
 def test_fused_attention_is_on_by_default_where_it_applies():
-    """On for CUDA fp16 (results/h100/2026-12-05/attention-8-16-warps/);
-    another precision, on the command line too, turns the default off
-    rather than failing."""
+    """On for CUDA fp16 (results/h100/2026-12-05/attention-8-16-warps/):
+    another precision, in a config or on the command line, leaves the
+    default off rather than failing, and fp16 again brings it back; an
+    explicit true with another precision is refused wherever it was set."""
     cfg = config.from_dict({"model": {"source": "vit"}})
-    assert cfg.cuda.fused_attention and not cfg.llvm.fused_attention
+    assert cfg.cuda.fuses_attention and not cfg.llvm.fuses_attention
     assert "attention" in [n for n, _ in optimize.phases(cfg.cuda)]
     for precision in ("fp32", "tf32"):
-        assert not config.from_dict({"model": {"source": "vit"}, "cuda": {"precision": precision}}).cuda.fused_attention
-        assert not config.apply_overrides(cfg, "cuda", precision=precision).cuda.fused_attention
-    assert config.apply_overrides(cfg, "cuda", precision="fp16").cuda.fused_attention
+        toml = config.from_dict({"model": {"source": "vit"}, "cuda": {"precision": precision}})
+        assert not toml.cuda.fuses_attention
+        assert "attention" not in [n for n, _ in optimize.phases(toml.cuda)]
+        assert config.apply_overrides(toml, "cuda", precision="fp16").cuda.fuses_attention
+        assert not config.apply_overrides(cfg, "cuda", precision=precision).cuda.fuses_attention
+    explicit = config.from_dict({"model": {"source": "vit"}, "cuda": {"fused_attention": True}})
+    with pytest.raises(config.ConfigError, match="fused_attention"):
+        config.apply_overrides(explicit, "cuda", precision="fp32")
     with pytest.raises(config.ConfigError, match="fused_attention"):
         config.apply_overrides(cfg, "cuda", precision="fp32", fused_attention=True)
+    with pytest.raises(config.ConfigError, match="wrong type"):
+        config.from_dict({"model": {"source": "vit"}, "cuda": {"fused_attention": "yes"}})
 
 
 def _attention_kernel(tmp_path, sm90, name="vit"):
@@ -317,6 +325,16 @@ def _built_source(func, sm90) -> str:
 ])
 def test_the_block_takes_as_many_warps_as_its_keys_allow(keys, head_dim, warps):
     assert attention.col_warps(keys, head_dim) == warps
+
+
+def test_fewer_warps_where_more_would_not_fit():
+    """An A100's opt-in shared memory holds ViT-S/16's kernel with its 197
+    keys padded to 208 (4 warps), not to 224 (8): it stays fused in 4."""
+    from deploy.passes.mma_gemm import OPT_IN_SHARED_MEMORY
+
+    a100, h100 = OPT_IN_SHARED_MEMORY["sm_80"], OPT_IN_SHARED_MEMORY["sm_90"]
+    assert attention_schedule.shared_bytes(197, 64, 1) <= a100 < attention_schedule.shared_bytes(197, 64, 2)
+    assert attention.col_warps(197, 64, a100) == 1 and attention.col_warps(197, 64, h100) == 2
 
 
 def test_the_package_kernel_is_scheduled_with_its_warps(tmp_path, sm90):
