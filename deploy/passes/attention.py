@@ -89,6 +89,7 @@ def fuse_attention(shared_limit: int | None = None):
         def __init__(self, mod):
             super().__init__(mod)
             self.users = _users(mod)
+            self.shared_limit = shared_limit
 
         def visit_var_binding_(self, binding):
             value = binding.value
@@ -106,7 +107,7 @@ def fuse_attention(shared_limit: int | None = None):
 
         def _rewrite(self, call):
             match = _match(self, call)
-            if match is None or shared_bytes(match[2]["keys"], match[2]["head_dim"]) > shared_limit:
+            if match is None or shared_bytes(match[2]["keys"], match[2]["head_dim"], match[2]["col_warps"]) > shared_limit:
                 return None
             sources, build, info, view = match
             inputs = [te.placeholder(static_shape(x), tensor_dtype(x), name=f"input{i}") for i, x in enumerate(sources)]
@@ -371,7 +372,7 @@ def _match(mutator, call):
         sources.append(bias)
     index = [next(i for i, s in enumerate(sources) if s.same_as(c.source)) for c in chains]
 
-    warps = col_warps(sk, d)
+    warps = col_warps(sk, d, getattr(mutator, "shared_limit", None))
 
     def build(*tensors):
         return attention_te(*(chains[i].replay(tensors[index[i]]) for i in range(3)),
@@ -418,19 +419,24 @@ def padded_keys(keys: int, align: int = KEY_ALIGN) -> int:
     return -(-keys // align) * align
 
 
-def col_warps(keys: int, head_dim: int) -> int:
+def col_warps(keys: int, head_dim: int, shared_limit: int | None = None) -> int:
     """Warps that share each 16 query rows of the kernel (1, 2 or 4: a block
     of 4, 8 or 16 warps; attention_schedule.schedule), the keys padded to
     KEY_ALIGN times that many: the most whose padding adds no key to 2
     warps' (32) and whose GEMMs' column tiles, the padded keys and the head
-    dimension, split evenly between them. Fewer registers a thread, more
+    dimension, split evenly between them, and (given `shared_limit`) whose
+    kernel's shared memory fits it (ViT's 197 keys fit an A100's opt-in
+    166,912 bytes padded to 208, not to 224). Fewer registers a thread, more
     warps an SM: on the H200, ViT-S/16's 197 keys at batch 32 took 42.9 us
     in 8 warps, 78.7 in 4 and 45.5 in 16 (its keys padded to 256), BERT's
     128 keys 11.1 us in 16 warps, 11.7 in 8 and 14.3 in 4
     (results/h200/2026-12-05/attention-probe/)."""
+    from .attention_schedule import shared_bytes
+
     for warps in (4, 2):
         if padded_keys(keys, KEY_ALIGN * warps) == padded_keys(keys, 2 * KEY_ALIGN) \
-                and head_dim % (KEY_ALIGN * warps) == 0:
+                and head_dim % (KEY_ALIGN * warps) == 0 \
+                and (shared_limit is None or shared_bytes(keys, head_dim, warps) <= shared_limit):
             return warps
     return 1
 

@@ -25,8 +25,9 @@ default chain behind it in case the schedule does not build
 (passes/schedule.py).
 
 Shared memory: Q, K and V tiles, fp32 scores and fp16 probabilities, and the
-output tile: 166 KB for ViT's 197 keys, 110 KB for 128 (`shared_bytes`); the
-pass rewrites only attention that fits the architecture's opt-in limit.
+output tile: at most 174 KB for ViT's 197 keys in 8 warps (163 KB in 4), 110
+KB for 128 (`shared_bytes`); the pass takes fewer warps where more would not
+fit the architecture's opt-in limit, and rewrites only attention that fits.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ ROW_PAD = 8  # halves each fp16 shared row is padded by (conflict-free ldmatrix)
 NAMES = ("attn_q", "attn_k", "attn_v", "attn_s", "attn_max", "attn_sum", "attn_p", "attn_o", "attn_out")
 
 
-def shared_bytes(keys: int, head_dim: int) -> int:
-    """Shared memory the kernel asks for at most, static and dynamic (keys
-    padded as col_warps() pads them; TVM may let the output tile reuse Q's
-    and K's)."""
-    keys = padded_keys(keys, KEY_ALIGN * col_warps(keys, head_dim))
+def shared_bytes(keys: int, head_dim: int, warps: int | None = None) -> int:
+    """Shared memory the kernel asks for at most, static and dynamic, with
+    `warps` to each 16 rows (by default col_warps()'s), its keys padded for
+    them (a bound: TVM lets buffers whose lives do not overlap share, and
+    ViT-S/16's kernel takes 87 KB of the 174 KB counted here)."""
+    keys = padded_keys(keys, KEY_ALIGN * (col_warps(keys, head_dim) if warps is None else warps))
     fp16_rows = (ROW_TILE + 2 * keys) * (head_dim + ROW_PAD) + ROW_TILE * (keys + ROW_PAD)
     return 2 * fp16_rows + 4 * ROW_TILE * (keys + head_dim) + 8 * ROW_TILE
 
