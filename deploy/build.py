@@ -258,7 +258,7 @@ def run(
             )
         manifest = {
             "model": model,
-            "inputs": [_input_entry(i, exported.manifest.get("index_ranges", {})) for i in exported.inputs],
+            "inputs": [_input_entry(i, exported.index_ranges) for i in exported.inputs],
             "outputs": [
                 {"name": n, "shape": o["shape"][1:], "dtype": o["dtype"]} for n, o in zip(exported.outputs, outputs_sig)
             ],

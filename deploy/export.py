@@ -12,6 +12,7 @@ batch and the pipeline refuses other buckets in one line."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import tempfile
 from pathlib import Path
@@ -57,11 +58,20 @@ class ExportArtifact:
 
         return input_specs(self.inputs, self.dims, bucket)
 
+    @functools.cached_property
+    def index_ranges(self) -> dict[str, tuple[int, int]]:
+        """{integer input that indexes a table: (lowest, one past the highest)
+        value} (passes/onnx_indices.py), read from the graph where the export
+        predates their record."""
+        ranges = self.manifest.get("index_ranges")
+        if ranges is None:
+            return onnx_indices.input_ranges(load_onnx(self.onnx_path))
+        return {k: (int(v[0]), int(v[1])) for k, v in ranges.items()}
+
     def random_specs(self, bucket) -> list[tuple]:
         """(per-sample shape, dtype, rows of the table it indexes or None) of
         each input in one bucket: what runtime.random_inputs takes."""
-        rows = {k: v[1] for k, v in self.manifest.get("index_ranges", {}).items()}
-        return [(i.shape, i.dtype, rows.get(i.name)) for i in self.bucket_inputs(bucket)]
+        return [(i.shape, i.dtype, self.index_ranges.get(i.name, (None, None))[1]) for i in self.bucket_inputs(bucket)]
 
     @property
     def fixed_batch(self) -> int | None:
@@ -82,6 +92,8 @@ def run(cfg: Config, folder: Path) -> ExportArtifact:
             inputs, origin = _export_registry(cfg, tmp / ONNX_FILE)
         model = load_onnx(tmp / ONNX_FILE)
         outputs = tuple(o.name for o in model.graph.output)
+        ranges = onnx_indices.input_ranges(model)
+        _check_pads(cfg.model.dims, ranges)
         artifacts.write_manifest(
             tmp,
             STAGE,
@@ -95,11 +107,22 @@ def run(cfg: Config, folder: Path) -> ExportArtifact:
                 "dims": [dataclasses.asdict(d) for d in cfg.model.dims],
                 "external_data": (tmp / DATA_FILE).is_file(),
                 # integer inputs that index a table, and the values they may take (passes/onnx_indices.py)
-                "index_ranges": {k: list(v) for k, v in onnx_indices.input_ranges(model).items()},
+                "index_ranges": {k: list(v) for k, v in ranges.items()},
             },
         )
     log.info("export: wrote %s", folder / ONNX_FILE)
     return load(folder)
+
+
+def _check_pads(dims, ranges: dict) -> None:
+    """A dimension's padding value, written into the inputs that carry it
+    (all but its mask), must be a row of each table those inputs index."""
+    for d in dims:
+        for name in d.inputs:
+            if name in ranges and name != d.mask and not (ranges[name][0] <= d.pad < ranges[name][1]):
+                lo, hi = ranges[name]
+                raise ConfigError(f"model.dims '{d.name}': pad {d.pad:g} is outside the table input '{name}' indexes",
+                                  d.pad, f"{lo} <= pad < {hi} (a token id, e.g. the tokenizer's padding id)")
 
 
 def load(folder: Path) -> ExportArtifact:
@@ -339,7 +362,8 @@ def symbolic_batch(model, inputs, fixed: int, trial: int = 3):
             dims[0].Clear()
             dims[0].dim_param = "batch"
     del poly.graph.value_info[:]  # inferred shapes that carry the old batch
-    rows = [random_inputs([(i.shape, i.dtype) for i in inputs], fixed, seed=s) for s in range(trial)]
+    tables = {k: v[1] for k, v in onnx_indices.input_ranges(model).items()}  # (ids inside their tables)
+    rows = [random_inputs([(i.shape, i.dtype, tables.get(i.name)) for i in inputs], fixed, seed=s) for s in range(trial)]
     try:
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / ONNX_FILE

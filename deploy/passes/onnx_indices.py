@@ -17,6 +17,11 @@ An input counts where it reaches Gather's indices through operators that
 move values without changing them (PASS_THROUGH); an index computed from it
 (a position id = cumsum of a mask) is not an input's value and is left to
 the graph. Where an input indexes several tables, the smallest range holds.
+Not followed: an input sliced, split or concatenated on its way to the
+indices, and GatherElements and GatherND (TVM does not check theirs
+either).
+A dimension's padding value must lie in the tables of the inputs it pads
+(export._check_pads).
 """
 
 from __future__ import annotations

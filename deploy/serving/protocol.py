@@ -220,7 +220,7 @@ def decode(body: bytes, header_length: str | None, inputs: list[dict], outputs: 
             if t.data is not None or size is not None:
                 raise RequestError(f"input '{t.name}' has data twice", "shared memory and data or binary_data_size",
                                    "one of them")
-            a = regions.input(params, t.name, t.shape, dtype)  # read when its batch is staged
+            a = regions.input(params, t.name, t.shape, dtype)  # read when its batch is staged (or below)
         elif size is not None:
             if t.data is not None:
                 raise RequestError(f"input '{t.name}' has data twice", "both 'data' and binary_data_size",

@@ -146,3 +146,44 @@ def test_the_server_answers_an_id_outside_the_table_with_a_400(tagger):
         assert httpx.post(url, json=body([1, 2, 3, 4, 5, 6])).status_code == 200  # (the server still serves)
     finally:
         server.stop()
+
+
+def test_an_export_from_before_the_ranges_gets_them_from_its_graph(tagger):
+    """A workdir's export made before ranges were recorded: the build reads
+    them from the graph, so its package still checks."""
+    import dataclasses
+
+    from deploy import export
+
+    ex = export.load(tagger[0].parent / "export")
+    old = dataclasses.replace(ex, manifest={k: v for k, v in ex.manifest.items() if k != "index_ranges"})
+    assert old.index_ranges == ex.index_ranges == {"ids": (-50, 50), "types": (-2, 2)}
+
+
+def test_a_padding_value_outside_the_table_is_refused(tagger, tmp_path):
+    from deploy import export
+
+    def cfg(pad):
+        return config.from_dict({
+            "model": {"source": str(tagger[1]), "inputs": [{"name": "ids", "shape": [6], "dtype": "int64"},
+                                                          {"name": "types", "shape": [6], "dtype": "int64"}],
+                      "dims": [{"name": "seq", "inputs": ["ids", "types"], "buckets": [6], "pad": pad}]},
+            "llvm": {"buckets": [2], "tune_buckets": [2], "trials": 0}})
+
+    with pytest.raises(config.ConfigError, match="pad 2 is outside the table input 'types' indexes"):
+        export.run(cfg(2), tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    assert export.run(cfg(1), tmp_path / "ok").index_ranges["types"] == (-2, 2)
+
+
+def test_a_fixed_batch_graph_with_a_small_table_is_still_made_batch_free(tmp_path):
+    """export.symbolic_batch runs the graph in ONNX Runtime on random ids:
+    inside the tables (a 2-row token-type table refused ids up to 9)."""
+    from deploy import export
+
+    path = tmp_path / "fixed.onnx"
+    torch.onnx.export(_Tagger(), (torch.zeros(1, 6, dtype=torch.long), torch.zeros(1, 6, dtype=torch.long)),
+                      str(path), opset_version=17, dynamo=False, input_names=["ids", "types"],
+                      output_names=["logits"])
+    inputs = (config.InputSpec("ids", (6,), "int64"), config.InputSpec("types", (6,), "int64"))
+    assert export.symbolic_batch(onnx.load(str(path)), inputs, 1) is not None
