@@ -14,7 +14,9 @@ This pass (CUDA, fp16, after mixed precision) finds
 
 where `f` is any chain of casts, a multiplication or division by a scalar
 constant, and the addition of a bias (an attention mask, a relative
-position bias: anything that broadcasts to the scores), Q, K^T and V are
+position bias: anything that broadcasts to the scores), the softmax may be
+followed by `where(isnan(P), c, P)` (torch's exported
+scaled_dot_product_attention: a fully masked row's NaNs become c), Q, K^T and V are
 [batch, heads, tokens, head_dim] (K^T [.., head_dim, tokens]) in fp16, the
 head dimension a multiple of 16 up to 128, and at most MAX_KEYS keys. It
 replaces the whole of it with one call of a PrimFunc of ours
@@ -313,7 +315,18 @@ def _match(mutator, call):
             return None
         p = p_value.args[0]
         p_value = _binding(mutator, p)
-    if _op(p_value) != "relax.nn.softmax" or not _single_use(mutator, p):
+    nan_fill = None  # where(isnan(P), c, P): what torch's exported scaled_dot_product_attention puts after its softmax
+    if _op(p_value) == "relax.where":
+        nan_fill = _nan_fill(mutator, p, p_value)
+        if nan_fill is None:
+            return None
+        p = p_value.args[2]
+        p_value = _binding(mutator, p)
+        if len(mutator.users.get(p, [])) != 2:  # (the isnan and the where)
+            return None
+    elif not _single_use(mutator, p):
+        return None
+    if _op(p_value) != "relax.nn.softmax":
         return None
     shape = static_shape(p_value)
     if shape is None or len(shape) != 4 or int(p_value.attrs.axis) not in (-1, 3):
@@ -377,9 +390,23 @@ def _match(mutator, call):
     def build(*tensors):
         return attention_te(*(chains[i].replay(tensors[index[i]]) for i in range(3)),
                             bias=tensors[-1] if bias is not None else None, score_steps=score_steps[::-1],
-                            out_bshd=bshd, out_casts=out_casts, key_align=KEY_ALIGN * warps)
+                            out_bshd=bshd, out_casts=out_casts, key_align=KEY_ALIGN * warps, nan_fill=nan_fill)
 
     return sources, build, {"q_rows": sq, "keys": sk, "head_dim": d, "tokens_first": bshd, "col_warps": warps}, view
+
+
+def _nan_fill(mutator, p, where):
+    """The scalar c of `p = where(isnan(x), c, x)` (x's NaNs, the rows whose
+    every key is masked, replaced by c), if that is what `where` is and
+    nothing else reads its isnan or its result; else None."""
+    cond, fill, x = where.args
+    isnan = _binding(mutator, cond)
+    c = _scalar(fill)
+    if _op(isnan) != "relax.isnan" or not isnan.args[0].same_as(x) or c is None:
+        return None
+    if not (_single_use(mutator, cond) and _single_use(mutator, p)):
+        return None
+    return c
 
 
 def _single_use(mutator, var) -> bool:
@@ -464,7 +491,7 @@ def _output(steps: list, dtype: str):
 
 
 def attention_te(q, kt, v, bias=None, score_steps=(), out_bshd: bool = False, out_casts=("float16",),
-                 key_align: int = KEY_ALIGN):
+                 key_align: int = KEY_ALIGN, nan_fill: float | None = None):
     """The fused kernel's computation as TE stages (see the module docstring):
     q [B, H, Sq, D], kt [B, H, D, Sk], v [B, H, Sk, D] (fp16), `bias`
     broadcasting to the scores, `score_steps` applied to the fp32 scores in
@@ -473,7 +500,9 @@ def attention_te(q, kt, v, bias=None, score_steps=(), out_bshd: bool = False, ou
     KEY_ALIGN inside the kernel: padded keys score -inf (a zero
     probability), padded rows are never written. `out_casts`: the dtypes the
     fp32 product is cast to, in order. `key_align`: what the keys are padded
-    to (a multiple of KEY_ALIGN; scripts/attention_probe.py's variants)."""
+    to (a multiple of KEY_ALIGN; scripts/attention_probe.py's variants).
+    `nan_fill`: the value a NaN probability becomes (a row whose every key
+    is masked; the model's where(isnan(P), c, P)), else it stays NaN."""
     from ..tvm_compat import te, tirx
 
     b, h, sq, d = (int(x) for x in q.shape)
@@ -513,9 +542,13 @@ def attention_te(q, kt, v, bias=None, score_steps=(), out_bshd: bool = False, ou
     rj2 = te.reduce_axis((0, skp), name="rj2")
     total = te.compute((b, h, sqp), lambda n, m, i: te.sum(te.exp(score(n, m, i, rj2) - mx[n, m, i]), axis=rj2),
                        name="attn_sum")
-    p = te.compute((b, h, sqp, skp),
-                   lambda n, m, i, j: (te.exp(score(n, m, i, j) - mx[n, m, i]) / total[n, m, i]).astype(q.dtype),
-                   name="attn_p")
+    def probability(n, m, i, j):
+        x = te.exp(score(n, m, i, j) - mx[n, m, i]) / total[n, m, i]
+        if nan_fill is not None:
+            x = tirx.if_then_else(tirx.isnan(x), tirx.const(nan_fill, f32), x)
+        return x.astype(q.dtype)
+
+    p = te.compute((b, h, sqp, skp), probability, name="attn_p")
     rv = te.reduce_axis((0, skp), name="rv")
     o = te.compute((b, h, sqp, d), lambda n, m, i, c: te.sum(p[n, m, i, rv].astype(f32) * vp[n, m, rv, c].astype(f32),
                                                               axis=rv), name="attn_o")

@@ -14,7 +14,9 @@ import shutil
 import subprocess
 
 import numpy as np
+import onnx
 import pytest
+import torch
 
 from deploy import config, export, frontend, optimize, pipeline, targets
 from deploy.passes import attention, attention_schedule, tensor_core_smem
@@ -77,6 +79,53 @@ def test_fused_attention_computes_what_the_graph_computed(name, tmp_path, sm90):
     for a, b in zip(_run_on_cpu(plain), _run_on_cpu(fused), strict=True):
         assert np.isfinite(b).all()
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), np.abs(a - b).max()
+
+
+class _SDPA(torch.nn.Module):
+    """Self-attention by torch's scaled_dot_product_attention under a padding
+    mask (an input): its exporter puts where(isnan(P), 0, P) after the
+    softmax, as in Hugging Face's decoder LMs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64)
+
+    def forward(self, x, mask):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :].bool())
+        return self.out(o.transpose(1, 2).reshape(b, n, 64))
+
+
+def test_a_nan_fill_after_the_softmax_is_fused_and_kept(tmp_path, sm90):
+    """torch's exported SDPA: the where(isnan(P), 0, P) goes into the kernel,
+    and a sample whose every key is masked gives what the graph gives (its
+    attention 0, where the softmax alone gives NaN)."""
+    path = tmp_path / "sdpa.onnx"
+    torch.onnx.export(_SDPA(), (torch.randn(2, 16, 64), torch.ones(2, 16, dtype=torch.long)), str(path),
+                      opset_version=17, dynamo=False, input_names=["x", "mask"], output_names=["y"])
+    assert "IsNaN" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    mods = {}
+    for fused in (False, True):
+        cfg = config.from_dict({"model": {"source": str(path), "inputs": [
+            {"name": "x", "shape": [16, 64]}, {"name": "mask", "shape": [16], "dtype": "int64"}]},
+            "cuda": {"buckets": [2], "tune_buckets": [2], "precision": "fp16", "fused_attention": fused}})
+        profile, work = cfg.profile("cuda"), tmp_path / str(fused)
+        fe = frontend.run(profile, export.run(cfg, work / "export"), work / "frontend")
+        mods[fused] = optimize.run(profile, sm90, fe, work / "optimize").load_module(2)
+    kernel = next(f for f in _kernels(mods[True]).values() if attention.is_attention(f))
+    assert not [f for f in _kernels(mods[False]).values() if attention.is_attention(f)]
+    assert "T.isnan" in kernel.script() and "mma.sync" in _cuda_source(kernel, sm90)  # (TVM prints it x != x)
+    x = np.random.default_rng(0).standard_normal((2, 16, 64)).astype("float32")
+    mask = np.ones((2, 16), "int64")
+    mask[0, 9:], mask[1] = 0, 0  # (sample 1: every key masked)
+    outs = {}
+    for fused, mod in mods.items():
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+        outs[fused] = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(mask)).numpy()
+    assert np.isfinite(outs[True]).all()
+    np.testing.assert_array_equal(outs[True], outs[False])
 
 
 def test_fp16_accumulation_rounds_the_scores_as_the_graph_does(tmp_path, sm90):
