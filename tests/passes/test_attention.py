@@ -98,28 +98,44 @@ class _SDPA(torch.nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, n, 64))
 
 
+def _sdpa_onnx(tmp_path):
+    path = tmp_path / "sdpa.onnx"
+    torch.onnx.export(_SDPA(), (torch.randn(2, 16, 64), torch.ones(2, 16, dtype=torch.long)), str(path),
+                      opset_version=17, dynamo=False, input_names=["x", "mask"], output_names=["y"])
+    return path
+
+
+def _sdpa_config(path, fused=None, buckets=(2,)):
+    table = {"buckets": list(buckets), "tune_buckets": [buckets[0]], "precision": "fp16", "trials": 0}
+    if fused is not None:
+        table["fused_attention"] = fused
+    return config.from_dict({"model": {"source": str(path), "inputs": [
+        {"name": "x", "shape": [16, 64]}, {"name": "mask", "shape": [16], "dtype": "int64"}]}, "cuda": table})
+
+
+def _sdpa_inputs():
+    x = np.random.default_rng(0).standard_normal((2, 16, 64)).astype("float32")
+    mask = np.ones((2, 16), "int64")
+    mask[0, 9:], mask[1] = 0, 0  # (sample 1: every key masked)
+    return x, mask
+
+
 def test_a_nan_fill_after_the_softmax_is_fused_and_kept(tmp_path, sm90):
     """torch's exported SDPA: the where(isnan(P), 0, P) goes into the kernel,
     and a sample whose every key is masked gives what the graph gives (its
     attention 0, where the softmax alone gives NaN)."""
-    path = tmp_path / "sdpa.onnx"
-    torch.onnx.export(_SDPA(), (torch.randn(2, 16, 64), torch.ones(2, 16, dtype=torch.long)), str(path),
-                      opset_version=17, dynamo=False, input_names=["x", "mask"], output_names=["y"])
+    path = _sdpa_onnx(tmp_path)
     assert "IsNaN" in {n.op_type for n in onnx.load(str(path)).graph.node}
     mods = {}
     for fused in (False, True):
-        cfg = config.from_dict({"model": {"source": str(path), "inputs": [
-            {"name": "x", "shape": [16, 64]}, {"name": "mask", "shape": [16], "dtype": "int64"}]},
-            "cuda": {"buckets": [2], "tune_buckets": [2], "precision": "fp16", "fused_attention": fused}})
+        cfg = _sdpa_config(path, fused)
         profile, work = cfg.profile("cuda"), tmp_path / str(fused)
         fe = frontend.run(profile, export.run(cfg, work / "export"), work / "frontend")
         mods[fused] = optimize.run(profile, sm90, fe, work / "optimize").load_module(2)
     kernel = next(f for f in _kernels(mods[True]).values() if attention.is_attention(f))
     assert not [f for f in _kernels(mods[False]).values() if attention.is_attention(f)]
     assert "T.isnan" in kernel.script() and "mma.sync" in _cuda_source(kernel, sm90)  # (TVM prints it x != x)
-    x = np.random.default_rng(0).standard_normal((2, 16, 64)).astype("float32")
-    mask = np.ones((2, 16), "int64")
-    mask[0, 9:], mask[1] = 0, 0  # (sample 1: every key masked)
+    x, mask = _sdpa_inputs()
     outs = {}
     for fused, mod in mods.items():
         vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
@@ -466,3 +482,25 @@ def test_gpu_fused_attention_validated(name, tmp_path):
                             "cuda": {"buckets": [1, 4], "trials": 0, "fused_attention": True}})
     summary = pipeline.run(cfg, target, tmp_path / "ws", db_root=tmp_path / "db", compare_untuned=False)
     assert summary["validation"]["passed"], summary["validation"]
+
+
+@pytest.mark.gpu
+def test_gpu_nan_fill_kernel_matches_onnx_runtime(tmp_path):
+    """torch's exported SDPA fused (its where(isnan(P), 0, P) in the
+    kernel), on the GPU: validated, and a sample whose every key is masked
+    gives ONNX Runtime's output."""
+    import onnxruntime as ort
+
+    import deploy
+
+    path = _sdpa_onnx(tmp_path)
+    summary = pipeline.run(_sdpa_config(path), targets.resolve("cuda"), tmp_path / "ws", db_root=tmp_path / "db",
+                           compare_untuned=False)
+    assert summary["validation"]["passed"], summary["validation"]
+    m = json.loads((tmp_path / "ws" / "package" / "manifest.json").read_text())
+    assert m["buckets"]["2"]["schedules"].get("fused-attention", 0) >= 1
+    x, mask = _sdpa_inputs()
+    ref = ort.InferenceSession(str(path)).run(None, {"x": x, "mask": mask})[0]
+    out = deploy.load(tmp_path / "ws" / "package")({"x": x, "mask": mask})["y"]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
