@@ -184,11 +184,20 @@ def _ints(expr) -> list[int]:
     return [int(v) for v in expr]
 
 
-def _scalar(expr) -> float | None:
+def _scalar(expr, mutator=None) -> float | None:
+    """The number a one-element constant holds, also through a cast of one
+    that mixed precision left bound to a var (MobileViT's scale: astype(6.0,
+    float16)), as the cast rounds it; else None."""
+    import numpy as np
+
     from ..tvm_compat import RelaxConstant
 
     if isinstance(expr, RelaxConstant) and expr.value.numpy().size == 1:
         return float(expr.value.numpy().reshape(()))
+    value = _binding(mutator, expr) if mutator is not None else None
+    if _op(value) == "relax.astype" and isinstance(value.args[0], RelaxConstant):
+        c = _scalar(value.args[0])
+        return None if c is None else float(np.asarray(c).astype(str(value.attrs.dtype)))
     return None
 
 
@@ -256,8 +265,8 @@ def _chain(mutator, expr) -> _Chain:
                 step = (axes, begin, end, [1] * len(axes))
             steps.append((name, step))
             expr = value.args[0]
-        elif name in SCALAR_OPS and _scalar(value.args[1]) is not None:
-            steps.append((name, _scalar(value.args[1])))
+        elif name in SCALAR_OPS and _scalar(value.args[1], mutator) is not None:
+            steps.append((name, _scalar(value.args[1], mutator)))
             expr = value.args[0]
         elif isinstance(value, relax.TupleGetItem) and _op(split := _split_of(mutator, value)) == "relax.split":
             shape = static_shape(split.args[0])
@@ -339,8 +348,8 @@ def _match(mutator, call):
         if name == "relax.astype":
             score_steps.append(("cast", str(s.attrs.dtype)))
             s = _binding(mutator, s.args[0])
-        elif name in SCALAR_OPS and _scalar(s.args[1]) is not None:
-            score_steps.append((name, _scalar(s.args[1])))
+        elif name in SCALAR_OPS and _scalar(s.args[1], mutator) is not None:
+            score_steps.append((name, _scalar(s.args[1], mutator)))
             s = _binding(mutator, s.args[0])
         elif name == "relax.add" and bias is None:
             lhs, rhs = s.args
@@ -401,7 +410,7 @@ def _nan_fill(mutator, p, where):
     nothing else reads its isnan or its result; else None."""
     cond, fill, x = where.args
     isnan = _binding(mutator, cond)
-    c = _scalar(fill)
+    c = _scalar(fill, mutator)
     if _op(isnan) != "relax.isnan" or not isnan.args[0].same_as(x) or c is None:
         return None
     if not (_single_use(mutator, cond) and _single_use(mutator, p)):

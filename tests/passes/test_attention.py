@@ -484,6 +484,39 @@ def test_gpu_fused_attention_validated(name, tmp_path):
     assert summary["validation"]["passed"], summary["validation"]
 
 
+class _Eager(torch.nn.Module):
+    """Attention written out, its scores divided by a constant after the
+    product (Hugging Face's MobileViT): mixed precision leaves the divisor
+    as astype(6.0, float16) bound to a var."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        p = torch.softmax(q @ k.transpose(-1, -2) / 6.0, dim=-1)
+        return self.out((p @ v).transpose(1, 2).reshape(b, n, 64))
+
+
+def test_a_scale_cast_by_mixed_precision_is_still_a_scale(tmp_path, sm90):
+    path = tmp_path / "eager.onnx"
+    torch.onnx.export(_Eager(), (torch.randn(2, 16, 64),), str(path), opset_version=17, dynamo=False,
+                      input_names=["x"], output_names=["y"])
+    outs = {}
+    for fused in (False, True):
+        cfg = config.from_dict({"model": {"source": str(path), "inputs": [{"name": "x", "shape": [16, 64]}]},
+                                "cuda": {"buckets": [2], "tune_buckets": [2], "fused_attention": fused}})
+        profile, work = cfg.profile("cuda"), tmp_path / str(fused)
+        fe = frontend.run(profile, export.run(cfg, work / "export"), work / "frontend")
+        mod = optimize.run(profile, sm90, fe, work / "optimize").load_module(2)
+        assert bool([f for f in _kernels(mod).values() if attention.is_attention(f)]) == fused
+        outs[fused] = _run_on_cpu(mod)
+    np.testing.assert_array_equal(outs[True][0], outs[False][0])
+
+
 @pytest.mark.gpu
 def test_gpu_nan_fill_kernel_matches_onnx_runtime(tmp_path):
     """torch's exported SDPA fused (its where(isnan(P), 0, P) in the
