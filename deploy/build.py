@@ -282,7 +282,7 @@ def run(
 def _input_entry(spec, index_ranges: dict) -> dict:
     """An input in the package's manifest: name, per-sample shape, dtype and,
     for an integer input that indexes a table, the values it may take
-    ("range": [lowest, one past the highest]; runtime.Package.check_inputs
+    ("range": [lowest, one past the highest]; runtime.Predictor.check_inputs
     refuses others, passes/onnx_indices.py says why)."""
     entry = {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype}
     if spec.name in index_ranges:

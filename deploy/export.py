@@ -69,9 +69,9 @@ class ExportArtifact:
         return {k: (int(v[0]), int(v[1])) for k, v in ranges.items()}
 
     def random_specs(self, bucket) -> list[tuple]:
-        """(per-sample shape, dtype, rows of the table it indexes or None) of
-        each input in one bucket: what runtime.random_inputs takes."""
-        return [(i.shape, i.dtype, self.index_ranges.get(i.name, (None, None))[1]) for i in self.bucket_inputs(bucket)]
+        """(per-sample shape, dtype, the range of the table it indexes or None)
+        of each input in one bucket: what runtime.random_inputs takes."""
+        return [(i.shape, i.dtype, self.index_ranges.get(i.name)) for i in self.bucket_inputs(bucket)]
 
     @property
     def fixed_batch(self) -> int | None:
@@ -362,8 +362,8 @@ def symbolic_batch(model, inputs, fixed: int, trial: int = 3):
             dims[0].Clear()
             dims[0].dim_param = "batch"
     del poly.graph.value_info[:]  # inferred shapes that carry the old batch
-    tables = {k: v[1] for k, v in onnx_indices.input_ranges(model).items()}  # (ids inside their tables)
-    rows = [random_inputs([(i.shape, i.dtype, tables.get(i.name)) for i in inputs], fixed, seed=s) for s in range(trial)]
+    ranges = onnx_indices.input_ranges(model)  # (ids inside their tables)
+    rows = [random_inputs([(i.shape, i.dtype, ranges.get(i.name)) for i in inputs], fixed, seed=s) for s in range(trial)]
     try:
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / ONNX_FILE

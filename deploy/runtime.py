@@ -317,7 +317,7 @@ class Predictor:
             if batch is not None and a.shape[0] != batch:
                 raise ShapeError("inputs disagree on the batch size", a.shape[0], batch)
             batch = a.shape[0]
-            if "range" in spec and a.size:
+            if "range" in spec:
                 check_range(spec, a)
             arrays.append(np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a)
         if self.dims:
@@ -620,8 +620,8 @@ class Predictor:
             dims, batch = bucket.dims, bucket.batch
         else:
             dims, batch = self.buckets[-1].dims, int(bucket)
-        return random_inputs([(shape, s["dtype"], s.get("range", (None, None))[1])
-                              for s, (shape, _) in zip(self.inputs, self.row_specs(dims))], batch, seed)
+        return random_inputs([(shape, s["dtype"], s.get("range")) for s, (shape, _) in zip(self.inputs, self.row_specs(dims))],
+                             batch, seed)
 
     def latency(self, bucket: Bucket | int, number: int | None = None, repeat: int | None = None,
                 seed: int = 0) -> dict:
@@ -661,6 +661,8 @@ def check_range(spec: dict, a: np.ndarray) -> None:
     """An integer input that indexes a table holds only the values its
     manifest entry allows (passes/onnx_indices.py: TVM's gather does not
     check them)."""
+    if not a.size:
+        return
     lo, hi = spec["range"]
     least, most = int(a.min()), int(a.max())
     if least < lo or most >= hi:
@@ -679,18 +681,18 @@ def outputs_to_numpy(out) -> list[np.ndarray]:
 
 
 def random_inputs(specs, batch: int | None, seed: int = 0) -> list[np.ndarray]:
-    """Seeded inputs for (shape, dtype) or (shape, dtype, rows) specs; `batch`
+    """Seeded inputs for (shape, dtype) or (shape, dtype, range) specs; `batch`
     is prepended unless None. Floats are standard normal, integers uniform in
-    [0, 10), or in [0, rows) where an input indexes a table of fewer rows
-    (an input's manifest "range")."""
+    [0, 10), or in [0, n) where an input indexes a table of n < 10 rows (its
+    range, [-n, n): an input's manifest "range"; None: no table)."""
     rng = np.random.default_rng(seed)
     out = []
-    for shape, dtype, *rows in specs:
+    for shape, dtype, *table in specs:
         shape = tuple(shape) if batch is None else (batch, *shape)
         if str(dtype).startswith("float"):
             out.append(rng.standard_normal(shape).astype(dtype))
         else:
-            top = 10 if not rows or rows[0] is None else max(1, min(10, int(rows[0])))
+            top = 10 if not table or table[0] is None else max(1, min(10, int(table[0][1])))
             out.append(rng.integers(0, top, shape).astype(dtype))
     return out
 

@@ -394,7 +394,7 @@ def _match(mutator, call):
         sources.append(bias)
     index = [next(i for i, s in enumerate(sources) if s.same_as(c.source)) for c in chains]
 
-    warps = col_warps(sk, d, getattr(mutator, "shared_limit", None))
+    warps = col_warps(sk, d, mutator.shared_limit)
 
     def build(*tensors):
         return attention_te(*(chains[i].replay(tensors[index[i]]) for i in range(3)),

@@ -8,7 +8,7 @@ reads memory outside the table (on the CPU a segfault or a silent wrong
 answer; on the GPU an illegal address, after which the process's CUDA
 context fails every later call). ONNX Runtime and PyTorch raise an error for
 such an input. The package records these ranges in its manifest and checks
-each request against them before running it (runtime.Package.check_inputs),
+each request against them before running it (runtime.Predictor.check_inputs),
 so an id out of range is one line (a 400 from the server), not a crash.
 tests/passes/test_onnx_indices.py::test_tvm_still_takes_gather_indices_unchecked
 fails once TVM's importer checks them itself.
