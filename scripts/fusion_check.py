@@ -22,21 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def check(manifest: dict, work: Path) -> dict:
     import numpy as np
 
-    from deploy import config, export, frontend, optimize, targets
+    from deploy import targets
     from deploy.errors import error_line
     from deploy.passes import attention
-    from tests.passes.test_attention import _kernels, _run_on_cpu
+    from tests.passes.test_attention import _kernels, _optimized, _run_on_cpu
 
     sm90 = targets.resolve("cuda:sm_90")
     try:
         outs, fused_kernels = {}, 0
         for fused in (False, True):
-            cfg = config.from_dict({"model": {"source": manifest["origin"]["path"], "inputs": manifest["inputs"]},
-                                    "cuda": {"buckets": [2], "tune_buckets": [2], "precision": "fp16",
-                                             "fused_attention": fused}})
-            profile, w = cfg.profile("cuda"), work / str(fused)
-            fe = frontend.run(profile, export.run(cfg, w / "export"), w / "frontend")
-            mod = optimize.run(profile, sm90, fe, w / "optimize").load_module(2)
+            mod = _optimized(manifest["origin"]["path"], sm90, work / str(fused), fused, inputs=manifest["inputs"])
             if fused:
                 fused_kernels = sum(1 for f in _kernels(mod).values() if attention.is_attention(f))
                 if not fused_kernels:

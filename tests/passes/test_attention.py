@@ -32,8 +32,11 @@ def sm90():
     return targets.resolve("cuda:sm_90")
 
 
-def _optimized(name, target, work, fused: bool, batch: int = 2, size: str = "small", **extra):
-    cfg = config.from_dict({"model": {"source": name, "size": size},
+def _optimized(name, target, work, fused: bool, batch: int = 2, size: str = "small", inputs=None, **extra):
+    """The module optimized for `target` (CUDA fp16): a registry model at
+    `size`, or an ONNX file with its `inputs` (the config's tables)."""
+    model = {"source": name, "size": size} if inputs is None else {"source": name, "inputs": inputs}
+    cfg = config.from_dict({"model": model,
                             "cuda": {"buckets": [batch], "tune_buckets": [batch], "precision": "fp16",
                                      "fused_attention": fused, **extra}})
     profile = cfg.profile("cuda")
@@ -105,12 +108,7 @@ def _sdpa_onnx(tmp_path):
     return path
 
 
-def _sdpa_config(path, fused=None, buckets=(2,)):
-    table = {"buckets": list(buckets), "tune_buckets": [buckets[0]], "precision": "fp16", "trials": 0}
-    if fused is not None:
-        table["fused_attention"] = fused
-    return config.from_dict({"model": {"source": str(path), "inputs": [
-        {"name": "x", "shape": [16, 64]}, {"name": "mask", "shape": [16], "dtype": "int64"}]}, "cuda": table})
+SDPA_INPUTS = [{"name": "x", "shape": [16, 64]}, {"name": "mask", "shape": [16], "dtype": "int64"}]
 
 
 def _sdpa_inputs():
@@ -126,12 +124,8 @@ def test_a_nan_fill_after_the_softmax_is_fused_and_kept(tmp_path, sm90):
     attention 0, where the softmax alone gives NaN)."""
     path = _sdpa_onnx(tmp_path)
     assert "IsNaN" in {n.op_type for n in onnx.load(str(path)).graph.node}
-    mods = {}
-    for fused in (False, True):
-        cfg = _sdpa_config(path, fused)
-        profile, work = cfg.profile("cuda"), tmp_path / str(fused)
-        fe = frontend.run(profile, export.run(cfg, work / "export"), work / "frontend")
-        mods[fused] = optimize.run(profile, sm90, fe, work / "optimize").load_module(2)
+    mods = {fused: _optimized(str(path), sm90, tmp_path / str(fused), fused, inputs=SDPA_INPUTS)
+            for fused in (False, True)}
     kernel = next(f for f in _kernels(mods[True]).values() if attention.is_attention(f))
     assert not [f for f in _kernels(mods[False]).values() if attention.is_attention(f)]
     assert "T.isnan" in kernel.script() and "mma.sync" in _cuda_source(kernel, sm90)  # (TVM prints it x != x)
@@ -507,11 +501,7 @@ def test_a_scale_cast_by_mixed_precision_is_still_a_scale(tmp_path, sm90):
                       input_names=["x"], output_names=["y"])
     outs = {}
     for fused in (False, True):
-        cfg = config.from_dict({"model": {"source": str(path), "inputs": [{"name": "x", "shape": [16, 64]}]},
-                                "cuda": {"buckets": [2], "tune_buckets": [2], "fused_attention": fused}})
-        profile, work = cfg.profile("cuda"), tmp_path / str(fused)
-        fe = frontend.run(profile, export.run(cfg, work / "export"), work / "frontend")
-        mod = optimize.run(profile, sm90, fe, work / "optimize").load_module(2)
+        mod = _optimized(str(path), sm90, tmp_path / str(fused), fused, inputs=[{"name": "x", "shape": [16, 64]}])
         assert bool([f for f in _kernels(mod).values() if attention.is_attention(f)]) == fused
         outs[fused] = _run_on_cpu(mod)
     np.testing.assert_array_equal(outs[True][0], outs[False][0])
@@ -527,8 +517,9 @@ def test_gpu_nan_fill_kernel_matches_onnx_runtime(tmp_path):
     import deploy
 
     path = _sdpa_onnx(tmp_path)
-    summary = pipeline.run(_sdpa_config(path), targets.resolve("cuda"), tmp_path / "ws", db_root=tmp_path / "db",
-                           compare_untuned=False)
+    cfg = config.from_dict({"model": {"source": str(path), "inputs": SDPA_INPUTS},
+                            "cuda": {"buckets": [2], "tune_buckets": [2], "trials": 0}})
+    summary = pipeline.run(cfg, targets.resolve("cuda"), tmp_path / "ws", db_root=tmp_path / "db", compare_untuned=False)
     assert summary["validation"]["passed"], summary["validation"]
     m = json.loads((tmp_path / "ws" / "package" / "manifest.json").read_text())
     assert m["buckets"]["2"]["schedules"].get("fused-attention", 0) >= 1

@@ -71,20 +71,28 @@ class _Tagger(torch.nn.Module):
         return self.head(self.tokens(ids) + self.types(types))
 
 
+def _export_tagger(path, batch_free: bool = True):
+    axes = {"dynamic_axes": {"ids": {0: "n"}, "types": {0: "n"}}} if batch_free else {}
+    torch.onnx.export(_Tagger(), (torch.zeros(1, 6, dtype=torch.long), torch.zeros(1, 6, dtype=torch.long)),
+                      str(path), opset_version=17, dynamo=False, input_names=["ids", "types"],
+                      output_names=["logits"], **axes)
+
+
+def _tagger_config(path, **model):
+    return config.from_dict({
+        "model": {"source": str(path), "inputs": [{"name": "ids", "shape": [6], "dtype": "int64"},
+                                                  {"name": "types", "shape": [6], "dtype": "int64"}], **model},
+        "llvm": {"buckets": [2], "tune_buckets": [2], "trials": 0},
+    })
+
+
 @pytest.fixture(scope="module")
 def tagger(tmp_path_factory, llvm_target):
     """A token tagger from a user's ONNX file, through every stage on llvm."""
     work = tmp_path_factory.mktemp("tagger")
     path = work / "tagger.onnx"
-    torch.onnx.export(_Tagger(), (torch.zeros(1, 6, dtype=torch.long), torch.zeros(1, 6, dtype=torch.long)),
-                      str(path), opset_version=17, dynamo=False, input_names=["ids", "types"],
-                      output_names=["logits"], dynamic_axes={"ids": {0: "n"}, "types": {0: "n"}})
-    cfg = config.from_dict({
-        "model": {"source": str(path), "inputs": [{"name": "ids", "shape": [6], "dtype": "int64"},
-                                                  {"name": "types", "shape": [6], "dtype": "int64"}]},
-        "llvm": {"buckets": [2], "tune_buckets": [2], "trials": 0},
-    })
-    summary = pipeline.run(cfg, llvm_target, work / "ws", db_root=work / "db")
+    _export_tagger(path)
+    summary = pipeline.run(_tagger_config(path), llvm_target, work / "ws", db_root=work / "db")
     assert summary["validation"]["passed"]
     return work / "ws" / "package", path
 
@@ -164,11 +172,7 @@ def test_a_padding_value_outside_the_table_is_refused(tagger, tmp_path):
     from deploy import export
 
     def cfg(pad):
-        return config.from_dict({
-            "model": {"source": str(tagger[1]), "inputs": [{"name": "ids", "shape": [6], "dtype": "int64"},
-                                                          {"name": "types", "shape": [6], "dtype": "int64"}],
-                      "dims": [{"name": "seq", "inputs": ["ids", "types"], "buckets": [6], "pad": pad}]},
-            "llvm": {"buckets": [2], "tune_buckets": [2], "trials": 0}})
+        return _tagger_config(tagger[1], dims=[{"name": "seq", "inputs": ["ids", "types"], "buckets": [6], "pad": pad}])
 
     with pytest.raises(config.ConfigError, match="pad 2 is outside the table input 'types' indexes"):
         export.run(cfg(2), tmp_path / "bad")
@@ -182,8 +186,6 @@ def test_a_fixed_batch_graph_with_a_small_table_is_still_made_batch_free(tmp_pat
     from deploy import export
 
     path = tmp_path / "fixed.onnx"
-    torch.onnx.export(_Tagger(), (torch.zeros(1, 6, dtype=torch.long), torch.zeros(1, 6, dtype=torch.long)),
-                      str(path), opset_version=17, dynamo=False, input_names=["ids", "types"],
-                      output_names=["logits"])
+    _export_tagger(path, batch_free=False)
     inputs = (config.InputSpec("ids", (6,), "int64"), config.InputSpec("types", (6,), "int64"))
     assert export.symbolic_batch(onnx.load(str(path)), inputs, 1) is not None
