@@ -43,7 +43,9 @@ TYPES = {
     "uint4": 16,
     "ulonglong4": 32,
     "half2": 4,
+    "half4": 8,
     "float2": 8,
+    "float4": 16,
     "ulonglong": 8,
 }
 NP = {
@@ -55,7 +57,8 @@ NP = {
     "uchar": np.uint8,
     "ulonglong": np.uint64,
 }
-MEMBERS = {"uint4": ("unsigned", 4), "ulonglong4": ("ulonglong", 8), "half2": ("half", 2), "float2": ("float", 4)}
+MEMBERS = {"uint4": ("unsigned", 4), "ulonglong4": ("ulonglong", 8), "half2": ("half", 2), "half4": ("half", 2),
+           "float2": ("float", 4), "float4": ("float", 4)}
 
 
 def tokenize(src):
@@ -143,9 +146,13 @@ class P:
             self.expect(")")
             self.expect(";")
             return ("asm", s.replace("\\n", "\n"), outs, ins)
-        if tk in ("alignas", "__shared__", "extern", "uint4", "float", "ulonglong4", "unsigned", "uint", "half"):
+        if tk in ("alignas", "__shared__", "extern", "uint4", "float", "ulonglong4", "unsigned", "uint", "half", "int",
+                  "half4", "float4"):
             return self.decl()
         e = self.expr()
+        if self.peek() == ";":  # a call for its effect: tvm_builtin_ptx_cp_async_commit_group_...();
+            self.next()
+            return ("expr", e)
         self.expect("=")
         r = self.expr()
         self.expect(";")
@@ -193,7 +200,18 @@ class P:
     BIN = [("==", "!="), ("<", ">", "<=", ">="), ("<<", ">>"), ("+", "-"), ("*", "/", "%")]
 
     def expr(self):
-        return self.bitand()
+        e = self.logand()
+        while self.peek() == "||":
+            self.next()
+            e = ("bin", "||", e, self.logand())
+        return e
+
+    def logand(self):
+        e = self.bitand()
+        while self.peek() == "&&":
+            self.next()
+            e = ("bin", "&&", e, self.bitand())
+        return e
 
     def bitand(self):
         e = self.level(0)
@@ -370,6 +388,8 @@ class Emu:
                 self.log.add(f"same-statement overlapping store {ref.space}:{ref.buf}")
             buf[idx] = b[m]
             if ref.space == "shared":
+                if self.pending[ref.buf][idx].any():
+                    self.log.add(f"RACE store to shared:{ref.buf} while a cp.async to it is in flight")
                 self.track(ref.buf, idx, m, write=True)
             else:
                 np.add.at(self.gwritten[ref.buf], flat, 1)
@@ -430,6 +450,8 @@ class Emu:
             self.wthr[name][idx] = np.broadcast_to(thr, idx.shape)
             self.init[name][idx] = True
         else:
+            if self.pending[name][idx].any():
+                self.log.add(f"RACE read of shared:{name} while a cp.async to it is in flight (sync #{self.nsync})")
             if not self.init[name][idx].all():
                 self.log.add(f"UNINIT shared read {name} (sync #{self.nsync})")
             np.bitwise_or.at(
@@ -449,6 +471,11 @@ class Emu:
         self.rthr = {k: np.full(len(v), -1, np.int64) for k, v in self.sh.items()}
         self.rwarps = {k: np.zeros(len(v), np.uint64) for k, v in self.sh.items()}
         self.loc, self.loc_init = {}, {}
+        # cp.async: bytes with a copy in flight, and each thread's copies not
+        # yet committed / its committed groups, oldest first
+        self.pending = {k: np.zeros(len(v), np.int32) for k, v in self.sh.items()}
+        self.open = [[] for _ in range(self.T)]
+        self.groups = [[] for _ in range(self.T)]
         self.scopes = [{}]
         self.nsync = 0
         self.exec(self.ast, np.ones(self.T, bool))
@@ -513,6 +540,9 @@ class Emu:
             self.store(ref, val, m)
         elif k == "asm":
             self.asm(st, m)
+        elif k == "expr":
+            assert st[1][0] == "call", st
+            self.ev(st[1], m)
         else:
             raise NotImplementedError(k)
 
@@ -597,8 +627,8 @@ class Emu:
             assert op == "+"
             return Ptr(a.space, a.buf, a.off + self.as_int(b) * TYPES[a.ty], a.ty)
 
-        def isint(x):
-            return isinstance(x, int) or np.issubdtype(np.asarray(x).dtype, np.integer)
+        def isint(x):  # (bools too: a comparison's value, as C's int)
+            return isinstance(x, int) or np.issubdtype(np.asarray(x).dtype, np.integer) or np.asarray(x).dtype == bool
 
         if isint(a) and isint(b):
             a = a if isinstance(a, int) else np.asarray(a, np.int64)
@@ -616,7 +646,17 @@ class Emu:
                 "<": lambda: a < b,
                 "==": lambda: a == b,
                 ">": lambda: a > b,
+                "<=": lambda: a <= b,
+                ">=": lambda: a >= b,
+                "!=": lambda: a != b,
+                "&&": lambda: np.logical_and(a, b),
+                "||": lambda: np.logical_or(a, b),
             }[op]()
+        if all(not isint(x) and np.asarray(x).dtype == np.float16 for x in (a, b)) and op in "+-*":
+            # half op half (cuda_fp16's operators): in float32, rounded to half (exact for *; + - round twice
+            # only where float32's rounding lands on a half midpoint)
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            return {"+": a + b, "-": a - b, "*": a * b}[op].astype(np.float16)
         # floating point: C usual arithmetic conversions; float op float -> float32
         dt = (
             np.float64
@@ -650,8 +690,11 @@ class Emu:
                 return np.exp(x).astype(np.float32)
         if fn == "max":
             a, b = np.asarray(self.rv(args[0], m)), np.asarray(self.rv(args[1], m))
-            assert a.dtype == np.float32 and b.dtype == np.float32
-            return np.fmax(a, b)  # fmaxf
+            assert a.dtype == b.dtype and a.dtype in (np.float32, np.float16)
+            return np.fmax(a, b)  # fmaxf; TVM's `half max(half, half)`: a > b ? a : b
+        if fn == "make_half4":
+            parts = [np.broadcast_to(np.asarray(self.rv(a, m), np.float16), (self.T,)) for a in args]
+            return Bytes(np.ascontiguousarray(np.stack(parts, 1)).view(np.uint8).reshape(self.T, 8), "half4")
         if fn == "__float2half_rn":
             return np.asarray(self.rv(args[0], m), np.float32).astype(np.float16)
         if fn == "__pack_half2":
@@ -687,7 +730,73 @@ class Emu:
             else:
                 src = x % 32  # srcLane modulo width
             return var[base + src].copy()
+        found = re.fullmatch(r"ptx_cp_async_legacy_c[ag]_(\d+)_(\d+)_(\d+)", fn)
+        if found:
+            self.cp_async(args, m, *(int(x) for x in found.groups()))
+            return None
+        found = re.fullmatch(r"ptx_cp_async_legacy_pred_c[ag]_(\d+)_(\d+)_(\d+)", fn)
+        if found:  # (..., predicate): `@p cp.async`, `@!p st.shared` of zeros (at once, in no group)
+            size, dst_scale, _ = (int(x) for x in found.groups())
+            pred = np.broadcast_to(np.asarray(self.rv(args[4], m)) == 1, (self.T,))
+            self.cp_async(args[:4], m & pred, *(int(x) for x in found.groups()))
+            dst = self.rv(args[0], m)
+            off = dst.off + self.as_int(self.rv(args[1], m)) * dst_scale
+            self.store(Ref("shared", dst.buf, off, "uint4"), Bytes(np.zeros((self.T, size), np.uint8), "uint4"),
+                       m & ~pred)
+            return None
+        if fn == "tvm_builtin_ptx_cp_async_commit_group_async_commit_group":
+            for t in np.nonzero(m)[0]:
+                self.groups[t].append(self.open[t])
+                self.open[t] = []
+            return None
+        found = re.fullmatch(r"tvm_builtin_ptx_cp_async_wait_group_async_wait_group_(\d+)", fn)
+        if found:
+            self.cp_async_wait(int(found.group(1)), m)
+            return None
         raise NotImplementedError(fn)
+
+    # -------------------------------------------------------------- cp.async
+    def cp_async(self, args, m, size, dst_scale, src_scale):
+        """`ptx_cp_async_legacy_cg_<bytes>_<dst elem>_<src elem>(dst, dst_off,
+        src, src_off)` (TVM's helper: offsets in elements): the source read
+        now, the destination written when a wait_group completes its group.
+        From issue to completion the bytes are in flight: any read or store
+        of them is a race, and so is an issue over bytes another warp read
+        since the last barrier (the copy may land at once)."""
+        dst, src = self.rv(args[0], m), self.rv(args[2], m)
+        assert isinstance(dst, Ptr) and dst.space == "shared" and isinstance(src, Ptr) and src.space == "global"
+        doff = np.broadcast_to(np.asarray(dst.off + self.as_int(self.rv(args[1], m)) * dst_scale, np.int64), (self.T,))
+        soff = np.broadcast_to(np.asarray(src.off + self.as_int(self.rv(args[3], m)) * src_scale, np.int64), (self.T,))
+        if not m.any():
+            return
+        if not (self.check_bounds("shared", dst.buf, doff, size, m, "cp.async dst")
+                and self.check_bounds("global", src.buf, soff, size, m, "cp.async src")):
+            raise RuntimeError("oob cp.async")
+        if (doff[m] % size).any() or (soff[m] % size).any():
+            self.log.add(f"cp.async of {size} bytes not {size}-byte aligned")
+        thr = np.nonzero(m)[0]
+        didx = doff[m, None] + np.arange(size)
+        data = self.g[src.buf][soff[m, None] + np.arange(size)]
+        others = self.rwarps[dst.buf][didx] & ~(np.uint64(1) << (thr[:, None] // 32).astype(np.uint64))
+        if others.any():
+            self.log.add(f"RACE WAR cp.async over shared:{dst.buf} read by another warp since the barrier (sync #{self.nsync})")
+        if self.pending[dst.buf][didx].any():
+            self.log.add(f"RACE cp.async over shared:{dst.buf} with a copy to it still in flight")
+        np.add.at(self.pending[dst.buf], didx.ravel(), 1)
+        for j, t in enumerate(thr):
+            self.open[t].append((dst.buf, didx[j], data[j]))
+
+    def cp_async_wait(self, n, m):
+        """`cp.async.wait_group n`: each thread's committed groups but its
+        newest n complete, their bytes written (as that thread's stores)."""
+        for t in np.nonzero(m)[0]:
+            one = np.zeros(self.T, bool)
+            one[t] = True
+            while len(self.groups[t]) > n:
+                for name, idx, data in self.groups[t].pop(0):
+                    self.pending[name][idx] -= 1
+                    self.sh[name][idx] = data
+                    self.track(name, idx[None, :], one, write=True)
 
     # -------------------------------------------------------------- PTX
     def asm(self, st, m):
