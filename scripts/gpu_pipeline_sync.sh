@@ -20,7 +20,7 @@ case "$what" in tests|probe|package|all) ;; *)
 source scripts/gpu_env.sh
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -m gpu tests/passes/test_mma_gemm.py tests/passes/test_implicit_gemm.py \
+  python3 -m pytest -q -m gpu tests/passes/test_mma_gemm.py tests/passes/test_implicit_gemm.py tests/passes/test_tf32.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi

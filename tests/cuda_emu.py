@@ -592,6 +592,8 @@ class Emu:
                 return np.asarray(v, np.float32).astype(np.float16)
             if ty == "float":
                 return np.asarray(v).astype(np.float32)
+            if ty in ("uint", "unsigned"):  # (of an int: its bits mod 2^32)
+                return np.asarray(np.asarray(v, np.int64) & 0xFFFFFFFF, np.uint32)
             raise NotImplementedError(ty)
         if k == "deref":
             p = self.rv(e[1], m)
@@ -692,6 +694,9 @@ class Emu:
             a, b = np.asarray(self.rv(args[0], m)), np.asarray(self.rv(args[1], m))
             assert a.dtype == b.dtype and a.dtype in (np.float32, np.float16)
             return np.fmax(a, b)  # fmaxf; TVM's `half max(half, half)`: a > b ? a : b
+        if fn == "make_float4":
+            parts = [np.broadcast_to(np.asarray(self.rv(a, m), np.float32), (self.T,)) for a in args]
+            return Bytes(np.ascontiguousarray(np.stack(parts, 1)).view(np.uint8).reshape(self.T, 16), "float4")
         if fn == "make_half4":
             parts = [np.broadcast_to(np.asarray(self.rv(a, m), np.float16), (self.T,)) for a in args]
             return Bytes(np.ascontiguousarray(np.stack(parts, 1)).view(np.uint8).reshape(self.T, 8), "half4")
@@ -881,8 +886,43 @@ class Emu:
             for j in range(4):
                 r = self.ev(outs[j], m)
                 self.store(Ref(r.space, r.buf, r.off, "float"), D[j], m)
+        elif ins_ == "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32":
+            self.mma_tf32(outs, ins, m)
         else:
             raise NotImplementedError(ins_)
+
+    def mma_tf32(self, outs, ins, m):
+        """m16n8k8 in TF32 (the PTX ISA's fragments: a0..a3 at rows g, g+8 and
+        columns t, t+4; b0, b1 at k = t, t+4 and column g): each operand's
+        low 13 mantissa bits dropped, as the tensor cores read it."""
+        assert len(outs) == 4 and len(ins) == 10
+
+        def word(e, ty):
+            r = self.ev(e, m)
+            assert isinstance(r, Ref)
+            return self.load(Ref(r.space, r.buf, r.off, ty), m)
+
+        def tf32(u):
+            return (np.asarray(u, np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+        A = [tf32(word(e, "unsigned")) for e in ins[0:4]]
+        B = [tf32(word(e, "unsigned")) for e in ins[4:6]]
+        C = [word(e, "float") for e in ins[6:10]]
+        D = [np.zeros(self.T, np.float32) for _ in range(4)]
+        tt = np.arange(32)
+        g, q = tt // 4, tt % 4
+        for w in range(self.nwarp):
+            sl = slice(w * 32, (w + 1) * 32)
+            a, b, c = np.zeros((16, 8)), np.zeros((8, 8)), np.zeros((16, 8))
+            a[g, q], a[g + 8, q], a[g, q + 4], a[g + 8, q + 4] = A[0][sl], A[1][sl], A[2][sl], A[3][sl]
+            b[q, g], b[q + 4, g] = B[0][sl], B[1][sl]
+            c[g, 2 * q], c[g, 2 * q + 1] = C[0][sl], C[1][sl]
+            c[g + 8, 2 * q], c[g + 8, 2 * q + 1] = C[2][sl], C[3][sl]
+            d = (a @ b + c).astype(np.float32)
+            D[0][sl], D[1][sl], D[2][sl], D[3][sl] = d[g, 2 * q], d[g, 2 * q + 1], d[g + 8, 2 * q], d[g + 8, 2 * q + 1]
+        for j in range(4):
+            r = self.ev(outs[j], m)
+            self.store(Ref(r.space, r.buf, r.off, "float"), D[j], m)
 
 
 def parse_kernel(src: str, name: str):

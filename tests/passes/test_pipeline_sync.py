@@ -126,6 +126,23 @@ def test_the_implicit_gemm_with_its_predicated_copies_and_epilogue(sm90):
     np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("config", ["128x128x32-w2x2-s4", "128x128x64-w2x2-s3"])
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["KN", "NK"])
+def test_the_tf32_kernels_too(sm90, config, b_transposed):
+    """An fp32 GEMM + bias + ReLU in TF32 (passes/tf32.py): its operands
+    rounded to TF32 as they are loaded, B [K, N] a word at a time, B [N, K]
+    by ldmatrix; within TF32's error of the strict fp32 result."""
+    from .test_tf32 import _gemm
+
+    func = _gemm(m=128, n=128, k=256, b_transposed=b_transposed)
+    scheduled = _scheduled(func, mma_gemm.CONFIGS[config])
+    src = _source(scheduled, sm90)
+    assert _main_loop(src).count("__syncthreads();") == 1 and "tf32.tf32" in src
+    got, want, problems = _emulate(func, scheduled, sm90, src)
+    assert not problems, sorted(problems)[:5]
+    np.testing.assert_allclose(got, want, rtol=5e-3, atol=5e-3)
+
+
 def test_the_emulation_sees_a_tile_read_before_its_copy_has_landed(sm90, probe):
     """The check that makes the ones above mean something: the rewritten
     loop waiting for one group fewer (the count TVM had before the copies
