@@ -13,7 +13,7 @@
 #        bash scripts/gpu_attention.sh probe      (scripts/attention_probe.py: its schedule variants, in $OUT/probe)
 #        bash scripts/gpu_attention.sh bench vit,bert   (BATCH=32: each model's package from the committed
 #             databases without and with the flag, `deploy bench` of each beside torch.compile and eager
-#             fp16, 100 iterations, 3 rounds: $OUT/bench.tgz)
+#             fp16, 100 iterations, 3 rounds: $OUT/bench.tgz; VARIANTS=on: the flag's package only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-both}
@@ -36,7 +36,7 @@ rc=0
 if [ "$what" = bench ]; then
   B=$WORK/bench; mkdir -p "$B"
   for m in ${models//,/ }; do
-    for v in off on; do
+    for v in ${VARIANTS:-off on}; do
       flag=(--no-fused-attention); [ "$v" = on ] && flag=(--fused-attention)
       runners=tvm; [ "$v" = on ] && runners=tvm,torch-compile,torch-eager-fp16
       W=$WORK/ws-$m-b${BATCH:-32}-$v; s=$(date +%s)
