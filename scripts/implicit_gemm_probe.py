@@ -86,17 +86,13 @@ def kernel(p: dict, pad: bool):
     return (pad_prim_func(func) or func) if pad else func
 
 
-def build(func, config: str, target, barriers: str = "one"):
-    """`barriers` "two": the main loop as TVM lowers it (passes/pipeline_sync.py left out)."""
+def build(func, config: str, target):
     import tvm
 
-    from deploy.passes import pipeline_sync, tensor_core_smem
+    from deploy.passes import tensor_core_smem
 
     sch = mma_gemm.schedule(func, mma_gemm.match(func), config)
-    func = sch.mod["main"].with_attr("global_symbol", "main")
-    if barriers == "two":
-        func = func.with_attr(pipeline_sync.STOCK, 1)
-    mod = tvm.IRModule({"main": func})
+    mod = tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")})
     with tvm.transform.PassContext(opt_level=3):
         return tvm.compile(mod, target=target, tir_pipeline=tensor_core_smem.register())
 
@@ -107,9 +103,6 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="", help="names in mma_gemm.CONFIGS (default: every one that tiles)")
     p.add_argument("--target", default=None, help="default: cuda on a GPU, else cuda:sm_90")
     p.add_argument("--no-pad", action="store_true", help="leave rows that 128 does not divide as they are")
-    p.add_argument("--barriers", default="one", choices=("one", "two", "both"),
-                   help="a K step's barriers: one (passes/pipeline_sync.py, the package's), two (as TVM lowers it), "
-                        "both (each configuration both ways)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -186,11 +179,10 @@ def main(argv=None) -> int:
                                                conv_vs_cudnn.time_torch(c, "cuda", "float16", 100), flop))
             run_args = ([x, w.reshape(co, -1), b], (ref.shape[0], co), "float16", ref, flop)
         for name in names:
-            for barriers in (("one", "two") if args.barriers == "both" else (args.barriers,)):
-                rows.append(probe_common.measure(
-                    {"shape": c["name"], "config": name + padded + ("-2bar" if barriers == "two" else "")},
-                    functools.partial(build, func, name, target, barriers),
-                    {"cp_async": "cp.async", "predicated": "cp_async_legacy_pred"}, run_args, "sm_90"))
+            rows.append(probe_common.measure({"shape": c["name"], "config": name + padded},
+                                             functools.partial(build, func, name, target),
+                                             {"cp_async": "cp.async", "predicated": "cp_async_legacy_pred"},
+                                             run_args, "sm_90"))
         save()
     return probe_common.exit_code(rows)
 

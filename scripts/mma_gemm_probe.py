@@ -86,19 +86,15 @@ def schedule(func, m: int, n: int, k: int, bm: int, bn: int, wm: int, wn: int, b
     return mma_gemm.schedule(func, mma_gemm.match(func), (bm, bn, wm, wn, bk, stages, *knobs))
 
 
-def build(m: int, n: int, k: int, config: tuple, epilogue: str, target, no_async: bool, barriers: str = "one"):
+def build(m: int, n: int, k: int, config: tuple, epilogue: str, target, no_async: bool):
     """One configuration's kernel, built as the package builds it (our TIR
-    pipeline, which turns cp.async on), or without cp.async; `barriers`
-    "two": its main loop as TVM lowers it (passes/pipeline_sync.py left out)."""
+    pipeline, which turns cp.async on), or without cp.async."""
     import tvm
 
-    from deploy.passes import pipeline_sync, tensor_core_smem
+    from deploy.passes import tensor_core_smem
 
     sch = schedule(gemm_func(m, n, k, epilogue), m, n, k, *config)
-    func = sch.mod["main"].with_attr("global_symbol", "main")
-    if barriers == "two":
-        func = func.with_attr(pipeline_sync.STOCK, 1)
-    mod = tvm.IRModule({"main": func})
+    mod = tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")})
     with tvm.transform.PassContext(opt_level=3):
         if no_async:
             return tvm.compile(mod, target=target)
@@ -113,9 +109,6 @@ def main(argv=None) -> int:
     p.add_argument("--epilogue", default="none", choices=EPILOGUES, help="see gemm_func")
     p.add_argument("--target", default=None, help="default: cuda on a GPU, else cuda:sm_90")
     p.add_argument("--no-async", action="store_true")
-    p.add_argument("--barriers", default="one", choices=("one", "two", "both"),
-                   help="a K step's barriers: one (passes/pipeline_sync.py, the package's), two (as TVM lowers it), "
-                        "both (each configuration both ways)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     shapes = probe_common.parse_shapes(args.shapes)
@@ -170,13 +163,11 @@ def main(argv=None) -> int:
             ins = [a_np, b_np] if args.epilogue == "none" else [a_np, b_np, bias_np]
             run_args = (ins, (m, n), out_dtype, ref, flop)
         for name, config in configs.items():
-            for barriers in (("one", "two") if args.barriers == "both" else (args.barriers,)):
-                rows.append(probe_common.measure(
-                    {"shape": shape, "config": name + ("" if args.no_async else "-async")
-                     + ("-2bar" if barriers == "two" else "")},
-                    functools.partial(build, m, n, k, config, args.epilogue, target, args.no_async, barriers),
-                    {"cp_async": "cp.async", "ldmatrix": "ldmatrix", "mma": "mma.sync"},
-                    run_args, "sm_90"))
+            rows.append(probe_common.measure(
+                {"shape": shape, "config": name + ("" if args.no_async else "-async")},
+                functools.partial(build, m, n, k, config, args.epilogue, target, args.no_async),
+                {"cp_async": "cp.async", "ldmatrix": "ldmatrix", "mma": "mma.sync"},
+                run_args, "sm_90"))
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"
     probe_common.write_results(
         out, f"device: {dev_name}; target: {target}; epilogue: {args.epilogue} (scripts/mma_gemm_probe.py)",

@@ -116,7 +116,6 @@ def _pipeline_factory():
     from ..tvm_compat import default_tir_pipeline, tirx, tvm
     from . import (
         mma_epilogue,  # (the other workaround its tensor-core kernels need, applied first)
-        pipeline_sync,  # (and one barrier a K step in their cp.async pipelines, after lowering)
         shared_limit,  # (and the runtime's shared-memory limit, after lowering)
     )
 
@@ -145,9 +144,6 @@ def _pipeline_factory():
                 if any(f is not None for f in declared.values()):
                     group = {**group, **{gv: f for gv, f in declared.items() if f is not None}}
                     out = stock(tvm.IRModule(group, attrs=mod.attrs))
-            if not pipeline_sync.stock_everywhere():
-                out, _ = pipeline_sync.apply(out, skip={gv.name_hint for gv in group
-                                                        if f'"{pipeline_sync.STOCK}"' in texts[gv]})
             lowered.append(_launch_bounds(out, {gv.name_hint: texts[gv] for gv in group}))
         _mark_device_functions(lowered[-1], {gv.name_hint: 1 for gv in attention}, EVERY_WARP_BUFFER)
         out = stock(tvm.IRModule(rest, attrs=mod.attrs)) if rest else lowered.pop()
