@@ -610,6 +610,10 @@ class Emu:
             return Ref(p.space, p.buf, p.off + self.as_int(i) * TYPES[p.ty], p.ty)
         if k == "neg":
             return -self.rv(e[1], m)
+        if k == "bin" and e[1] in ("&&", "||"):  # short-circuit: the right side only where it is evaluated
+            a = np.broadcast_to(np.asarray(self.rv(e[2], m)).astype(bool), (self.T,))
+            b = np.broadcast_to(np.asarray(self.rv(e[3], m & (a if e[1] == "&&" else ~a))).astype(bool), (self.T,))
+            return (a & b) if e[1] == "&&" else (a | b)
         if k == "bin":
             return self.binop(e[1], self.rv(e[2], m), self.rv(e[3], m))
         if k == "call":
@@ -651,12 +655,10 @@ class Emu:
                 "<=": lambda: a <= b,
                 ">=": lambda: a >= b,
                 "!=": lambda: a != b,
-                "&&": lambda: np.logical_and(a, b),
-                "||": lambda: np.logical_or(a, b),
             }[op]()
         if all(not isint(x) and np.asarray(x).dtype == np.float16 for x in (a, b)) and op in "+-*":
-            # half op half (cuda_fp16's operators): in float32, rounded to half (exact for *; + - round twice
-            # only where float32's rounding lands on a half midpoint)
+            # half op half (cuda_fp16's operators): in float32, then rounded to half; float32's 24 bits
+            # (>= 2 x 11 + 2) make that the correctly rounded half result for + - *, as add.f16 gives
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             return {"+": a + b, "-": a - b, "*": a * b}[op].astype(np.float16)
         # floating point: C usual arithmetic conversions; float op float -> float32
@@ -677,7 +679,11 @@ class Emu:
                 "*": lambda: a * b,
                 "/": lambda: a / b,
                 "<": lambda: a < b,
+                ">": lambda: a > b,
+                "<=": lambda: a <= b,
+                ">=": lambda: a >= b,
                 "==": lambda: a == b,
+                "!=": lambda: a != b,
             }[op]()
 
     def call(self, fn, args, m):
@@ -742,6 +748,8 @@ class Emu:
         found = re.fullmatch(r"ptx_cp_async_legacy_pred_c[ag]_(\d+)_(\d+)_(\d+)", fn)
         if found:  # (..., predicate): `@p cp.async`, `@!p st.shared` of zeros (at once, in no group)
             size, dst_scale, _ = (int(x) for x in found.groups())
+            if size != 16:
+                raise NotImplementedError(f"{fn}: the zero fill of a {size}-byte predicated copy")
             pred = np.broadcast_to(np.asarray(self.rv(args[4], m)) == 1, (self.T,))
             self.cp_async(args[:4], m & pred, *(int(x) for x in found.groups()))
             dst = self.rv(args[0], m)
@@ -782,9 +790,16 @@ class Emu:
         thr = np.nonzero(m)[0]
         didx = doff[m, None] + np.arange(size)
         data = self.g[src.buf][soff[m, None] + np.arange(size)]
-        others = self.rwarps[dst.buf][didx] & ~(np.uint64(1) << (thr[:, None] // 32).astype(np.uint64))
+        warp = (thr[:, None] // 32).astype(np.uint64)
+        others = self.rwarps[dst.buf][didx] & ~(np.uint64(1) << warp)
         if others.any():
             self.log.add(f"RACE WAR cp.async over shared:{dst.buf} read by another warp since the barrier (sync #{self.nsync})")
+        wt = self.wthr[dst.buf][didx]
+        if ((wt >= 0) & (wt // 32 != thr[:, None] // 32)).any():
+            self.log.add(f"RACE WAW cp.async over shared:{dst.buf} written by another warp since the barrier (sync #{self.nsync})")
+        rt = self.rthr[dst.buf][didx]
+        if ((rt >= 0) & (rt != thr[:, None]) & (rt // 32 == thr[:, None] // 32)).any():
+            self.log.add(f"intra-warp WAR cp.async cross-lane shared:{dst.buf} (sync #{self.nsync})")
         if self.pending[dst.buf][didx].any():
             self.log.add(f"RACE cp.async over shared:{dst.buf} with a copy to it still in flight")
         np.add.at(self.pending[dst.buf], didx.ravel(), 1)

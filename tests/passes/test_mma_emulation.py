@@ -66,7 +66,8 @@ def _waits(loop: str) -> list[int]:
 
 def _emulate(func, scheduled, target, src=None, seed=0):
     """The scheduled kernel's CUDA run in emulation on seeded inputs; returns
-    (its output, the CPU lowering's output of `func`, the problems found)."""
+    (its output, the CPU lowering's output of `func`, the problems found,
+    the inputs)."""
     from deploy.tvm_compat import ms
 
     info = ms.arg_info.ArgInfo.from_prim_func(func)
@@ -88,10 +89,10 @@ def _emulate(func, scheduled, target, src=None, seed=0):
                                      params)
     assert (written[out_name] == 1).all(), "every output element written once"
     got = tensors[out_name].view(arrays[-1].dtype).reshape(arrays[-1].shape)
-    return got, want[-1].numpy(), problems
+    return got, want[-1].numpy(), problems, arrays[:-1]
 
 
-# A GEMM + bias with K of 8 tiles of 32 (4 of 64): every configuration's ring wraps around twice.
+# A GEMM + bias with K of 12 tiles of 32 (6 of 64): every configuration's ring wraps around twice.
 @pytest.mark.parametrize("config, n", [
     ("128x128x32-w2x2-s4", 128),  # the tuner's tile: fragments double-buffered, ring of 4
     ("128x128x64-w2x2-s3", 128),  # ring of 3
@@ -100,10 +101,10 @@ def _emulate(func, scheduled, target, src=None, seed=0):
     ("128x256x32-w2x4-s3", 256),  # 8 warps
 ])
 def test_each_configuration_computes_the_gemm(sm90, probe, config, n):
-    m, k = 128, 256
+    m, k = 128, 384
     func = probe.gemm_func(m, n, k, "bias")
     scheduled = _scheduled(func, mma_gemm.CONFIGS.get(config) or mma_gemm.config_from_name(config))
-    got, want, problems = _emulate(func, scheduled, sm90)
+    got, want, problems, _ = _emulate(func, scheduled, sm90)
     assert not problems, sorted(problems)[:5]
     np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2e-3, atol=2e-3)
 
@@ -115,26 +116,40 @@ def test_the_implicit_gemm_with_its_predicated_copies_and_epilogue(sm90):
     scheduled = _scheduled(func, mma_gemm.CONFIGS["128x64x32-w2x2-s4"])
     src = _source(scheduled, sm90)
     assert "cp_async_legacy_pred" in src
-    got, want, problems = _emulate(func, scheduled, sm90, src)
+    got, want, problems, _ = _emulate(func, scheduled, sm90, src)
     assert not problems, sorted(problems)[:5]
     np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2e-3, atol=2e-3)
+
+
+def _tf32(x: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to TF32 as passes/tf32.py's loads round them (bits
+    + 0x1000, finite values only), then read as the tensor cores read them
+    (the low 13 mantissa bits dropped); as float64."""
+    bits = x.astype(np.float32).view(np.uint32)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    bits = np.where(finite, bits + np.uint32(0x1000), bits) & np.uint32(0xFFFFE000)
+    return bits.view(np.float32).astype(np.float64)
 
 
 @pytest.mark.parametrize("config", ["128x128x32-w2x2-s4", "128x128x64-w2x2-s3"])
 @pytest.mark.parametrize("b_transposed", [False, True], ids=["KN", "NK"])
 def test_the_tf32_kernels_too(sm90, config, b_transposed):
-    """An fp32 GEMM + bias + ReLU in TF32 (passes/tf32.py): its operands
-    rounded to TF32 as they are loaded, B [K, N] a word at a time, B [N, K]
-    by ldmatrix; within TF32's error of the strict fp32 result."""
+    """An fp32 GEMM + bias + ReLU in TF32 (passes/tf32.py): B [K, N] read a
+    word at a time, B [N, K] by ldmatrix; each operand rounded to nearest
+    TF32 as it is loaded, which the result shows: equal to that product
+    to fp32's accumulation error, and off the strict fp32 result by more."""
     from .test_tf32 import _gemm
 
-    func = _gemm(m=128, n=128, k=256, b_transposed=b_transposed)
+    func = _gemm(m=128, n=128, k=384, b_transposed=b_transposed)
     scheduled = _scheduled(func, mma_gemm.CONFIGS[config])
     src = _source(scheduled, sm90)
     assert "tf32.tf32" in src
-    got, want, problems = _emulate(func, scheduled, sm90, src)
+    assert ('"=r"(((unsigned *)(B_shared_dyn_warp_ptr' in src) == b_transposed  # (ldmatrix writes B's fragments)
+    got, strict, problems, (a, b, bias) = _emulate(func, scheduled, sm90, src)
     assert not problems, sorted(problems)[:5]
-    np.testing.assert_allclose(got, want, rtol=5e-3, atol=5e-3)
+    want = np.maximum(_tf32(a) @ (_tf32(b).T if b_transposed else _tf32(b)) + bias, 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - strict).max() > 1e-4
 
 
 def test_the_emulation_sees_a_tile_read_before_its_copy_has_landed(sm90, probe):
@@ -148,8 +163,8 @@ def test_the_emulation_sees_a_tile_read_before_its_copy_has_landed(sm90, probe):
     loop = _main_loop(src)
     (w,) = _waits(loop)
     broken = src.replace(loop, loop.replace(f"wait_group_{w}();", f"wait_group_{w + 1}();"))
-    _, _, problems = _emulate(func, scheduled, sm90, broken)
+    _, _, problems, _ = _emulate(func, scheduled, sm90, broken)
     assert any("in flight" in p for p in problems), sorted(problems)[:5]
     broken = src.replace(loop, loop.replace("__syncthreads();", ";", 1))
-    _, _, problems = _emulate(func, scheduled, sm90, broken)
+    _, _, problems, _ = _emulate(func, scheduled, sm90, broken)
     assert any("RACE WAR cp.async" in p for p in problems), sorted(problems)[:5]
