@@ -196,29 +196,11 @@ class P:
         self.expect(";")
         return ("decl", shared, ty, name, n, init)
 
-    # expressions (C precedence subset) --------------------------------------------
-    BIN = [("==", "!="), ("<", ">", "<=", ">="), ("<<", ">>"), ("+", "-"), ("*", "/", "%")]
+    # expressions (C precedence subset, loosest first) --------------------------------
+    BIN = [("||",), ("&&",), ("&",), ("==", "!="), ("<", ">", "<=", ">="), ("<<", ">>"), ("+", "-"), ("*", "/", "%")]
 
     def expr(self):
-        e = self.logand()
-        while self.peek() == "||":
-            self.next()
-            e = ("bin", "||", e, self.logand())
-        return e
-
-    def logand(self):
-        e = self.bitand()
-        while self.peek() == "&&":
-            self.next()
-            e = ("bin", "&&", e, self.bitand())
-        return e
-
-    def bitand(self):
-        e = self.level(0)
-        while self.peek() == "&":
-            self.next()
-            e = ("bin", "&", e, self.level(0))
-        return e
+        return self.level(0)
 
     def level(self, k):
         if k == len(self.BIN):
