@@ -638,11 +638,12 @@ class Emu:
                 ">=": lambda: a >= b,
                 "!=": lambda: a != b,
             }[op]()
-        if all(not isint(x) and np.asarray(x).dtype == np.float16 for x in (a, b)) and op in "+-*":
+        if all(not isint(x) and np.asarray(x).dtype == np.float16 for x in (a, b)) and op in "+-*/":
             # half op half (cuda_fp16's operators): in float32, then rounded to half; float32's 24 bits
-            # (>= 2 x 11 + 2) make that the correctly rounded half result for + - *, as add.f16 gives
+            # (>= 2 x 11 + 2) make that the correctly rounded half result for + - * /, as add.f16 gives
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            return {"+": a + b, "-": a - b, "*": a * b}[op].astype(np.float16)
+            with np.errstate(all="ignore"):
+                return {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op].astype(np.float16)
         # floating point: C usual arithmetic conversions; float op float -> float32
         dt = (
             np.float64
@@ -678,6 +679,16 @@ class Emu:
             assert x.dtype == np.float32
             with np.errstate(all="ignore"):
                 return np.exp(x).astype(np.float32)
+        if fn == "hexp":  # (cuda_fp16's: within an ulp of the correctly rounded value, this)
+            x = np.asarray(self.rv(args[0], m))
+            assert x.dtype == np.float16
+            with np.errstate(all="ignore"):
+                return np.exp(x.astype(np.float64)).astype(np.float16)
+        if fn == "rsqrtf":  # (CUDA's is within 2 ulp of this, the correctly rounded value)
+            x = np.asarray(self.rv(args[0], m))
+            assert x.dtype == np.float32
+            with np.errstate(all="ignore"):
+                return (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)
         if fn == "max":
             a, b = np.asarray(self.rv(args[0], m)), np.asarray(self.rv(args[1], m))
             assert a.dtype == b.dtype and a.dtype in (np.float32, np.float16)

@@ -310,9 +310,9 @@ def _launch(func, target) -> tuple[int, tuple[int, int], int]:
     with target, tvm.transform.PassContext(opt_level=3):
         lowered = tensor_core_smem._pipeline_factory()[0](tvm.IRModule({"k": func}))
     text = "".join(f.script(show_meta=False) for f in lowered.functions.values())
-    found = re.search(r"call_ffi_kernel\(\"k_kernel\", .*?(?:T\.int64\()?(\d+)\)?, (\d+), (\d+), "
-                      r"(?:T\.int64\()?(\d+)\)?, launch_params", text)
-    grid, tx, ty, dyn = (int(x) for x in found.groups())
+    found = re.search(r"call_ffi_kernel\(\"k_kernel\", .*?(?:T\.int64\()?(\d+)\)?, (\d+), (\d+)"
+                      r"(?:, (?:T\.int64\()?(\d+)\)?)?, launch_params", text)
+    grid, tx, ty, dyn = (int(x or 0) for x in found.groups())  # (no dynamic shared memory: 0)
     return grid, (tx, ty), dyn
 
 
