@@ -22,6 +22,7 @@ from deploy import config, export, frontend, optimize, pipeline, targets
 from deploy.passes import attention, attention_schedule, tensor_core_smem
 from deploy.tvm_compat import relax, tvm
 
+from .. import emulation
 from ..conftest import load_script
 
 TRANSFORMERS = ["vit", "bert", "gpt", "tiny_vit"]
@@ -303,19 +304,6 @@ def test_the_wider_variants_build_with_fewer_registers(tmp_path):
     assert probe.main(["--out", str(tmp_path), "--build-only", "--cases", "GPT"]) == 2
 
 
-def _launch(func, target) -> tuple[int, tuple[int, int], int]:
-    """A scheduled kernel's grid, block and dynamic shared bytes, as our TIR
-    pipeline lowers its launch."""
-    func = func.with_attr("global_symbol", "k").with_attr("target", target)
-    with target, tvm.transform.PassContext(opt_level=3):
-        lowered = tensor_core_smem._pipeline_factory()[0](tvm.IRModule({"k": func}))
-    text = "".join(f.script(show_meta=False) for f in lowered.functions.values())
-    found = re.search(r"call_ffi_kernel\(\"k_kernel\", .*?(?:T\.int64\()?(\d+)\)?, (\d+), (\d+)"
-                      r"(?:, (?:T\.int64\()?(\d+)\)?)?, launch_params", text)
-    grid, tx, ty, dyn = (int(x or 0) for x in found.groups())  # (no dynamic shared memory: 0)
-    return grid, (tx, ty), dyn
-
-
 # the probe kernel's pointer parameters: the emulated global buffers they name, their element type
 _EMU_PARAMS = {"attn_out_ptr": ("out", "half"), "k_ptr": ("k", "half"), "q_ptr": ("q", "half"), "v_ptr": ("v", "half")}
 
@@ -333,7 +321,7 @@ def test_the_generated_cuda_computes_attention_in_emulation(shape, variant, sm90
     probe = load_script("attention_probe")
     func = probe.kernel(shape, *probe.VARIANTS[variant])
     src = _built_source(func, sm90)
-    grid, block, dyn = _launch(func, sm90.tvm_target())
+    grid, block, dyn = emulation.launch(func, sm90.tvm_target())
     b, h, s, k, d = shape
     rng = np.random.default_rng(0)
     q, kk, v = (rng.standard_normal(sh).astype("float16") for sh in ((b, h, s, d), (b, h, k, d), (b, h, k, d)))
@@ -360,7 +348,7 @@ def test_the_emulation_sees_a_missing_barrier(sm90):
     shape = (1, 1, 64, 64, 64)
     func = probe.kernel(shape, *probe.VARIANTS["8 warps"])
     src = _built_source(func, sm90)
-    grid, block, dyn = _launch(func, sm90.tvm_target())
+    grid, block, dyn = emulation.launch(func, sm90.tvm_target())
     parts = src.split("__syncthreads();")
     assert len(parts) > 4
     broken = "__syncthreads();".join(parts[:3]) + ";" + "__syncthreads();".join(parts[3:])
@@ -407,7 +395,7 @@ def test_the_package_kernel_is_scheduled_with_its_warps(tmp_path, sm90):
     padded = attention.padded_keys(int(info["keys"]), attention.KEY_ALIGN * warps)
     k_shape = re.search(r"attn_k = T\.\w*alloc_buffer\(\(([^)]*)\)", func.script()).group(1)
     assert [int(d) for d in k_shape.split(",")][2] == padded, k_shape
-    _, block, _ = _launch(attention_schedule.schedule(func).mod["main"], sm90.tvm_target())
+    _, block, _ = emulation.launch(attention_schedule.schedule(func).mod["main"], sm90.tvm_target())
     assert block == (32, attention_schedule.WARPS * warps)
 
 

@@ -312,6 +312,32 @@ def _reference(func):
     return args, want
 
 
+@pytest.mark.parametrize("what, make, shape", [
+    ("3x3", lambda bb, x: _depthwise_silu(bb, x, 3), (1, 14, 14, 64)),
+    ("7x7", lambda bb, x: _depthwise_silu(bb, x, 7), (1, 14, 14, 64)),
+    ("5x5 stride 2", lambda bb, x: _depthwise_strided(bb, x, 5), (1, 16, 16, 64)),
+    ("max pool", _max_pool, (2, 28, 28, 64)),
+])
+def test_the_window_schedule_computes_it_in_emulation(sm90, what, make, shape):
+    """Every window width, its CUDA run in tests/cuda_emu.py against the
+    kernel unscheduled, lowered for the CPU: on the CPU machine, what the
+    `-m gpu` test above checks on a GPU (smaller shapes: the emulation runs
+    each thread block in Python)."""
+    from .. import emulation
+
+    (func,) = [f for n, f in _kernels(make, sm90, shape).items() if "conv2d" in n or "pool" in n]
+    args, want = _reference(func)
+    width = int(args[-1].shape[2])
+    for vw in [v for v in gpu_default.WINDOW_CHOICES if width % v == 0]:
+        with sm90:
+            sch = ShortReduction(window=vw).apply(func, sm90)
+        assert sch is not None, vw
+        got, problems = emulation.run(func, sch.mod["main"], sm90, args)
+        assert not problems, (vw, sorted(problems)[:5])
+        np.testing.assert_allclose(got.astype("float32"), want[-1].numpy().astype("float32"), rtol=1e-3, atol=1e-3,
+                                   err_msg=f"{what}, window {vw}")
+
+
 def test_the_reference_of_the_window_test_runs_on_the_cpu(sm90):
     (func,) = [f for n, f in _kernels(_max_pool, sm90, (2, 8, 8, 64)).items() if "pool" in n]
     args, want = _reference(func)

@@ -18,12 +18,9 @@ import pytest
 
 from deploy import targets
 from deploy.passes import mma_gemm
-from deploy.tuning import builder as tune_builder
-from deploy.tvm_compat import tvm
 
-from .. import cuda_emu
+from .. import emulation
 from ..conftest import load_script
-from .test_attention import _launch
 from .test_implicit_gemm import _resnet_like_kernel
 
 
@@ -40,10 +37,6 @@ def probe():
 def _scheduled(func, config):
     sch = mma_gemm.schedule(func, mma_gemm.match(func), config)
     return sch.mod["main"].with_attr("global_symbol", "main")
-
-
-def _source(func, target) -> str:
-    return tune_builder.lean_build(tvm.IRModule({"main": func}), target, None).imports[0].inspect_source()
 
 
 def _main_loop(src: str) -> str:
@@ -64,32 +57,12 @@ def _waits(loop: str) -> list[int]:
     return [int(n) for n in re.findall(r"wait_group_(\d+)\(\);", loop)]
 
 
-def _emulate(func, scheduled, target, src=None, seed=0):
-    """The scheduled kernel's CUDA run in emulation on seeded inputs; returns
-    (its output, the CPU lowering's output of `func`, the problems found,
-    the inputs)."""
-    from deploy.tvm_compat import ms
-
-    info = ms.arg_info.ArgInfo.from_prim_func(func)
-    rng = np.random.default_rng(seed)
-    arrays = [(rng.standard_normal([int(d) for d in a.shape]) / 4).astype(str(a.dtype)) for a in info]
-    arrays[-1][...] = 0
-    cpu = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
-    want = [tvm.runtime.tensor(a) for a in arrays]
-    cpu["main"](*want)
-    src = src or _source(scheduled, target)
-    grid, block, dyn = _launch(scheduled, target)
-    tensors, params = {}, {}
-    for buf, a in zip(func.params, arrays):  # (a PrimFunc's params are its buffers)
-        tensors[buf.name] = a.view(np.uint8).ravel().copy()
-        params[buf.name + "_ptr"] = (buf.name, {"float16": "half", "float32": "float"}[str(buf.dtype)])
-    out_name = func.params[-1].name
-    tensors[out_name][:] = 0xFF
-    problems, written = cuda_emu.run(src.replace("main_kernel", "k_kernel"), "k_kernel", grid, block, dyn, tensors,
-                                     params)
-    assert (written[out_name] == 1).all(), "every output element written once"
-    got = tensors[out_name].view(arrays[-1].dtype).reshape(arrays[-1].shape)
-    return got, want[-1].numpy(), problems, arrays[:-1]
+def _emulate(func, scheduled, target, src=None):
+    """The scheduled kernel run in emulation on seeded inputs: (its output,
+    TVM's CPU lowering's output of `func`, the problems found, the inputs)."""
+    arrays = emulation.reference(func)
+    got, problems = emulation.run(func, scheduled, target, arrays, src)
+    return got, arrays[-1], problems, arrays[:-1]
 
 
 # A GEMM + bias with K of 12 tiles of 32 (6 of 64): every configuration's ring wraps around twice.
@@ -114,7 +87,7 @@ def test_the_implicit_gemm_with_its_predicated_copies_and_epilogue(sm90):
     im2col tile's padding zero-filled by the predicated copies."""
     func = _resnet_like_kernel()
     scheduled = _scheduled(func, mma_gemm.CONFIGS["128x64x32-w2x2-s4"])
-    src = _source(scheduled, sm90)
+    src = emulation.source(scheduled, sm90)
     assert "cp_async_legacy_pred" in src
     got, want, problems, _ = _emulate(func, scheduled, sm90, src)
     assert not problems, sorted(problems)[:5]
@@ -142,7 +115,7 @@ def test_the_tf32_kernels_too(sm90, config, b_transposed):
 
     func = _gemm(m=128, n=128, k=384, b_transposed=b_transposed)
     scheduled = _scheduled(func, mma_gemm.CONFIGS[config])
-    src = _source(scheduled, sm90)
+    src = emulation.source(scheduled, sm90)
     assert "tf32.tf32" in src
     assert ('"=r"(((unsigned *)(B_shared_dyn_warp_ptr' in src) == b_transposed  # (ldmatrix writes B's fragments)
     got, strict, problems, (a, b, bias) = _emulate(func, scheduled, sm90, src)
@@ -159,7 +132,7 @@ def test_the_emulation_sees_a_tile_read_before_its_copy_has_landed(sm90, probe):
     warps are still reading."""
     func = probe.gemm_func(128, 128, 256, "bias")
     scheduled = _scheduled(func, mma_gemm.CONFIGS["128x128x32-w2x2-s4"])
-    src = _source(scheduled, sm90)
+    src = emulation.source(scheduled, sm90)
     loop = _main_loop(src)
     (w,) = _waits(loop)
     broken = src.replace(loop, loop.replace(f"wait_group_{w}();", f"wait_group_{w + 1}();"))
