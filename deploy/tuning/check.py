@@ -287,7 +287,7 @@ def build_libs(wl_line: str, rec: list, target: TargetInfo, check_outputs: bool 
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     tuned = sch.mod["main"].with_attr("tirx.is_scheduled", True)
     libs = {"buffers": [(f"argument {k}", str(a[1]), [int(d) for d in a[2]]) for k, a in enumerate(rec[3])],
-            "tf32": tf32.allowed(func)}
+            "tf32": tf32.allowed(func), "index_bounds": index_bounds(func)}
     with target.tvm_target():
         libs["tuned"] = build_kernel("main", tuned, target)
         default, plain, libs["default_rule"] = _default_lib(func, target)
@@ -313,7 +313,7 @@ def judge(libs: dict, target: TargetInfo, dev, check_outputs: bool = True) -> di
     from ..tvm_compat import tensor
 
     buffers = libs["buffers"]
-    args = _seeded_args(buffers)
+    args = _seeded_args(buffers, libs.get("index_bounds"))
     worst = {"ok": True, "rel_l2": 0.0, "output": ""}
     if check_outputs:
         if "reference" not in libs:
@@ -366,7 +366,7 @@ def _build_all(todo, passed: set, target: TargetInfo) -> list[dict | None]:
         return out
 
 
-_META = ("buffers", "default_rule", "tf32")  # build_libs()' entries that are not kernels
+_META = ("buffers", "default_rule", "tf32", "index_bounds")  # build_libs()' entries that are not kernels
 
 
 def _build_exported(job) -> dict:
@@ -406,10 +406,40 @@ def _default_lib(func, target: TargetInfo, skip=()):
     return None, False, None
 
 
-def _seeded_args(buffers) -> list[np.ndarray]:
+def _seeded_args(buffers, bounds: dict[int, int] | None = None) -> list[np.ndarray]:
+    """Seeded arguments: floats standard normal, integers in [0, 10), or
+    below `bounds[k]` for argument k (index_bounds: the rows of the table
+    it indexes)."""
     rng = np.random.default_rng(0)
+    bounds = bounds or {}
     return [rng.standard_normal(shape).astype(dtype) if dtype.startswith(("float", "bfloat"))
-            else rng.integers(0, 10, shape).astype(dtype) for _, dtype, shape in buffers]
+            else rng.integers(0, max(1, min(10, bounds.get(k, 10))), shape).astype(dtype)
+            for k, (_, dtype, shape) in enumerate(buffers)]
+
+
+def index_bounds(func) -> dict[int, int]:
+    """{k: n} for each integer argument k of `func` whose values index a
+    dimension of n of another argument (a gather, `table[ids[i], j]`: TVM's
+    `take` does not check them), n the smallest such; the kernel check's
+    integers stay below it. A 2-row token-type table was read out of bounds
+    by ids in [0, 10)."""
+    import re
+
+    from ..passes.mma_epilogue import _blocks
+    from ..tvm_compat import tirx
+
+    ints = {b.name: k for k, b in enumerate(func.params) if str(b.dtype).startswith(("int", "uint"))}
+    out: dict[int, int] = {}
+    for block in _blocks(func.body) if ints else []:
+        for read in block.reads:
+            for dim, rng in enumerate(read.region):
+                text = str(rng.min)
+                extent = read.source.shape[dim]  # (a block's read region: its buffer is `source`)
+                for name, k in ints.items():
+                    if name != read.source.name and isinstance(extent, tirx.IntImm) and \
+                            re.search(rf"\b{re.escape(name)}\[", text):
+                        out[k] = min(out.get(k, int(extent)), int(extent))
+    return out
 
 
 def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[str, float]:
@@ -445,7 +475,8 @@ def time_defaults(folder: Path, tasks: list[dict], target: TargetInfo) -> dict[s
                     state["default_rule"][hashes[t["name"]]] = rule
                 if path is not None:
                     try:
-                        args = _seeded_args(_buffers(t["mod"]["main"]))
+                        main = t["mod"]["main"]
+                        args = _seeded_args(_buffers(main), index_bounds(main))
                         us = _time_us(load_module(path), [tensor(a, dev) for a in args], dev)
                     except Exception as e:  # noqa: BLE001
                         log.debug("check: %s: default schedule not timed (%s)", t["name"], e)

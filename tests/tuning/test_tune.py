@@ -780,3 +780,37 @@ def test_a_database_tuned_for_other_kernels_is_called_stale():
         {"package": "p", "buckets": {"1": bucket}, "validation": None})
     assert "tuned for other kernels" not in pipeline.format_summary(
         {"package": "p", "buckets": {"1": {**info(20, 30), "tuned_kernels": 20}}, "validation": None})
+
+
+def test_the_kernel_check_keeps_ids_inside_the_table_they_index():
+    """The check seeds integer arguments in [0, 10); one that indexes a
+    table (a gather: TVM's `take` does not check it) stays below the
+    table's rows: a 2-row token-type table beside a word embedding."""
+    import numpy as np
+
+    from deploy.tuning import check
+    from deploy.tvm_compat import relax, tirx
+
+    bb = relax.BlockBuilder()
+    ids = relax.Var("ids", relax.TensorType((1, 16), "int64"))
+    types = relax.Var("types", relax.TensorType((1, 16), "int64"))
+    with bb.function("main", [ids, types]):
+        with bb.dataflow():
+            words = relax.const(np.zeros((100, 8), "float16"))
+            kinds = relax.const(np.zeros((2, 8), "float16"))
+            out = bb.emit_output(relax.op.add(relax.op.take(words, ids, axis=0), relax.op.take(kinds, types, axis=0)))
+        bb.emit_func_output(out)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    kernels = {next(b.name for b in f.params if b.name in ("ids", "types")): f for f in mod.functions.values()
+               if isinstance(f, tirx.PrimFunc) and {"ids", "types"} & {b.name for b in f.params}}
+    for name, rows in (("ids", 100), ("types", 2)):
+        func = kernels[name]
+        k = [b.name for b in func.params].index(name)
+        bounds = check.index_bounds(func)
+        assert bounds == {k: rows}
+        args = check._seeded_args(check._buffers(func), bounds)
+        assert args[k].min() >= 0 and args[k].max() < min(rows, 10) and len(set(args[k].ravel())) > 1
+    add = next(f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc) and "T_add" in
+               {b.name for b in f.params})
+    assert check.index_bounds(add) == {}
+    assert check._seeded_args(check._buffers(kernels["types"]))[k].max() >= 2  # what the check fed it before
