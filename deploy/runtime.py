@@ -689,7 +689,7 @@ def random_inputs(specs, batch: int | None, seed: int = 0) -> list[np.ndarray]:
     out = []
     for shape, dtype, *table in specs:
         shape = tuple(shape) if batch is None else (batch, *shape)
-        if str(dtype).startswith("float"):
+        if str(dtype).startswith(("float", "bfloat")):
             out.append(rng.standard_normal(shape).astype(dtype))
         else:
             top = 10 if not table or table[0] is None else max(1, min(10, int(table[0][1])))

@@ -265,8 +265,8 @@ def _chain(mutator, expr) -> _Chain:
                 step = (axes, begin, end, [1] * len(axes))
             steps.append((name, step))
             expr = value.args[0]
-        elif name in SCALAR_OPS and _scalar(value.args[1], mutator) is not None:
-            steps.append((name, _scalar(value.args[1], mutator)))
+        elif name in SCALAR_OPS and (c := _scalar(value.args[1], mutator)) is not None:
+            steps.append((name, c))
             expr = value.args[0]
         elif isinstance(value, relax.TupleGetItem) and _op(split := _split_of(mutator, value)) == "relax.split":
             shape = static_shape(split.args[0])
@@ -348,8 +348,8 @@ def _match(mutator, call):
         if name == "relax.astype":
             score_steps.append(("cast", str(s.attrs.dtype)))
             s = _binding(mutator, s.args[0])
-        elif name in SCALAR_OPS and _scalar(s.args[1], mutator) is not None:
-            score_steps.append((name, _scalar(s.args[1], mutator)))
+        elif name in SCALAR_OPS and (c := _scalar(s.args[1], mutator)) is not None:
+            score_steps.append((name, c))
             s = _binding(mutator, s.args[0])
         elif name == "relax.add" and bias is None:
             lhs, rhs = s.args

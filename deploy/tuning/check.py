@@ -407,14 +407,14 @@ def _default_lib(func, target: TargetInfo, skip=()):
 
 
 def _seeded_args(buffers, bounds: dict[int, int] | None = None) -> list[np.ndarray]:
-    """Seeded arguments: floats standard normal, integers in [0, 10), or
-    below `bounds[k]` for argument k (index_bounds: the rows of the table
-    it indexes)."""
-    rng = np.random.default_rng(0)
+    """Seeded arguments (runtime.random_inputs, seed 0): floats standard
+    normal, integers in [0, 10), or below `bounds[k]` for argument k
+    (index_bounds: the rows of the table it indexes)."""
+    from ..runtime import random_inputs
+
     bounds = bounds or {}
-    return [rng.standard_normal(shape).astype(dtype) if dtype.startswith(("float", "bfloat"))
-            else rng.integers(0, max(1, min(10, bounds.get(k, 10))), shape).astype(dtype)
-            for k, (_, dtype, shape) in enumerate(buffers)]
+    return random_inputs([(shape, dtype, (-bounds[k], bounds[k]) if k in bounds else None)
+                          for k, (_, dtype, shape) in enumerate(buffers)], None)
 
 
 def index_bounds(func) -> dict[int, int]:
@@ -431,13 +431,13 @@ def index_bounds(func) -> dict[int, int]:
     ints = {b.name: k for k, b in enumerate(func.params) if str(b.dtype).startswith(("int", "uint"))}
     out: dict[int, int] = {}
     for block in _blocks(func.body) if ints else []:
-        for read in block.reads:
-            for dim, rng in enumerate(read.region):
+        for read in block.reads:  # (a block's read region: its buffer is `source`)
+            for rng, extent in zip(read.region, read.source.shape):
+                if not isinstance(extent, tirx.IntImm):
+                    continue
                 text = str(rng.min)
-                extent = read.source.shape[dim]  # (a block's read region: its buffer is `source`)
                 for name, k in ints.items():
-                    if name != read.source.name and isinstance(extent, tirx.IntImm) and \
-                            re.search(rf"\b{re.escape(name)}\[", text):
+                    if name != read.source.name and re.search(rf"\b{re.escape(name)}\[", text):
                         out[k] = min(out.get(k, int(extent)), int(extent))
     return out
 
