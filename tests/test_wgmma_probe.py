@@ -93,4 +93,37 @@ def test_it_computes_what_pytorch_computes(tmp_path, dtype, epilogue):
     assert probe.main(["--shapes", "400x192x96,400x192x592", "--bn", "64,96", "--stages", "2,4", "--epilogue", epilogue,
                        "--dtype", dtype, "--out", str(tmp_path)]) == 0
     rows = [r for r in json.loads((tmp_path / "probe.json").read_text())["rows"] if r["config"].startswith("wgmma")]
-    assert len(rows) == 8 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
+    # (fp16: the single and the persistent kernel, 8 configurations each; tf32: the single one)
+    assert len(rows) == (16 if dtype == "fp16" else 8), rows
+    assert all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
+
+
+@pytest.mark.parametrize("epilogue", ["bias", "gelu"])
+def test_the_persistent_kernel_specializes_warpgroups_and_stores_pairs(epilogue):
+    """make_gemm_ws: a producer warpgroup's TMA and two consumers' wgmma on
+    a persistent grid, each thread's two adjacent outputs one half2 store
+    (the scalar stores cost the short-K shapes half their time); at 256
+    columns setmaxnreg moves registers to the consumers."""
+    probe = _script()
+    src = probe.build(probe.make_gemm_ws(400, 256, 592, bn=128, stages=2, epilogue=epilogue,
+                                         sms=2)).mod.imports[0].inspect_source()
+    kernel = src[src.index("main_kernel("):]
+    assert "__launch_bounds__(384)" in src and "m64n128k16" in kernel
+    assert "mbarrier_arrive_expect_tx" in kernel and "cp_async_bulk_tensor" in kernel  # (helpers' names)
+    assert "*(half2*)(C_ptr" in kernel and " C_ptr[" not in kernel
+    assert "setmaxnreg" not in kernel
+    wide = probe.build(probe.make_gemm_ws(256, 256, 64, bn=256, stages=2)).mod.imports[0].inspect_source()
+    assert "setmaxnreg.inc.sync.aligned.u32" in wide and "setmaxnreg.dec.sync.aligned.u32" in wide
+    with pytest.raises(ValueError, match="does not tile"):
+        probe.make_gemm_ws(128, 100, 128)
+    with pytest.raises(ValueError, match="shared memory"):
+        probe.make_gemm_ws(128, 256, 128, bn=256, stages=6)
+
+
+def test_the_persistent_kernel_is_fp16_only_on_the_command_line(tmp_path, capsys):
+    probe = _script()
+    assert probe.main(["--shapes", "128x64x64", "--dtype", "tf32", "--kernels", "persistent",
+                       "--out", str(tmp_path)]) == 2
+    assert "fp16 only" in capsys.readouterr().err
+    assert probe.main(["--shapes", "128x64x64", "--kernels", "pingpong", "--out", str(tmp_path)]) == 2
+    assert "unknown kernel" in capsys.readouterr().err
