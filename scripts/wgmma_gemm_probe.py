@@ -41,6 +41,7 @@ registers and spills.
 
     python scripts/wgmma_gemm_probe.py --shapes 6272x1536x384,6400x384x1536 --epilogue gelu --out DIR
     python scripts/wgmma_gemm_probe.py --kernels persistent --bn 128,256 --shapes 4096x4096x4096 --out DIR
+    python scripts/wgmma_gemm_probe.py --kernels persistent --b-layout kn --shapes 6272x1536x384 --out DIR
 
 Writes DIR/probe.json and DIR/probe.md.
 
@@ -214,7 +215,7 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
 
 
 def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: str = "bias",
-                 sms: int = 132):
+                 sms: int = 132, b_kn: bool = False):
     """`make_gemm`'s GEMM (fp16) warp-specialized on a persistent grid, as
     cuBLAS's Hopper kernels are: `sms` CTAs (one an SM) take the 128 x bn
     tiles in turn; in each, a producer warpgroup (one thread issuing TMA)
@@ -223,7 +224,9 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     step of 16) wait on its `full` mbarrier, multiply, release the stage and,
     after a tile's last step, apply the epilogue while the producer already
     loads the next tile. At bn > 128 `setmaxnreg` gives the consumers 232
-    registers and the producer 40."""
+    registers and the producer 40. `b_kn`: B stored [K, N] (ONNX MatMul's
+    weight) instead of [N, K]: TMA boxes of 64 columns (a tile of bn columns
+    is bn / 64 of them) and an MN-major descriptor (wgmma's B transposed)."""
     from tvm.script import tirx as T
 
     elem, ebytes, kstep, wtype, trans = DTYPES["fp16"]
@@ -232,6 +235,8 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
         raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x{kstep} (N % {bn}, K % {kstep}; "
                          f"the tile's columns a multiple of 8 up to 256)")
     smem = stages * (BM + bn) * SWIZZLE_BYTES
+    if b_kn and bn % 64:
+        raise ValueError(f"B stored [K, N] needs the tile's columns a multiple of 64 (TMA's 128-byte boxes), not {bn}")
     if smem > SHARED_MEMORY:
         raise ValueError(f"{stages} stages of 128x{bn} tiles need {smem // 1024} KB of shared memory; "
                          f"a block has {SHARED_MEMORY // 1024} KB on sm_90")
@@ -248,13 +253,22 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k{kstep}.f32.{wtype}.{wtype}"
     a_map_args = [k, m, k * ebytes, bk, BM, 1, 1, 0, 3, 2, 0]
     b_map_args = [k, n, k * ebytes, bk, bn, 1, 1, 0, 3, 2, 0]
+    b_shape, b_stage = (n, k), (stages, bn, bk)
+    # B's descriptor: leading and stride byte offsets (16-byte units) and a K step's offset (bytes)
+    b_lbo, b_sbo, b_step = 1, 64, step_bytes
+    if b_kn:  # boxes of [bk rows of K][64 columns of N]: 8-row groups 1,024 bytes apart, boxes bk * 128
+        b_map_args = [n, k, n * ebytes, 64, bk, 1, 1, 0, 3, 2, 0]
+        b_shape, b_stage = (k, n), (stages, bn // 64, bk, 64)
+        b_lbo, b_sbo, b_step = bk * SWIZZLE_BYTES // 16, 64, kstep * SWIZZLE_BYTES
+        trans = (0, 1)
+    b_zero = [0] * (len(b_stage) - 1)
     regs = bn > 128
 
     # fmt: off
     @T.prim_func
     def gemm(a_ptr: T.handle, b_ptr: T.handle, bias_ptr: T.handle, c_ptr: T.handle):
         A = T.match_buffer(a_ptr, (m, k), elem, align=16)
-        B = T.match_buffer(b_ptr, (n, k), elem, align=16)
+        B = T.match_buffer(b_ptr, b_shape, elem, align=16)
         bias = T.match_buffer(bias_ptr, (n,), elem, align=16)
         C = T.match_buffer(c_ptr, (m, n), elem, align=16)
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -267,8 +281,7 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
         tx = T.thread_id([384])
         arena = T.alloc_buffer((stages * (a_tile + b_tile),), elem, scope="shared.dyn", align=1024)
         A_s = T.decl_buffer((stages, BM, bk), elem, data=arena.data, scope="shared.dyn")
-        B_s = T.decl_buffer((stages, bn, bk), elem, data=arena.data, elem_offset=stages * a_tile,
-                            scope="shared.dyn")
+        B_s = T.decl_buffer(b_stage, elem, data=arena.data, elem_offset=stages * a_tile, scope="shared.dyn")
         full = T.alloc_shared((stages,), "uint64")
         empty = T.alloc_shared((stages,), "uint64")
         acc = T.alloc_local((nacc,), "float32")
@@ -299,13 +312,18 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
                         T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([it % stages]), T.uint32(stage_bytes))
                         T.ptx[TMA_LOAD](A_s.ptr_to([it % stages, 0, 0]), T.address_of(A_map), kt * bk,
                                         (tile // grid_n) * BM, full.ptr_to([it % stages]))
-                        T.ptx[TMA_LOAD](B_s.ptr_to([it % stages, 0, 0]), T.address_of(B_map), kt * bk,
-                                        (tile % grid_n) * bn, full.ptr_to([it % stages]))
+                        if b_kn:
+                            for j in T.unroll(bn // 64):
+                                T.ptx[TMA_LOAD](B_s.ptr_to([it % stages, j, 0, 0]), T.address_of(B_map),
+                                                (tile % grid_n) * bn + j * 64, kt * bk, full.ptr_to([it % stages]))
+                        else:
+                            T.ptx[TMA_LOAD](B_s.ptr_to([it % stages, 0, 0]), T.address_of(B_map), kt * bk,
+                                            (tile % grid_n) * bn, full.ptr_to([it % stages]))
         else:  # the two consumers
             if regs:
                 T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), A_s.ptr_to([0, g * 64, 0]), 1, 64, 3)  # noqa: F821
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), B_s.ptr_to([0, 0, 0]), 1, 64, 3)  # noqa: F821
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), B_s.ptr_to([0, *b_zero]), b_lbo, b_sbo, 3)  # noqa: F821
             for t in T.serial(my_tiles):
                 tile = T.meta_var(cta + t * ctas)
                 for kt in T.serial(k_tiles):
@@ -316,7 +334,7 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
                     T.ptx.wgmma.fence.sync.aligned()
                     for kk in T.unroll(bk // kstep):
                         d_a = desc_a + T.Cast("uint64", ((it % stages) * a_tile * ebytes + kk * step_bytes) // 16)  # noqa: F821
-                        d_b = desc_b + T.Cast("uint64", ((it % stages) * b_tile * ebytes + kk * step_bytes) // 16)  # noqa: F821
+                        d_b = desc_b + T.Cast("uint64", ((it % stages) * b_tile * ebytes + kk * b_step) // 16)  # noqa: F821
                         T.ptx[mma](*[acc[i] for i in range(nacc)], d_a, d_b, kt * (bk // kstep) + kk > 0, 1, 1, *trans)
                     T.ptx.wgmma.commit_group.sync.aligned()
                     T.ptx.wgmma.wait_group.sync.aligned(0)
@@ -358,6 +376,8 @@ def main(argv=None) -> int:
                    help="tf32: fp32 operands on TF32 tensor cores, checked against strict fp32")
     p.add_argument("--kernels", default="single,persistent",
                    help="single: make_gemm; persistent: make_gemm_ws (warp-specialized, fp16 only)")
+    p.add_argument("--b-layout", default="nk", choices=("nk", "kn"),
+                   help="B stored [N, K] (a dense layer's weight) or [K, N] (ONNX MatMul's; persistent kernel only)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     shapes = probe_common.parse_shapes(args.shapes)
@@ -375,6 +395,10 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         kernels = ["single"]
+    b_kn = args.b_layout == "kn"
+    if b_kn and kernels != ["persistent"]:
+        print("error: --b-layout kn is the persistent kernel's only | add --kernels persistent", file=sys.stderr)
+        return 2
 
     import numpy as np
 
@@ -396,16 +420,17 @@ def main(argv=None) -> int:
         if gpu:
             rng = np.random.default_rng(0)
             a_np = (rng.standard_normal((m, k)) / 8).astype(elem)
-            b_np = (rng.standard_normal((n, k)) / 8).astype(elem)
+            b_np = (rng.standard_normal((k, n) if b_kn else (n, k)) / 8).astype(elem)
             bias_np = (rng.standard_normal(n) / 8).astype(elem)
             ta, tb, tbias = (torch.from_numpy(x).cuda() for x in (a_np, b_np, bias_np))
             torch.backends.cuda.matmul.allow_tf32 = False  # the reference: strict fp32
-            ref = ta.float() @ tb.float().T + tbias.float()
+            tb_t = tb if b_kn else tb.T  # (B^T, as the product takes it)
+            ref = ta.float() @ tb_t.float() + tbias.float()
             ref = (torch.nn.functional.gelu(ref) if args.epilogue == "gelu" else ref).cpu().numpy()
             torch.backends.cuda.matmul.allow_tf32 = args.dtype == "tf32"  # cuBLAS on TF32 tensor cores
 
-            def cublas(ta=ta, tb=tb, tbias=tbias):
-                y = torch.addmm(tbias, ta, tb.T)
+            def cublas(ta=ta, tb_t=tb_t, tbias=tbias):
+                y = torch.addmm(tbias, ta, tb_t)
                 return torch.nn.functional.gelu(y) if args.epilogue == "gelu" else y
 
             rows.append(probe_common.torch_row(shape, f"torch (cuBLAS, {args.dtype})", cublas, flop))
@@ -415,9 +440,10 @@ def main(argv=None) -> int:
                 for stages in stage_list:
                     make = (functools.partial(make_gemm, m, n, k, bn, stages, args.epilogue, args.dtype)
                             if kernel == "single" else functools.partial(make_gemm_ws, m, n, k, bn, stages,
-                                                                         args.epilogue))
+                                                                         args.epilogue, b_kn=b_kn))
                     rows.append(probe_common.measure(
-                        {"shape": shape, "config": f"{KERNELS[kernel]} {args.dtype} 128x{bn}x{bk}-s{stages}"},
+                        {"shape": shape, "config": f"{KERNELS[kernel]} {args.dtype} 128x{bn}x{bk}-s{stages}"
+                                                   + ("-kn" if b_kn else "")},
                         lambda make=make: build(make()), {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor"},
                         run_args, "sm_90a"))
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"

@@ -127,3 +127,35 @@ def test_the_persistent_kernel_is_fp16_only_on_the_command_line(tmp_path, capsys
     assert "fp16 only" in capsys.readouterr().err
     assert probe.main(["--shapes", "128x64x64", "--kernels", "pingpong", "--out", str(tmp_path)]) == 2
     assert "unknown kernel" in capsys.readouterr().err
+
+
+def test_b_stored_k_by_n_takes_boxes_of_64_columns_and_a_transposed_wgmma():
+    """--b-layout kn: B as ONNX MatMul keeps a weight ([K, N]), read by TMA
+    in boxes of 64 columns (two a 128-column tile) into an MN-major layout
+    that wgmma takes transposed (its trans-b immediate 1)."""
+    probe = _script()
+    src = probe.build(probe.make_gemm_ws(400, 256, 592, bn=128, stages=2, b_kn=True)).mod.imports[0].inspect_source()
+    kernel = src[src.index("main_kernel("):]
+    assert "m64n128k16_f32_f16_f16_1_1_0_1(" in kernel  # (scale-a, scale-b, trans-a 0, trans-b 1)
+    assert kernel.count("cp_async_bulk_tensor") == 3  # (A's box, B's two)
+    assert "512, 64, 3)" in kernel  # (B's descriptor: boxes 8,192 bytes apart, 8-row groups 1,024)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        probe.make_gemm_ws(128, 192, 128, bn=96, b_kn=True)
+
+
+def test_b_stored_k_by_n_is_the_persistent_kernels_only(tmp_path, capsys):
+    probe = _script()
+    assert probe.main(["--shapes", "128x64x64", "--b-layout", "kn", "--out", str(tmp_path)]) == 2
+    assert "persistent kernel's only" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", ["bias", "gelu"])
+def test_b_stored_k_by_n_computes_what_pytorch_computes(tmp_path, epilogue):
+    """The same ragged shapes as above with B [K, N], 64 and 192 columns
+    (one and three boxes a tile)."""
+    probe = _script()
+    assert probe.main(["--shapes", "400x192x96,400x192x592", "--bn", "64,192", "--stages", "2,4", "--kernels",
+                       "persistent", "--b-layout", "kn", "--epilogue", epilogue, "--out", str(tmp_path)]) == 0
+    rows = [r for r in json.loads((tmp_path / "probe.json").read_text())["rows"] if r["config"].startswith("wgmma")]
+    assert len(rows) == 8 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
