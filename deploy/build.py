@@ -46,10 +46,10 @@ def signature(func) -> tuple[list[dict], list[dict]]:
 def compile_module(mod, target: TargetInfo, profile: Profile):
     """Relax module (optimized, fused, every kernel scheduled) -> tvm Executable,
     through our TIR pipeline (`deploy.passes.tensor_core_smem`)."""
-    from .passes import tensor_core_smem
+    from .passes import tensor_core_smem, wgmma_gemm
     from .tvm_compat import PassContext, tvm
 
-    tvm_target = target.tvm_target()
+    tvm_target = wgmma_gemm.compile_target(target.tvm_target(), mod)
     config = {}
     if target.kind == "cuda" and profile.cuda_graph:
         config["relax.backend.use_cuda_graph"] = True
@@ -106,12 +106,13 @@ def _memory_or_none(mod) -> dict | None:
 def build_kernel(name: str, func, target: TargetInfo):
     """Build one PrimFunc alone (raises when it does not build): how the
     schedule chain finds the kernels at fault when a module fails."""
-    from .passes import tensor_core_smem
+    from .passes import tensor_core_smem, wgmma_gemm
     from .tvm_compat import PassContext, tvm
 
     mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
-    with PassContext(opt_level=3):
-        return tvm.tirx.build(mod, target=target.tvm_target(), pipeline=tensor_core_smem.register())
+    tvm_target = wgmma_gemm.compile_target(target.tvm_target(), mod)
+    with tvm_target, PassContext(opt_level=3):
+        return tvm.tirx.build(mod, target=tvm_target, pipeline=tensor_core_smem.register())
 
 
 def _build_bucket(job) -> tuple[dict, list[dict]]:
@@ -163,6 +164,7 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
                 mod, tuned_mod, tvm_target, target.kind,
                 compile_fn=lambda m: compile_module(m, target, profile),
                 kernel_builds=lambda name, f: build_kernel(name, f, target),
+                wgmma=profile.wgmma_gemm,
             )
         except schedule.UnbuildableKernelError as e:
             raise BuildError(f"build: {e}") from e

@@ -146,6 +146,7 @@ def prepare(args):
         pad_gemm=getattr(args, "pad_gemm", None),
         implicit_gemm=getattr(args, "implicit_gemm", None),
         fused_attention=getattr(args, "fused_attention", None),
+        wgmma_gemm=getattr(args, "wgmma_gemm", None),
         budget=args.budget,
     )
     if _nonempty(getattr(args, "dim_buckets", None)):
@@ -508,6 +509,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="attention (QK^T, softmax, PV and the layout operators around them) as one kernel "
                         "(CUDA, fp16; changes those kernels)")
+    p.add_argument("--wgmma-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="fp16 GEMM kernels as our Hopper wgmma kernel (TMA, warp-specialized, persistent) before "
+                        "their schedules and tuning records (CUDA sm_90, fp16)")
     p.add_argument("--pad-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="pad GEMM rows whose count tiles badly to a multiple of 128 inside the kernel "
                         "(on by default for CUDA; changes those kernels)")

@@ -135,6 +135,11 @@ class Profile:
     # default): on where it applies, in fp16 (`fuses_attention`); true with
     # another precision is refused. Changes those kernels.
     fused_attention: bool | None = False
+    # fp16 GEMM kernels (those passes.mma_gemm takes, with their epilogues) as
+    # our Hopper kernel written in TIRx (passes.wgmma_gemm: wgmma fed by TMA,
+    # warp-specialized, persistent), tried before the schedule chain and the
+    # tuning records on sm_90; elsewhere the chain as before.
+    wgmma_gemm: bool = False
 
     @property
     def fuses_attention(self) -> bool:
@@ -411,6 +416,12 @@ def _check_values(obj, where: str) -> None:
         if obj.fused_attention and not where.endswith("cuda"):
             raise ConfigError(f"invalid {where}.fused_attention", "true on the CPU",
                               "fused_attention = false (the fused attention kernel is scheduled for CUDA)")
+        if obj.wgmma_gemm and not where.endswith("cuda"):
+            raise ConfigError(f"invalid {where}.wgmma_gemm", "true on the CPU",
+                              "wgmma_gemm = false (the wgmma kernel is Hopper's)")
+        if obj.wgmma_gemm and obj.precision != "fp16":
+            raise ConfigError(f"invalid {where}.wgmma_gemm", f"true with precision {obj.precision}",
+                              "precision fp16 (the kernel multiplies fp16 on tensor cores), or wgmma_gemm = false")
         if obj.fused_attention and obj.precision != "fp16":
             raise ConfigError(f"invalid {where}.fused_attention", f"true with precision {obj.precision}",
                               "precision fp16 (the kernel multiplies fp16 on tensor cores), or fused_attention = false")

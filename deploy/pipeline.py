@@ -289,6 +289,7 @@ def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
         "target": target.key(),
         "cuda_graph": bool(profile.cuda_graph),
         "default_chain": default_chain(target.kind),
+        **({"wgmma_gemm": True} if profile.wgmma_gemm else {}),  # (the GEMMs' kernels; absent: keys as before)
     }
 
 

@@ -172,4 +172,7 @@ def _frames_from_linecache():
 from tvm.ir.expr import Constant as RelaxConstant  # noqa: E402,F401
 from tvm.s_tir import stmt as s_tir_stmt  # noqa: E402,F401  (SBlock, SBlockRealize: a scheduled function rebuilt)
 from tvm.s_tir.pipeline import default_s_tir_pipeline as default_tir_pipeline  # noqa: E402,F401
-from tvm.tirx.compilation_pipeline import register_tir_pipeline  # noqa: E402,F401
+from tvm.tirx.compilation_pipeline import (
+    register_tir_pipeline,  # noqa: E402,F401
+    tirx_pipeline,  # noqa: E402,F401 - TIRx's (passes/wgmma_gemm.py)
+)

@@ -111,6 +111,8 @@ def build_one(job) -> dict:
     spec = models.get(name)
     entry = {"model": name, "kind": spec.kind, "expect": spec.expect, "precision": precision,
              "size": size, "exporter": exporter}
+    if precision != "fp16":  # (the wgmma kernel is fp16's; fp32 jobs of the same run build as before)
+        extra = {k: v for k, v in extra.items() if k != "wgmma_gemm"}
     profile = {"buckets": [1], "tune_buckets": [], "trials": 0, "precision": precision, **extra}
     cfg = config.from_dict({"model": {"source": name, "size": size, "exporter": exporter}, target.kind: profile})
     ws = work / f"{name}-{precision}"
@@ -224,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="re-run models already in corpus.json")
     ap.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
                     help="the profile's fused_attention (passes/attention.py; CUDA only, on by default for fp16)")
+    ap.add_argument("--wgmma-gemm", action="store_true",
+                    help="the profile's wgmma_gemm (passes/wgmma_gemm.py; CUDA fp16, taken on sm_90)")
     ap.add_argument("--work", default="", help="keep each model's workdir here (timing resumes from it)")
     ap.add_argument("--jobs", type=int, default=1, help="models built in parallel (timing is always one at a time)")
     args = ap.parse_args(argv)
@@ -245,6 +249,10 @@ def main(argv=None) -> int:
         print("error: --fused-attention is a CUDA option | got --target " + args.target + " | expected a cuda target",
               file=sys.stderr)
         return 2
+    if args.wgmma_gemm and target.kind != "cuda":
+        print("error: --wgmma-gemm is a CUDA option | got --target " + args.target + " | expected a cuda target",
+              file=sys.stderr)
+        return 2
     names = [n.strip() for n in args.models.split(",") if n.strip()] or models.names()
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()] or \
         (["fp16"] if target.kind == "cuda" else ["fp32"])
@@ -259,7 +267,7 @@ def main(argv=None) -> int:
     report.update({"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
                    "layout": args.layout or "default", "flat_gemm": args.flat_gemm,
                    "implicit_gemm": args.implicit_gemm, "fused_attention": args.fused_attention,
-                   "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
+                   "wgmma_gemm": args.wgmma_gemm, "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
                    "commands": [*commands, command]})
     results = {(r["model"], r["precision"]): r for r in report["results"]}
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="corpus-"))
@@ -271,7 +279,8 @@ def main(argv=None) -> int:
 
     extra = {**({"layout": args.layout} if args.layout else {}), **({"flat_gemm": True} if args.flat_gemm else {}),
              **({"implicit_gemm": True} if args.implicit_gemm else {}),
-             **({"fused_attention": args.fused_attention} if args.fused_attention is not None else {})}
+             **({"fused_attention": args.fused_attention} if args.fused_attention is not None else {}),
+             **({"wgmma_gemm": True} if args.wgmma_gemm else {})}
     jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, extra)
             for n in names for p in precisions if args.force or (n, p) not in results]
     try:

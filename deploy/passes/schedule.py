@@ -129,12 +129,18 @@ def default_chain(target_kind: str) -> list[str]:
             for name in CHAINS[_chain_kind(target_kind)]] + [DEFAULT]
 
 
-def _sources(gv, plain, tuned, target, target_kind):
+def _sources(gv, plain, tuned, target, target_kind, wgmma=False):
     """(source name, scheduled PrimFunc or exception), lazily, best first."""
     from ..tvm_compat import register_tensor_intrinsics, s_tir
 
     if target_kind == "cuda":  # (DLight's Matmul imports them for fp16 GEMMs, slowly: tvm_compat says why)
         register_tensor_intrinsics()
+    if wgmma and target_kind == "cuda":
+        from . import wgmma_gemm
+
+        ours = wgmma_gemm.replacement(plain) if wgmma_gemm.available(target) else None
+        if ours is not None:
+            yield wgmma_gemm.RULE, ours
 
     if tuned is not None:
         yield TUNED, tuned
@@ -184,9 +190,11 @@ def final(func):
     return func.with_attr("op_pattern", OPAQUE)
 
 
-def build(plain_mod, tuned_mod, target, target_kind: str, compile_fn: Callable, kernel_builds: Callable):
+def build(plain_mod, tuned_mod, target, target_kind: str, compile_fn: Callable, kernel_builds: Callable,
+          wgmma: bool = False):
     """Schedule each PrimFunc of `plain_mod` (tuning records applied in
     `tuned_mod`, same functions) and compile; returns (compiled, kernels).
+    `wgmma`: a GEMM passes/wgmma_gemm.py takes tries that kernel first.
 
     `compile_fn(mod)` compiles a whole module; `kernel_builds(name, func)`
     raises when one PrimFunc alone does not build."""
@@ -199,7 +207,7 @@ def build(plain_mod, tuned_mod, target, target_kind: str, compile_fn: Callable, 
         if _is_scheduled(plain):  # scheduled before the build (none today): keep it
             tuned = plain
         kernels[gv] = Kernel(gv.name_hint)
-        chains[gv] = _sources(gv, plain, tuned, target, target_kind)
+        chains[gv] = _sources(gv, plain, tuned, target, target_kind, wgmma)
         _advance(gv, kernels, chains, chosen, reason=None)
 
     verified = set()

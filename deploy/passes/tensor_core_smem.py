@@ -113,16 +113,25 @@ def tensor_core_context(async_copy: bool = False, no_cse: bool = False):
 
 
 def _pipeline_factory():
-    from ..tvm_compat import default_tir_pipeline, tirx, tvm
+    from ..tvm_compat import default_tir_pipeline, tirx, tirx_pipeline, tvm
     from . import (
         mma_epilogue,  # (the other workaround its tensor-core kernels need, applied first)
         shared_limit,  # (and the runtime's shared-memory limit, after lowering)
+        wgmma_gemm,
     )
 
     stock, finalize_host, finalize_device = default_tir_pipeline()
 
     @tvm.transform.module_pass(opt_level=0, name="DeployTIRPipeline")
     def pipeline(mod, _ctx):
+        # (passes/wgmma_gemm.py's kernels, written in TIRx: TVM's TIRx pipeline, which shares our finalization)
+        tirx_funcs = {gv: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc) and wgmma_gemm.is_ours(f)}
+        if tirx_funcs:
+            wgmma_gemm.fix_noop_barrier_codegen()
+            rest = pipeline(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv not in tirx_funcs},
+                                         attrs=mod.attrs, global_infos=mod.global_infos))
+            rest.update(tirx_pipeline()[0](tvm.IRModule(tirx_funcs, attrs=mod.attrs, global_infos=mod.global_infos)))
+            return rest
         texts = {gv: f.script(show_meta=False) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
         tc = {gv: mma_epilogue.apply_to_func(mod[gv]) for gv, text in texts.items() if _has_tensor_cores(text)}
         if not tc:

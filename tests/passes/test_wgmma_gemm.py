@@ -1,0 +1,315 @@
+"""passes/wgmma_gemm.py: a model's fp16 GEMM kernels as our TIRx wgmma kernel
+(--wgmma-gemm). On the CPU machine: what the plan takes from a fused GEMM
+function is checked by running its meaning in plain TIR (the same epilogue
+text, a naive product) against the function itself on LLVM; the kernel is
+built for sm_90a and nvcc compiles it; a module holding it beside other
+kernels compiles through our TIR pipeline. On the GPU (`-m gpu`) the
+kernels compute what NumPy computes."""
+
+import string
+
+import numpy as np
+import pytest
+
+from deploy.passes import wgmma_gemm
+
+# The plan's meaning in plain TIR: the product by a loop, then the epilogue text the kernel applies
+_MEANING = string.Template('''
+@T.prim_func
+def main($params):
+    wg_acc = T.alloc_buffer((1,), "float32")
+    for wg_row in range($m):
+        for wg_colc in range($n):
+            wg_acc[0] = T.float32(0)
+            for wg_k in range($k):
+                wg_acc[0] = wg_acc[0] + T.Cast("float32", $a[wg_row, wg_k]) * T.Cast("float32", $bload)
+            wg_x = T.meta_var(wg_acc[0])
+            $out[wg_row, wg_colc] = T.Cast("$out_dtype", $expr)
+''')
+
+
+def _gemm(m, n, k, epilogue, b_kn=True, pad_to=None):
+    """A fused GEMM function as the optimize stage makes them: fp16 A [m, k]
+    (its rows padded to `pad_to` inside, as pad_gemm does), B [k, n] or
+    [n, k], fp32 product, then `epilogue`: bias (cast, + bias), gelu (the
+    exported erf form in fp16, on the bias), residual (cast, + bias, to fp32,
+    + an fp32 residual), or none (the fp32 product is the output)."""
+    from tvm import te, tirx
+
+    a = te.placeholder((m, k), "float16", name="a")
+    b = te.placeholder((k, n) if b_kn else (n, k), "float16", name="w")
+    rows = pad_to or m
+    src = a if pad_to is None else te.compute(
+        (rows, k), lambda i, j: tirx.if_then_else(i < m, a[i, j], tirx.const(0, "float16")), name="a_pad")
+    r = te.reduce_axis((0, k), "r")
+    c = te.compute((rows, n), lambda i, j: te.sum(
+        src[i, r].astype("float32") * (b[r, j] if b_kn else b[j, r]).astype("float32"), axis=r), name="c")
+    if pad_to is not None:
+        c = te.compute((m, n), lambda i, j: c[i, j], name="c_unpad")
+    if epilogue == "none":
+        return te.create_prim_func([a, b, c])
+    bias = te.placeholder((n,), "float16", name="bias")
+    h = te.compute((m, n), lambda i, j: c[i, j].astype("float16") + bias[j], name="h")
+    if epilogue == "bias":
+        return te.create_prim_func([a, b, bias, h])
+    if epilogue == "gelu":
+        half = "float16"
+        s = te.compute((m, n), lambda i, j: h[i, j] / tirx.const(1.4142135623730951, half), name="s")
+        e = te.compute((m, n), lambda i, j: te.erf(s[i, j].astype("float32")).astype(half) + tirx.const(1, half),
+                       name="e")
+        g = te.compute((m, n), lambda i, j: h[i, j] * e[i, j] * tirx.const(0.5, half), name="g")
+        return te.create_prim_func([a, b, bias, g])
+    res = te.placeholder((m, n), "float32", name="res")
+    out = te.compute((m, n), lambda i, j: res[i, j] + h[i, j].astype("float32"), name="out")
+    return te.create_prim_func([a, b, bias, res, out])
+
+
+def _meaning(p):
+    from tvm.script import tirx as T
+
+    from deploy.tvm_compat import tvm
+
+    params = ", ".join(f'{name}: T.Buffer({tuple(shape)}, "{dtype}")' for name, shape, dtype in p.params)
+    out_dtype = next(dtype for name, _, dtype in p.params if name == p.out)
+    bload = f"{p.b}[wg_k, wg_colc]" if p.b_kn else f"{p.b}[wg_colc, wg_k]"
+    text = _MEANING.substitute(params=params, m=p.m, n=p.n, k=p.k, a=p.a, bload=bload, out=p.out,
+                               out_dtype=out_dtype, expr=p.expr)
+    return tvm.script.from_source(text, extra_vars={"T": T})
+
+
+def _run_llvm(func, args):
+    from deploy.tvm_compat import tvm
+
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    arrays = [tvm.runtime.tensor(a) for a in args]
+    lib["main"](*arrays)
+    return arrays[-1].numpy()
+
+
+def _inputs(func, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal([int(d) for d in p.shape]) / 4).astype(str(p.dtype)) for p in func.params]
+
+
+@pytest.mark.parametrize("epilogue,b_kn,pad", [("gelu", True, 128), ("residual", True, None), ("bias", False, None),
+                                               ("none", True, None)])
+def test_the_plan_means_what_the_function_computes(epilogue, b_kn, pad):
+    """The plan's A, B, output, B layout and epilogue text, run as plain TIR
+    on LLVM, compute what the fused function computes (a ViT fc1 with its
+    rows padded, a residual in fp32, B stored [N, K], no epilogue)."""
+    func = _gemm(112, 64, 48, epilogue, b_kn=b_kn, pad_to=pad)
+    p = wgmma_gemm.plan(func)
+    assert p is not None and (p.a, p.b, p.m, p.n, p.k, p.b_kn) == ("a", "w", 112, 64, 48, b_kn)
+    assert "wg_x" in p.expr
+    args = _inputs(func)
+    want = _run_llvm(func, [a.copy() for a in args])
+    got = _run_llvm(_meaning(p), [a.copy() for a in args])
+    np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=1e-3, atol=1e-3)
+
+
+def test_the_kernel_builds_for_sm90a_with_the_epilogue_in_it():
+    from deploy.tvm_compat import tvm
+
+    wgmma_gemm.fix_noop_barrier_codegen()
+    for func, tile, trans in ((_gemm(400, 256, 192, "gelu", pad_to=512), "m64n128k16", "_1_1_0_1("),
+                              (_gemm(400, 192, 96, "residual", b_kn=False), "m64n64k16", "_1_1_0_0(")):
+        k = wgmma_gemm.kernel(wgmma_gemm.plan(func))
+        assert wgmma_gemm.is_ours(k) and str(k.attrs["target"].attrs["arch"]) == "sm_90a"
+        src = tvm.compile(tvm.IRModule({"main": k.with_attr("global_symbol", "main")}), target=k.attrs["target"],
+                          tir_pipeline="tirx").mod.imports[0].inspect_source()
+        kernel = src[src.index("main_kernel("):]
+        assert f"{tile}_f32_f16_f16{trans}" in kernel and "cp_async_bulk_tensor" in kernel
+        assert ("erf" in kernel) == ("erf" in wgmma_gemm.plan(func).expr)
+        assert "*(half2*)" in kernel or "*(float2*)" in kernel  # (two columns a store)
+
+
+def test_what_it_leaves_to_the_schedule_chain():
+    """Declined, never raised: N not a multiple of 64, producers other than
+    row padding (an im2col-like gather of a 3-D input, a column mask), an
+    epilogue whose intermediate is an output too, an fp32 GEMM."""
+    from tvm import te, tirx
+
+    assert wgmma_gemm.plan(_gemm(112, 96, 48, "bias")) is None
+    a = te.placeholder((64, 32), "float16", name="a")
+    w = te.placeholder((32, 64), "float16", name="w")
+    r = te.reduce_axis((0, 32), "r")
+
+    def gemm_of(src):
+        return te.compute((64, 64), lambda i, j: te.sum(src[i, r].astype("float32") * w[r, j].astype("float32"),
+                                                        axis=r), name="c")
+
+    sq = te.compute((64, 32), lambda i, j: a[i, j] * a[i, j], name="sq")
+    assert wgmma_gemm.replacement(te.create_prim_func([a, w, gemm_of(sq)])) is None
+    x3 = te.placeholder((8, 8, 32), "float16", name="x3")
+    rows = te.compute((64, 32), lambda i, j: tirx.if_then_else(i < 48, x3[i // 8, i % 8, j],
+                                                               tirx.const(0, "float16")), name="x_rows")
+    assert wgmma_gemm.replacement(te.create_prim_func([x3, w, gemm_of(rows)])) is None
+    cols = te.compute((64, 32), lambda i, j: tirx.if_then_else(j < 24, a[i, j], tirx.const(0, "float16")),
+                      name="a_cols")
+    assert wgmma_gemm.replacement(te.create_prim_func([a, w, gemm_of(cols)])) is None
+    bias = te.placeholder((64,), "float16", name="bias")
+    c = gemm_of(a)
+    h = te.compute((64, 64), lambda i, j: c[i, j].astype("float16") + bias[j], name="h")
+    g = te.compute((64, 64), lambda i, j: h[i, j] * h[i, j], name="g")
+    assert wgmma_gemm.replacement(te.create_prim_func([a, w, bias, h, g])) is None
+    a32 = te.placeholder((64, 32), "float32", name="a")
+    w32 = te.placeholder((32, 64), "float32", name="w")
+    c32 = te.compute((64, 64), lambda i, j: te.sum(a32[i, r] * w32[r, j], axis=r))
+    assert wgmma_gemm.replacement(te.create_prim_func([a32, w32, c32])) is None
+
+
+def _module(m=400, k=192):
+    """A Relax module: h = the gelu-epilogue GEMM of x, y = the residual
+    GEMM of h, then y * 2 (an element-wise kernel the schedule chain takes)."""
+    from tvm import te
+
+    from deploy.tvm_compat import relax
+
+    f1 = _gemm(m, 256, k, "gelu").with_attr("global_symbol", "gemm_gelu")
+    f2 = _gemm(m, 128, 256, "residual").with_attr("global_symbol", "gemm_residual")
+    yin = te.placeholder((m, 128), "float32", name="yin")
+    f3 = te.create_prim_func([yin, te.compute((m, 128), lambda i, j: yin[i, j] * 2.0, name="twice")]
+                             ).with_attr("global_symbol", "twice")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([m, k], "float16"))
+    w1 = relax.Var("w1", relax.TensorType([k, 256], "float16"))
+    b1 = relax.Var("b1", relax.TensorType([256], "float16"))
+    w2 = relax.Var("w2", relax.TensorType([256, 128], "float16"))
+    b2 = relax.Var("b2", relax.TensorType([128], "float16"))
+    res = relax.Var("res", relax.TensorType([m, 128], "float32"))
+    with bb.function("main", [x, w1, b1, w2, b2, res]):
+        with bb.dataflow():
+            g1, g2, g3 = bb.add_func(f1, "gemm_gelu"), bb.add_func(f2, "gemm_residual"), bb.add_func(f3, "twice")
+            h = bb.emit(relax.call_tir(g1, [x, w1, b1], relax.TensorType([m, 256], "float16")))
+            y = bb.emit(relax.call_tir(g2, [h, w2, b2, res], relax.TensorType([m, 128], "float32")))
+            z = bb.emit_output(relax.call_tir(g3, [y], relax.TensorType([m, 128], "float32")))
+        bb.emit_func_output(z)
+    return bb.get()
+
+
+def _build(mod, target_name, wgmma=True):
+    from deploy import build, config, targets
+    from deploy.passes import schedule
+
+    target = targets.resolve(target_name)
+    profile = config.from_dict({"model": {"source": "resnet18"},
+                                "cuda": {"precision": "fp16", "wgmma_gemm": wgmma}}).profile("cuda")
+    with target.tvm_target():
+        return schedule.build(mod, None, target.tvm_target(), "cuda",
+                              compile_fn=lambda m: build.compile_module(m, target, profile),
+                              kernel_builds=lambda name, f: build.build_kernel(name, f, target), wgmma=wgmma)
+
+
+def _cuda_sources(module) -> list[str]:
+    out = []
+    for i in module.imports:
+        try:
+            text = i.inspect_source()
+            if "__global__" in text:
+                out.append(text)
+        except Exception:  # noqa: BLE001 - (a module without source)
+            pass
+        out += _cuda_sources(i)
+    return out
+
+
+def test_a_module_builds_with_the_kernels_through_our_pipeline():
+    """Both GEMMs take the kernel (schedule source `wgmma-gemm`), the
+    element-wise kernel its chain, and the module compiles for sm_90 into
+    two CUDA modules: TIRx's with the wgmma kernels, ours with the other."""
+    from deploy.passes import schedule
+
+    compiled, kernels = _build(_module(), "cuda:sm_90")
+    sources = schedule.summarize(kernels)["sources"]
+    assert sources.get(wgmma_gemm.RULE) == 2 and sum(sources.values()) == 3
+    cuda = _cuda_sources(compiled.mod)
+    assert len(cuda) == 2 and sorted("wgmma.mma_async" in s for s in cuda) == [False, True]
+
+
+def test_off_it_changes_nothing_and_elsewhere_it_is_not_offered():
+    from deploy.passes import schedule
+
+    _, kernels = _build(_module(), "cuda:sm_90", wgmma=False)
+    assert wgmma_gemm.RULE not in schedule.summarize(kernels)["sources"]
+    _, kernels = _build(_module(), "cuda:sm_80")
+    assert wgmma_gemm.RULE not in schedule.summarize(kernels)["sources"]
+
+
+def test_a_module_with_the_kernels_compiles_for_sm90a():
+    from deploy import targets
+    from deploy.tvm_compat import tvm
+
+    sm90 = targets.resolve("cuda:sm_90").tvm_target()
+    func = wgmma_gemm.replacement(_gemm(400, 256, 192, "bias"))
+    with_ours = tvm.IRModule({"k": func})
+    assert str(wgmma_gemm.compile_target(sm90, with_ours).attrs["arch"]) == "sm_90a"
+    assert wgmma_gemm.compile_target(sm90, tvm.IRModule({"k": _gemm(64, 64, 64, "bias")})).same_as(sm90)
+    sm80 = targets.resolve("cuda:sm_80").tvm_target()
+    assert wgmma_gemm.compile_target(sm80, with_ours).same_as(sm80)
+
+
+def test_tvm_still_compiles_cuda_for_the_current_target_not_the_modules():
+    """The workaround in compile_target: TVM's CUDA compile callback takes
+    no target and compiles for Target.current()'s arch, and sm_90's ptxas
+    refuses wgmma (nvcc on the CPU machine, as NVRTC on the GPU machine).
+    Fails once the callback takes the module's target."""
+    import inspect
+
+    from tvm.support import nvcc
+
+    from deploy.tvm_compat import tvm
+
+    assert "def tvm_callback_cuda_compile(code):" in inspect.getsource(nvcc)  # (registered: an ffi.Function)
+    wgmma_gemm.fix_noop_barrier_codegen()
+    k = wgmma_gemm.replacement(_gemm(128, 64, 64, "bias"))
+    src = tvm.compile(tvm.IRModule({"main": k.with_attr("global_symbol", "main")}), target=k.attrs["target"],
+                      tir_pipeline="tirx").mod.imports[0].inspect_source()
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):  # (what compile_target gives)
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), pytest.raises(Exception, match="wgmma"):
+        nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+def test_the_flag_is_refused_on_the_cpu_and_outside_fp16():
+    from deploy import config
+    from deploy.errors import ConfigError
+
+    assert config.from_dict({"model": {"source": "vit"}, "cuda": {"precision": "fp16", "wgmma_gemm": True}}
+                            ).profile("cuda").wgmma_gemm
+    with pytest.raises(ConfigError, match="wgmma_gemm"):
+        config.from_dict({"model": {"source": "vit"}, "cuda": {"precision": "fp32", "wgmma_gemm": True}})
+    with pytest.raises(ConfigError, match="wgmma_gemm"):
+        config.from_dict({"model": {"source": "vit"}, "llvm": {"wgmma_gemm": True}})
+
+
+@pytest.mark.gpu
+def test_gpu_the_kernels_compute_what_numpy_computes(monkeypatch):
+    """The module above on the GPU: 400 rows (the last tile ragged), K = 320
+    (five K tiles through a four-stage ring), the GELU and residual
+    epilogues, and a persistent grid of two CTAs, so that each takes four
+    of the eight tiles (the ring and the accumulators carried across tiles)."""
+    from deploy.passes import schedule
+    from deploy.tvm_compat import relax, tvm
+
+    monkeypatch.setattr(wgmma_gemm, "SMS", 2)
+    mod = _module(m=400, k=320)
+    compiled, kernels = _build(mod, "cuda")
+    assert schedule.summarize(kernels)["sources"].get(wgmma_gemm.RULE) == 2  # (compiled as ours, no fallback)
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((400, 320)) / 4).astype("float16")
+    w1 = (rng.standard_normal((320, 256)) / 16).astype("float16")
+    b1 = (rng.standard_normal(256) / 4).astype("float16")
+    w2 = (rng.standard_normal((256, 128)) / 16).astype("float16")
+    b2 = (rng.standard_normal(128) / 4).astype("float16")
+    res = rng.standard_normal((400, 128)).astype("float32")
+    dev = tvm.cuda(0)
+    vm = relax.VirtualMachine(compiled, dev)
+    got = vm["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w1, b1, w2, b2, res)]).numpy()
+    from math import erf
+
+    verf = np.vectorize(erf)
+    h = (x.astype("float32") @ w1.astype("float32")).astype("float16") + b1
+    h = (h * (verf((h / np.float16(1.4142135623730951)).astype("float32")).astype("float16") + np.float16(1))
+         * np.float16(0.5)).astype("float16")
+    want = 2.0 * (res + ((h.astype("float32") @ w2.astype("float32")).astype("float16") + b2).astype("float32"))
+    assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 2e-3
