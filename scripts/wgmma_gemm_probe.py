@@ -45,12 +45,9 @@ registers and spills.
 
 Writes DIR/probe.json and DIR/probe.md.
 
-Workaround (TVM 0.27.0.post1): CUDA codegen of `T.cuda.wgmma.noop_barrier`
-reads `reg.dtype`, which a buffer load (a `TensorLoad`) no longer has:
-`AttributeError: 'TensorLoad' object has no attribute 'dtype'`
-(tvm/backend/cuda/cpp/asm.py). `_fix_noop_barrier_codegen` registers that
-codegen again, reading the dtype as the PTX engine does. Scope: this script's
-process. `tests/test_wgmma_probe.py` fails once TVM no longer needs it.
+Both kernels need the workaround of TVM 0.27's `noop_barrier` codegen that
+deploy/passes/wgmma_gemm.py describes (`fix_noop_barrier_codegen`);
+`tests/test_wgmma_probe.py` fails once TVM no longer needs it.
 """
 
 from __future__ import annotations
@@ -79,19 +76,6 @@ def target():
     from deploy.tvm_compat import tvm
 
     return tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
-
-
-def _fix_noop_barrier_codegen() -> None:
-    """The workaround described in the module docstring (idempotent)."""
-    from tvm.backend.cuda.codegen.registry import CODEGEN_REGISTRY, register_codegen
-    from tvm.backend.cuda.ptx.engine import arg_dtype
-
-    @register_codegen("cuda_wgmma_noop_barrier")
-    def _noop_barrier(reg):
-        op = {"uint32": "tirx.cuda_wgmma_noop_barrier_uint32",
-              "float32": "tirx.cuda_wgmma_noop_barrier_float32"}[str(arg_dtype(reg))]
-        res = CODEGEN_REGISTRY[op]([reg])
-        return res[0] if isinstance(res, tuple) else res
 
 
 def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: str = "bias",
@@ -216,153 +200,45 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
 
 def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: str = "bias",
                  sms: int = 132, b_kn: bool = False):
-    """`make_gemm`'s GEMM (fp16) warp-specialized on a persistent grid, as
-    cuBLAS's Hopper kernels are: `sms` CTAs (one an SM) take the 128 x bn
-    tiles in turn; in each, a producer warpgroup (one thread issuing TMA)
-    keeps the ring full across tiles, waiting on an `empty` mbarrier a stage,
-    while two consumer warpgroups (64 rows each, one m64nBNk16 `wgmma` a K
-    step of 16) wait on its `full` mbarrier, multiply, release the stage and,
-    after a tile's last step, apply the epilogue while the producer already
-    loads the next tile. At bn > 128 `setmaxnreg` gives the consumers 232
-    registers and the producer 40. `b_kn`: B stored [K, N] (ONNX MatMul's
-    weight) instead of [N, K]: TMA boxes of 64 columns (a tile of bn columns
-    is bn / 64 of them) and an MN-major descriptor (wgmma's B transposed)."""
-    from tvm.script import tirx as T
+    """`make_gemm`'s GEMM (fp16) as the package builds it with --wgmma-gemm
+    (deploy/passes/wgmma_gemm.py): warp-specialized on a persistent grid, as
+    cuBLAS's Hopper kernels are. `sms` CTAs take the 128 x bn tiles in turn;
+    a producer warpgroup (one thread issuing TMA) keeps the ring full across
+    tiles, two consumer warpgroups (64 rows each) multiply, and apply the
+    epilogue while the producer loads the next tile. `b_kn`: B stored [K, N]
+    (ONNX MatMul's weight) instead of [N, K]. The epilogue is made as the
+    model's would be, a fused function's blocks (bias: fp16(C + bias); gelu:
+    GELU of it in fp32), and carried into the kernel by the pass."""
+    from tvm import te, tirx
 
-    elem, ebytes, kstep, wtype, trans = DTYPES["fp16"]
-    bk = SWIZZLE_BYTES // ebytes
-    if n % bn or bn % 8 or not 8 <= bn <= 256 or k % kstep:
-        raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x{kstep} (N % {bn}, K % {kstep}; "
-                         f"the tile's columns a multiple of 8 up to 256)")
-    smem = stages * (BM + bn) * SWIZZLE_BYTES
-    if b_kn and bn % 64:
-        raise ValueError(f"B stored [K, N] needs the tile's columns a multiple of 64 (TMA's 128-byte boxes), not {bn}")
-    if smem > SHARED_MEMORY:
-        raise ValueError(f"{stages} stages of 128x{bn} tiles need {smem // 1024} KB of shared memory; "
-                         f"a block has {SHARED_MEMORY // 1024} KB on sm_90")
+    from deploy.passes import wgmma_gemm
+
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
-    gelu = epilogue == "gelu"
-    k_tiles, grid_m, grid_n = (k + bk - 1) // bk, (m + BM - 1) // BM, n // bn
-    tiles = grid_m * grid_n
-    ctas = min(tiles, sms)
-    a_tile, b_tile = BM * bk, bn * bk
-    stage_bytes = (a_tile + b_tile) * ebytes
-    step_bytes = kstep * ebytes
-    nacc = bn // 2  # a consumer thread's accumulators (one m64 x bn wgmma)
-    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k{kstep}.f32.{wtype}.{wtype}"
-    a_map_args = [k, m, k * ebytes, bk, BM, 1, 1, 0, 3, 2, 0]
-    b_map_args = [k, n, k * ebytes, bk, bn, 1, 1, 0, 3, 2, 0]
-    b_shape, b_stage = (n, k), (stages, bn, bk)
-    # B's descriptor: leading and stride byte offsets (16-byte units) and a K step's offset (bytes)
-    b_lbo, b_sbo, b_step = 1, 64, step_bytes
-    if b_kn:  # boxes of [bk rows of K][64 columns of N]: 8-row groups 1,024 bytes apart, boxes bk * 128
-        b_map_args = [n, k, n * ebytes, 64, bk, 1, 1, 0, 3, 2, 0]
-        b_shape, b_stage = (k, n), (stages, bn // 64, bk, 64)
-        b_lbo, b_sbo, b_step = bk * SWIZZLE_BYTES // 16, 64, kstep * SWIZZLE_BYTES
-        trans = (0, 1)
-    b_zero = [0] * (len(b_stage) - 1)
-    regs = bn > 128
-
-    # fmt: off
-    @T.prim_func
-    def gemm(a_ptr: T.handle, b_ptr: T.handle, bias_ptr: T.handle, c_ptr: T.handle):
-        A = T.match_buffer(a_ptr, (m, k), elem, align=16)
-        B = T.match_buffer(b_ptr, b_shape, elem, align=16)
-        bias = T.match_buffer(bias_ptr, (n,), elem, align=16)
-        C = T.match_buffer(c_ptr, (m, n), elem, align=16)
-        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, elem, 2, A.data, *a_map_args)
-        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, elem, 2, B.data, *b_map_args)
-
-        T.device_entry()
-        cta = T.cta_id([ctas])
-        tx = T.thread_id([384])
-        arena = T.alloc_buffer((stages * (a_tile + b_tile),), elem, scope="shared.dyn", align=1024)
-        A_s = T.decl_buffer((stages, BM, bk), elem, data=arena.data, scope="shared.dyn")
-        B_s = T.decl_buffer(b_stage, elem, data=arena.data, elem_offset=stages * a_tile, scope="shared.dyn")
-        full = T.alloc_shared((stages,), "uint64")
-        empty = T.alloc_shared((stages,), "uint64")
-        acc = T.alloc_local((nacc,), "float32")
-        pair = T.alloc_local((2,), elem)
-        desc_a: T.uint64
-        desc_b: T.uint64
-        d_a: T.uint64
-        d_b: T.uint64
-        my_tiles = T.meta_var((tiles - cta + ctas - 1) // ctas)
-        g = T.meta_var(tx // 128 - 1)  # (a consumer's half of the tile's rows)
-
-        if tx == 0:
-            for s in T.unroll(stages):
-                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256))
-        T.ptx.fence.proxy.async_.shared__cta()
-        T.cuda.cta_sync()
-        if tx < 128:  # the producer
-            if regs:
-                T.ptx["setmaxnreg.dec.sync.aligned.u32"](40)
-            if tx == 0:
-                for t in T.serial(my_tiles):
-                    for kt in T.serial(k_tiles):
-                        it = T.meta_var(t * k_tiles + kt)
-                        tile = T.meta_var(cta + t * ctas)
-                        # (a fresh barrier's phase of parity 1 counts as complete: the ring's first round)
-                        T.cuda.mbarrier_wait(empty.ptr_to([it % stages]), (it // stages) % 2 ^ 1)
-                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([it % stages]), T.uint32(stage_bytes))
-                        T.ptx[TMA_LOAD](A_s.ptr_to([it % stages, 0, 0]), T.address_of(A_map), kt * bk,
-                                        (tile // grid_n) * BM, full.ptr_to([it % stages]))
-                        if b_kn:
-                            for j in T.unroll(bn // 64):
-                                T.ptx[TMA_LOAD](B_s.ptr_to([it % stages, j, 0, 0]), T.address_of(B_map),
-                                                (tile % grid_n) * bn + j * 64, kt * bk, full.ptr_to([it % stages]))
-                        else:
-                            T.ptx[TMA_LOAD](B_s.ptr_to([it % stages, 0, 0]), T.address_of(B_map), kt * bk,
-                                            (tile % grid_n) * bn, full.ptr_to([it % stages]))
-        else:  # the two consumers
-            if regs:
-                T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), A_s.ptr_to([0, g * 64, 0]), 1, 64, 3)  # noqa: F821
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), B_s.ptr_to([0, *b_zero]), b_lbo, b_sbo, 3)  # noqa: F821
-            for t in T.serial(my_tiles):
-                tile = T.meta_var(cta + t * ctas)
-                for kt in T.serial(k_tiles):
-                    it = T.meta_var(t * k_tiles + kt)
-                    T.cuda.mbarrier_wait(full.ptr_to([it % stages]), (it // stages) % 2)
-                    for i in T.unroll(nacc):
-                        T.cuda.wgmma.noop_barrier(acc[i])
-                    T.ptx.wgmma.fence.sync.aligned()
-                    for kk in T.unroll(bk // kstep):
-                        d_a = desc_a + T.Cast("uint64", ((it % stages) * a_tile * ebytes + kk * step_bytes) // 16)  # noqa: F821
-                        d_b = desc_b + T.Cast("uint64", ((it % stages) * b_tile * ebytes + kk * b_step) // 16)  # noqa: F821
-                        T.ptx[mma](*[acc[i] for i in range(nacc)], d_a, d_b, kt * (bk // kstep) + kk > 0, 1, 1, *trans)
-                    T.ptx.wgmma.commit_group.sync.aligned()
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    for i in T.unroll(nacc):
-                        T.cuda.wgmma.noop_barrier(acc[i])
-                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([it % stages]), T.uint32(1))
-                for i in T.unroll(nacc // 4):
-                    for r in T.unroll(2):
-                        row = T.meta_var((tile // grid_n) * BM + g * 64 + (tx % 128) // 32 * 16 + (tx % 32) // 4 + r * 8)
-                        col = T.meta_var((tile % grid_n) * bn + i * 8 + (tx % 4) * 2)
-                        for c in T.unroll(2):
-                            x = T.meta_var(acc[i * 4 + r * 2 + c] + T.Cast("float32", bias[col + c]))
-                            if gelu:
-                                pair[c] = T.Cast(elem, T.float32(0.5) * x
-                                                 * (T.float32(1) + T.erf(x * T.float32(0.7071067811865476))))
-                            else:
-                                pair[c] = T.Cast(elem, x)
-                        if row < m:
-                            for c in T.vectorized(2):  # (a thread's two adjacent columns: one 4-byte store)
-                                C[row, col + c] = pair[c]
-    # fmt: on
-    return gemm.with_attr("global_symbol", "main")
+    if n % bn or k % 16:
+        raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x16 (N % {bn}, K % 16)")
+    a = te.placeholder((m, k), "float16", name="A")
+    b = te.placeholder((k, n) if b_kn else (n, k), "float16", name="B")
+    bias = te.placeholder((n,), "float16", name="bias")
+    r = te.reduce_axis((0, k), "r")
+    c = te.compute((m, n), lambda i, j: te.sum(
+        a[i, r].astype("float32") * (b[r, j] if b_kn else b[j, r]).astype("float32"), axis=r), name="C")
+    h = te.compute((m, n), lambda i, j: c[i, j] + bias[j].astype("float32"), name="H")
+    if epilogue == "gelu":
+        h = te.compute((m, n), lambda i, j: tirx.const(0.5, "float32") * h[i, j] * (
+            tirx.const(1, "float32") + te.erf(h[i, j] * tirx.const(0.7071067811865476, "float32"))), name="G")
+    out = te.compute((m, n), lambda i, j: h[i, j].astype("float16"), name="D")
+    plan = wgmma_gemm.plan(te.create_prim_func([a, b, bias, out]))
+    if plan is None:
+        raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M and K multiples of 16, N of 64)")
+    return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn).with_attr("global_symbol", "main")
 
 
 def build(func):
+    from deploy.passes import wgmma_gemm
     from deploy.tvm_compat import tvm
 
-    _fix_noop_barrier_codegen()
+    wgmma_gemm.fix_noop_barrier_codegen()
     return tvm.compile(tvm.IRModule({"main": func}), target=target(), tir_pipeline="tirx")
 
 

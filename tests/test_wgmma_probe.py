@@ -110,7 +110,7 @@ def test_the_persistent_kernel_specializes_warpgroups_and_stores_pairs(epilogue)
     kernel = src[src.index("main_kernel("):]
     assert "__launch_bounds__(384)" in src and "m64n128k16" in kernel
     assert "mbarrier_arrive_expect_tx" in kernel and "cp_async_bulk_tensor" in kernel  # (helpers' names)
-    assert "*(half2*)(C_ptr" in kernel and " C_ptr[" not in kernel
+    assert "*(half2*)(D_ptr" in kernel and " D_ptr[" not in kernel  # (D: the output)
     assert "setmaxnreg" not in kernel
     wide = probe.build(probe.make_gemm_ws(256, 256, 64, bn=256, stages=2)).mod.imports[0].inspect_source()
     assert "setmaxnreg.inc.sync.aligned.u32" in wide and "setmaxnreg.dec.sync.aligned.u32" in wide
