@@ -80,3 +80,46 @@ def test_attention_script_refuses_an_unknown_pass(tmp_path):
                        env={**os.environ, "OUT": str(tmp_path / "out")}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown pass 'fused'" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_wgmma_script_refuses_an_unknown_pass(tmp_path):
+    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "fast"], cwd=ROOT,
+                       env={**os.environ, "OUT": str(tmp_path / "out")}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown pass 'fast'" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_wgmma_bench_builds_both_packages_and_benches_the_flag_beside_torch(tmp_path):
+    """scripts/gpu_wgmma.sh bench with a python3 that records its arguments:
+    each model built without and with --wgmma-gemm (validated runs), the
+    flag's package benched beside torch.compile and eager, the other alone,
+    the logs and results tarred."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    (bin_dir / "python3").write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$*" in
+  *"deploy run"*) echo "bucket   32  0/13 kernels tuned  1.4 ms"; echo "validation PASSED";;
+  *"deploy bench"*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"
+                    echo "| tvm | 1.0 |" > "$out/results.md";;
+esac
+""")
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "WORK": str(tmp_path / "work"), "DB_ROOT": str(tmp_path / "db"), "WORKDIR": str(tmp_path / "ws")}
+    (tmp_path / "out").mkdir()
+    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "vit,bert"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    runs = [c for c in calls if c.startswith("-m deploy run")]
+    benches = [c for c in calls if c.startswith("-m deploy bench")]
+    assert len(runs) == 4 and len(benches) == 4
+    for c in runs + benches:
+        assert ("--wgmma-gemm" in c) == ("-on" in c.split("--workdir ")[1].split()[0])
+    assert all("--runners tvm,torch-compile,torch-eager-fp16" in c for c in benches if "--wgmma-gemm" in c)
+    assert all("--runners tvm " in c for c in benches if "--wgmma-gemm" not in c)
+    with tarfile.open(tmp_path / "out" / "wgmma-bench.tgz") as t:
+        names = t.getnames()
+    assert "bench/bert-on-bench/results.md" in names and "bench/vit-off-run.log" in names
