@@ -261,6 +261,9 @@ def run(
         manifest = {
             "model": model,
             "inputs": [_input_entry(i, exported.index_ranges) for i in exported.inputs],
+            # (each integer input that indexes a table has its "range": runtime.Predictor checks it; a package
+            # without this key predates the check)
+            "input_ranges": True,
             "outputs": [
                 {"name": n, "shape": o["shape"][1:], "dtype": o["dtype"]} for n, o in zip(exported.outputs, outputs_sig)
             ],

@@ -189,3 +189,27 @@ def test_a_fixed_batch_graph_with_a_small_table_is_still_made_batch_free(tmp_pat
     _export_tagger(path, batch_free=False)
     inputs = (config.InputSpec("ids", (6,), "int64"), config.InputSpec("types", (6,), "int64"))
     assert export.symbolic_batch(onnx.load(str(path)), inputs, 1) is not None
+
+
+def test_a_package_from_before_the_check_says_so_once_at_load(tagger, tmp_path, caplog):
+    """A package built before the ranges were recorded (no "input_ranges" in
+    its manifest) still loads and runs, with one warning that its ids are not
+    checked; this build's package has the key and loads without it."""
+    import logging
+    import shutil
+
+    assert json.loads((tagger[0] / "manifest.json").read_text())["input_ranges"] is True
+    old = tmp_path / "old"
+    shutil.copytree(tagger[0], old)
+    m = json.loads((old / "manifest.json").read_text())
+    del m["input_ranges"]
+    for i in m["inputs"]:
+        i.pop("range")
+    (old / "manifest.json").write_text(json.dumps(m))
+    with caplog.at_level(logging.WARNING, logger="deploy"):
+        deploy.load(tagger[0])
+        assert "predates the check" not in caplog.text
+        pred = deploy.load(old)
+    assert caplog.text.count("predates the check of integer inputs") == 1
+    x = np.zeros((2, 6), "int64")
+    assert pred({"ids": x, "types": x})["logits"].shape == (2, 6, 3)
