@@ -290,6 +290,7 @@ def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
         "cuda_graph": bool(profile.cuda_graph),
         "default_chain": default_chain(target.kind),
         **({"wgmma_gemm": True} if profile.wgmma_gemm else {}),  # (the GEMMs' kernels; absent: keys as before)
+        "input_ranges": True,  # (a copy built before packages recorded them is built again, not loaded with a warning)
     }
 
 

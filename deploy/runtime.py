@@ -231,7 +231,8 @@ class Predictor:
         self._row_specs: dict[tuple, list] = {}  # per lengths: row_specs()
         if warn_unvalidated and self.manifest.get("validation") is None:
             log.warning("package %s was not validated", self.folder)
-        if "input_ranges" not in self.manifest and any(i["dtype"].startswith(("int", "uint")) for i in self.inputs):
+        if "input_ranges" not in self.manifest and not any("range" in i for i in self.inputs) \
+                and any(i["dtype"].startswith(("int", "uint")) for i in self.inputs):
             log.warning("package %s predates the check of integer inputs against the tables they index: an id "
                         "past its table is read, not refused; build it again to have ids checked", self.folder)
 

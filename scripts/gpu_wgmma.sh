@@ -5,8 +5,9 @@
 #   bash scripts/gpu_wgmma.sh tests            the pass's and the GEMM probe's -m gpu tests ($OUT/pytest-gpu.log)
 #   bash scripts/gpu_wgmma.sh bench vit,bert   (BATCH=32) each model's package from the committed databases
 #        built without and with the flag at once (`deploy run --trials 0`, validated), then `deploy bench`
-#        of each (the flag's beside torch.compile and eager fp16; RUNNERS= to change), 50 iterations,
-#        3 rounds; logs and results in $OUT/wgmma-bench.tgz after each model
+#        of each that built and validated (the flag's beside torch.compile and eager fp16; RUNNERS= to
+#        change), 50 iterations, 3 rounds; logs and results in $OUT/wgmma-bench.tgz after each model;
+#        exit 1 where any test, build, validation or bench failed
 #   bash scripts/gpu_wgmma.sh both vit,bert    tests, then bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,23 +28,38 @@ fi
 B=$WORK/bench
 mkdir -p "$B"
 for m in ${models//,/ }; do
+  pids=()
   for v in off on; do  # (both packages built at once: each build is mostly single-threaded)
     flag=(); [ "$v" = on ] && flag=(--wgmma-gemm)
     (s=$(date +%s)
      python3 -m deploy run --model "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" --trials 0 \
-       --db-root "$DB_ROOT" --workdir "$WORK/ws-$m-$v" --alternatives none "${flag[@]}" 2>&1 \
+       --db-root "$DB_ROOT" --workdir "$WORK/ws-$m-$v" --alternatives none ${flag[@]+"${flag[@]}"} 2>&1 \
        | grep -v "Fast mode segfaults" > "$B/$m-$v-run.log"
-     echo "rc=${PIPESTATUS[0]} $(( $(date +%s) - s )) s" >> "$B/$m-$v-run.log") &
+     status=${PIPESTATUS[0]}
+     echo "rc=$status $(( $(date +%s) - s )) s" >> "$B/$m-$v-run.log"
+     exit "$status") &
+    pids+=($!)
   done
-  wait
+  built=()
+  for i in 0 1; do  # (a failed or unvalidated build is not benched: its workdir may hold an older package)
+    v=$([ "$i" = 0 ] && echo off || echo on)
+    if wait "${pids[$i]}" && ! grep -q "^validation FAILED" "$B/$m-$v-run.log"; then built+=("$v"); else rc=1; fi
+    grep -E "wgmma-gemm|^validation|^rc=" "$B/$m-$v-run.log" | sed "s/^/$m $v: /" | cut -c1-220
+  done
+  # (the builds' own latency lines are not printed: the two builds timed them side by side on one GPU)
   for v in on off; do
+    [[ " ${built[*]-} " == *" $v "* ]] || { echo "$m $v: not benched (its build failed)"; continue; }
     flag=(); [ "$v" = on ] && flag=(--wgmma-gemm)
     runners=tvm; [ "$v" = on ] && runners=${RUNNERS:-tvm,torch-compile,torch-eager-fp16}
-    grep -E "wgmma-gemm|^bucket|^validation|^rc=" "$B/$m-$v-run.log" | cut -c1-220
+    rm -rf "$B/$m-$v-bench"
     python3 -m deploy bench --model "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" \
       --workdir "$WORK/ws-$m-$v" --db-root "$DB_ROOT" --compile-mode default --out "$B/$m-$v-bench" \
-      --runners "$runners" --iters 50 --rounds 3 "${flag[@]}" > "$B/$m-$v-bench.log" 2>&1 || rc=1
-    grep -E "^\| (tvm|torch)" "$B/$m-$v-bench/results.md" 2>/dev/null || tail -n 3 "$B/$m-$v-bench.log"
+      --runners "$runners" --iters 50 --rounds 3 ${flag[@]+"${flag[@]}"} > "$B/$m-$v-bench.log" 2>&1 || rc=1
+    if [ -f "$B/$m-$v-bench/results.md" ]; then
+      grep -E "^\| (tvm|torch)" "$B/$m-$v-bench/results.md" | sed "s/^/$m $v: /"
+    else
+      tail -n 3 "$B/$m-$v-bench.log"
+    fi
   done
   tar czf "$OUT/wgmma-bench.tgz" -C "$WORK" bench
 done

@@ -91,15 +91,17 @@ def test_wgmma_script_refuses_an_unknown_pass(tmp_path):
 
 def test_wgmma_bench_builds_both_packages_and_benches_the_flag_beside_torch(tmp_path):
     """scripts/gpu_wgmma.sh bench with a python3 that records its arguments:
-    each model built without and with --wgmma-gemm (validated runs), the
-    flag's package benched beside torch.compile and eager, the other alone,
-    the logs and results tarred."""
+    each model built without and with --wgmma-gemm (untuned, validated
+    runs), the flag's package benched beside torch.compile and eager, the
+    other alone, the logs and results tarred; a build that fails (BERT's
+    with the flag) is not benched, and the script exits 1."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
     (bin_dir / "python3").write_text(f"""#!/bin/sh
 echo "$*" >> {log}
 case "$*" in
+  *"deploy run"*"ws-bert-on"*) echo "build failed"; exit 1;;
   *"deploy run"*) echo "bucket   32  0/13 kernels tuned  1.4 ms"; echo "validation PASSED";;
   *"deploy bench"*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"
                     echo "| tvm | 1.0 |" > "$out/results.md";;
@@ -111,15 +113,21 @@ esac
     (tmp_path / "out").mkdir()
     r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "vit,bert"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # (BERT's build with the flag failed)
+    assert "bert on: not benched" in r.stdout and "bert on: rc=1" in r.stdout
     calls = log.read_text().splitlines()
     runs = [c for c in calls if c.startswith("-m deploy run")]
     benches = [c for c in calls if c.startswith("-m deploy bench")]
-    assert len(runs) == 4 and len(benches) == 4
+    assert len(runs) == 4 and len(benches) == 3
+    assert all("--trials 0" in c and "--alternatives none" in c for c in runs)
+    assert all("--iters 50 --rounds 3" in c and "--compile-mode default" in c for c in benches)
     for c in runs + benches:
-        assert ("--wgmma-gemm" in c) == ("-on" in c.split("--workdir ")[1].split()[0])
+        assert ("--wgmma-gemm" in c) == c.split("--workdir ")[1].split()[0].endswith("-on")
+    assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in benches] == \
+        ["ws-vit-on", "ws-vit-off", "ws-bert-off"]
     assert all("--runners tvm,torch-compile,torch-eager-fp16" in c for c in benches if "--wgmma-gemm" in c)
     assert all("--runners tvm " in c for c in benches if "--wgmma-gemm" not in c)
     with tarfile.open(tmp_path / "out" / "wgmma-bench.tgz") as t:
         names = t.getnames()
-    assert "bench/bert-on-bench/results.md" in names and "bench/vit-off-run.log" in names
+    assert "bench/vit-on-bench/results.md" in names and "bench/bert-on-run.log" in names
+    assert "bench/bert-on-bench/results.md" not in names

@@ -286,13 +286,15 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
 
 def replacement(func, sms: int | None = None):
     """`kernel(plan(func))` (`sms`: by default SMS), or None where the plan
-    declines or anything in it or the parsing raises (a function of a shape
-    the plan did not foresee: the chain keeps it)."""
+    declines, or raises on a function of a shape it did not foresee (the
+    chain keeps the function). Where the kernel is not made from a plan
+    (the template does not parse), that error is raised, for the build's
+    fallbacks to name."""
     try:
         p = plan(func)
-        return None if p is None else kernel(p, sms=sms or SMS)
     except Exception:  # noqa: BLE001 - see the docstring
         return None
+    return None if p is None else kernel(p, sms=sms or SMS)
 
 
 def is_ours(func) -> bool:

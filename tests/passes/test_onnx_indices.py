@@ -192,24 +192,28 @@ def test_a_fixed_batch_graph_with_a_small_table_is_still_made_batch_free(tmp_pat
 
 
 def test_a_package_from_before_the_check_says_so_once_at_load(tagger, tmp_path, caplog):
-    """A package built before the ranges were recorded (no "input_ranges" in
-    its manifest) still loads and runs, with one warning that its ids are not
-    checked; this build's package has the key and loads without it."""
+    """A package built before any range was recorded (no "input_ranges" in
+    its manifest, no input with a "range") still loads and runs, with one
+    warning that its ids are not checked; this build's package, and one
+    from between (ranges, no key), load without it."""
     import logging
     import shutil
 
     assert json.loads((tagger[0] / "manifest.json").read_text())["input_ranges"] is True
-    old = tmp_path / "old"
-    shutil.copytree(tagger[0], old)
-    m = json.loads((old / "manifest.json").read_text())
-    del m["input_ranges"]
-    for i in m["inputs"]:
-        i.pop("range")
-    (old / "manifest.json").write_text(json.dumps(m))
+    between, old = tmp_path / "between", tmp_path / "old"
+    for folder, strip_ranges in ((between, False), (old, True)):
+        shutil.copytree(tagger[0], folder)
+        m = json.loads((folder / "manifest.json").read_text())
+        del m["input_ranges"]
+        for i in m["inputs"]:
+            if strip_ranges:
+                i.pop("range")
+        (folder / "manifest.json").write_text(json.dumps(m))
     with caplog.at_level(logging.WARNING, logger="deploy"):
         deploy.load(tagger[0])
+        deploy.load(between)
         assert "predates the check" not in caplog.text
         pred = deploy.load(old)
-    assert caplog.text.count("predates the check of integer inputs") == 1
-    x = np.zeros((2, 6), "int64")
-    assert pred({"ids": x, "types": x})["logits"].shape == (2, 6, 3)
+        x = np.zeros((2, 6), "int64")
+        assert pred({"ids": x, "types": x})["logits"].shape == (2, 6, 3)
+    assert caplog.text.count("predates the check of integer inputs") == 1  # (at load, not at each call)

@@ -235,6 +235,24 @@ def test_off_it_changes_nothing_and_elsewhere_it_is_not_offered():
     assert wgmma_gemm.RULE not in schedule.summarize(kernels)["sources"]
 
 
+def test_a_kernel_not_made_falls_back_with_its_reason(monkeypatch):
+    """Where the kernel is not made from a plan (say, a TVMScript change
+    breaks the template), the chain takes the GEMM and the build's fallbacks
+    say why."""
+    from deploy.passes import schedule
+
+    def broken(*args, **kwargs):
+        raise ValueError("the template does not parse")
+
+    monkeypatch.setattr(wgmma_gemm, "kernel", broken)
+    _, kernels = _build(_module(), "cuda:sm_90")
+    report = schedule.summarize(kernels)
+    assert wgmma_gemm.RULE not in report["sources"]
+    assert len(report["fallbacks"]) == 2
+    assert all(f["from"] == [wgmma_gemm.RULE] and "the template does not parse" in f["reasons"][0]
+               for f in report["fallbacks"])
+
+
 def test_a_module_with_the_kernels_compiles_for_sm90a():
     from deploy import targets
     from deploy.tvm_compat import tvm
