@@ -62,20 +62,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import probe_common  # noqa: E402 - scripts/probe_common.py, beside this file
 
-TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-BM = 128  # rows a CTA computes (two m64 wgmmas)
-SHARED_MEMORY = 232448 - 1024  # sm_90's opt-in dynamic shared memory a block, less the barriers' and alignment's
+from deploy.passes import wgmma_gemm  # noqa: E402 - after the path (no TVM import at this point)
+
+# (the pass's: its TMA load, a CTA's rows (two m64 wgmmas), the shared memory a block may take, its target)
+TMA_LOAD, BM, SHARED_MEMORY, target = wgmma_gemm.TMA_LOAD, wgmma_gemm.BM, wgmma_gemm.SHARED_MEMORY, wgmma_gemm.target
 SWIZZLE_BYTES = 128  # a stage's K extent in bytes: the TMA swizzle's width (64 fp16 or 32 fp32 columns)
 EPILOGUES = ("bias", "gelu")
 KERNELS = {"single": "wgmma", "persistent": "wgmma-ws"}  # --kernels: the name its rows carry
 # dtype: (element type in memory, bytes, wgmma's K per instruction, its input type, its transpose immediates)
 DTYPES = {"fp16": ("float16", 2, 16, "f16", (0, 0)), "tf32": ("float32", 4, 8, "tf32", ())}
-
-
-def target():
-    from deploy.tvm_compat import tvm
-
-    return tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 
 
 def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: str = "bias",
@@ -211,8 +206,6 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     GELU of it in fp32), and carried into the kernel by the pass."""
     from tvm import te, tirx
 
-    from deploy.passes import wgmma_gemm
-
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
     if n % bn or k % 16:
@@ -235,7 +228,6 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
 
 
 def build(func):
-    from deploy.passes import wgmma_gemm
     from deploy.tvm_compat import tvm
 
     wgmma_gemm.fix_noop_barrier_codegen()

@@ -49,12 +49,15 @@ from __future__ import annotations
 import re
 import string
 
+from .mma_gemm import OPT_IN_SHARED_MEMORY
+
 MARK = "deploy.tirx"  # PrimFunc attribute: lowered by TVM's TIRx pipeline (passes/tensor_core_smem.py)
 RULE = "wgmma-gemm"  # the schedule source's name (passes/schedule.py)
 ARCHS = ("sm_90", "sm_90a")  # wgmma and TMA: Hopper only
 BM, BK = 128, 64  # a tile's rows (two consumer warpgroups of 64), a stage's K (128 bytes of fp16)
 STAGES = 4
-SHARED_MEMORY = 232448 - 1024  # sm_90's opt-in dynamic shared memory a block, less the barriers' and alignment's
+SHARED_MEMORY = OPT_IN_SHARED_MEMORY["sm_90"] - 1024  # a block's dynamic shared memory, less the barriers' and alignment's
+TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 SMS = 132  # persistent CTAs: the H100's and H200's SMs (more CTAs than SMs is correct, and slower)
 
 _TEMPLATE = string.Template('''
@@ -271,7 +274,7 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
         "wg_b_lbo": b_lbo, "wg_b_sbo": 64, "wg_b_step": b_step, "wg_b_trans": b_trans, "wg_b_origin": b_origin,
         "wg_regs": bn > 128, "wg_m": p.m,
         "wg_mma": f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16",
-        "wg_tma": "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
+        "wg_tma": TMA_LOAD,
     }
     params = ", ".join(f'{name}: T.Buffer({tuple(shape)}, "{dtype}")' for name, shape, dtype in p.params)
     out_dtype = next(dtype for name, _, dtype in p.params if name == p.out)
@@ -279,9 +282,8 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
     from tvm.script import tirx as T
 
     func = tvm.script.from_source(text, extra_vars={"T": T, **consts})
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     func = func.without_attr("global_symbol")  # (private, as the function it replaces)
-    return func.with_attr("target", target).with_attr(MARK, True).with_attr("tirx.is_scheduled", True)
+    return func.with_attr("target", target()).with_attr(MARK, True).with_attr("tirx.is_scheduled", True)
 
 
 def replacement(func, sms: int | None = None):
@@ -295,6 +297,13 @@ def replacement(func, sms: int | None = None):
     except Exception:  # noqa: BLE001 - see the docstring
         return None
     return None if p is None else kernel(p, sms=sms or SMS)
+
+
+def target():
+    """The kernels' own target: sm_90a, which `wgmma` needs."""
+    from ..tvm_compat import tvm
+
+    return tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 
 
 def is_ours(func) -> bool:
