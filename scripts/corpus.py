@@ -245,14 +245,11 @@ def main(argv=None) -> int:
         print(f"error: --implicit-gemm needs the NHWC layout | got {args.layout or 'the CPU default, NCHWc'} "
               "| expected --layout NHWC (the default on cuda)", file=sys.stderr)
         return 2
-    if args.fused_attention and target.kind != "cuda":
-        print("error: --fused-attention is a CUDA option | got --target " + args.target + " | expected a cuda target",
-              file=sys.stderr)
-        return 2
-    if args.wgmma_gemm and target.kind != "cuda":
-        print("error: --wgmma-gemm is a CUDA option | got --target " + args.target + " | expected a cuda target",
-              file=sys.stderr)
-        return 2
+    for flag, given in (("--fused-attention", args.fused_attention), ("--wgmma-gemm", args.wgmma_gemm)):
+        if given and target.kind != "cuda":
+            print(f"error: {flag} is a CUDA option | got --target {args.target} | expected a cuda target",
+                  file=sys.stderr)
+            return 2
     names = [n.strip() for n in args.models.split(",") if n.strip()] or models.names()
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()] or \
         (["fp16"] if target.kind == "cuda" else ["fp32"])
