@@ -138,14 +138,22 @@ class Profile:
     # fp16 GEMM kernels (those passes.mma_gemm takes, with their epilogues) as
     # our Hopper kernel written in TIRx (passes.wgmma_gemm: wgmma fed by TMA,
     # warp-specialized, persistent), tried before the schedule chain and the
-    # tuning records on sm_90; elsewhere the chain as before.
-    wgmma_gemm: bool = False
+    # tuning records on sm_90, and not tuned; elsewhere the chain as before.
+    # None (the CUDA default): on in fp16 (`uses_wgmma_gemm`); true with
+    # another precision is refused.
+    wgmma_gemm: bool | None = False
 
     @property
     def fuses_attention(self) -> bool:
         """Whether the optimize stage fuses attention (fused_attention, or
         by default: in fp16)."""
         return self.precision == "fp16" if self.fused_attention is None else self.fused_attention
+
+    @property
+    def uses_wgmma_gemm(self) -> bool:
+        """Whether GEMMs passes.wgmma_gemm takes get its kernel on sm_90
+        (wgmma_gemm, or by default: in fp16)."""
+        return self.precision == "fp16" if self.wgmma_gemm is None else self.wgmma_gemm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +216,7 @@ CUDA_DEFAULTS = Profile(
     runner_timeout_s=60.0,
     pad_gemm=True,
     fused_attention=None,
+    wgmma_gemm=None,
 )
 
 

@@ -283,13 +283,15 @@ def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
     sha256), the target, the build's own options and its chain of default
     schedules (a new or changed rule gives kernels other defaults)."""
     from .passes.schedule import default_chain
+    from .passes.wgmma_gemm import ARCHS
 
     return {
         "modules": {str(b): opt.manifest["files"][opt.manifest["buckets"][str(b)]] for b in buckets},
         "target": target.key(),
         "cuda_graph": bool(profile.cuda_graph),
         "default_chain": default_chain(target.kind),
-        **({"wgmma_gemm": True} if profile.wgmma_gemm else {}),  # (the GEMMs' kernels; absent: keys as before)
+        # (the GEMMs' kernels, where the pass can take them; absent: keys as before)
+        **({"wgmma_gemm": True} if profile.uses_wgmma_gemm and target.kind == "cuda" and target.arch in ARCHS else {}),
         "input_ranges": True,  # (a copy built before packages recorded them is built again, not loaded with a warning)
     }
 

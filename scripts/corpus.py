@@ -226,8 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="re-run models already in corpus.json")
     ap.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
                     help="the profile's fused_attention (passes/attention.py; CUDA only, on by default for fp16)")
-    ap.add_argument("--wgmma-gemm", action="store_true",
-                    help="the profile's wgmma_gemm (passes/wgmma_gemm.py; CUDA fp16, taken on sm_90)")
+    ap.add_argument("--wgmma-gemm", action=argparse.BooleanOptionalAction, default=None,
+                    help="the profile's wgmma_gemm (passes/wgmma_gemm.py; CUDA only, on by default for fp16, "
+                         "taken on sm_90)")
     ap.add_argument("--work", default="", help="keep each model's workdir here (timing resumes from it)")
     ap.add_argument("--jobs", type=int, default=1, help="models built in parallel (timing is always one at a time)")
     args = ap.parse_args(argv)
@@ -277,7 +278,7 @@ def main(argv=None) -> int:
     extra = {**({"layout": args.layout} if args.layout else {}), **({"flat_gemm": True} if args.flat_gemm else {}),
              **({"implicit_gemm": True} if args.implicit_gemm else {}),
              **({"fused_attention": args.fused_attention} if args.fused_attention is not None else {}),
-             **({"wgmma_gemm": True} if args.wgmma_gemm else {})}
+             **({"wgmma_gemm": args.wgmma_gemm} if args.wgmma_gemm is not None else {})}
     jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, extra)
             for n in names for p in precisions if args.force or (n, p) not in results]
     try:

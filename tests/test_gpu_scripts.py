@@ -91,7 +91,7 @@ def test_wgmma_script_refuses_an_unknown_pass(tmp_path):
 
 def test_wgmma_bench_builds_both_packages_and_benches_the_flag_beside_torch(tmp_path):
     """scripts/gpu_wgmma.sh bench with a python3 that records its arguments:
-    each model built without and with --wgmma-gemm (untuned, validated
+    each model built with --no-wgmma-gemm and --wgmma-gemm (untuned, validated
     runs), the flag's package benched beside torch.compile and eager, the
     other alone, the logs and results tarred; a build that fails (BERT's
     with the flag) is not benched, and the script exits 1."""
@@ -121,8 +121,9 @@ esac
     assert len(runs) == 4 and len(benches) == 3
     assert all("--trials 0" in c and "--alternatives none" in c for c in runs)
     assert all("--iters 50 --rounds 3" in c and "--compile-mode default" in c for c in benches)
-    for c in runs + benches:
-        assert ("--wgmma-gemm" in c) == c.split("--workdir ")[1].split()[0].endswith("-on")
+    for c in runs + benches:  # (off: --no-wgmma-gemm, since the kernel is CUDA fp16's default)
+        on = c.split("--workdir ")[1].split()[0].endswith("-on")
+        assert ("--wgmma-gemm" in c) == on and ("--no-wgmma-gemm" in c) == (not on)
     assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in benches] == \
         ["ws-vit-on", "ws-vit-off", "ws-bert-off"]
     assert all("--runners tvm,torch-compile,torch-eager-fp16" in c for c in benches if "--wgmma-gemm" in c)

@@ -1,4 +1,4 @@
-"""Hopper's `wgmma` for a model's fp16 GEMMs (`--wgmma-gemm`; CUDA, sm_90).
+"""Hopper's `wgmma` for a model's fp16 GEMMs (CUDA sm_90; on by default in fp16, `--no-wgmma-gemm`).
 
 Our `mma.sync` schedule (passes/mma_gemm.py) is L2-bound at 26-63% of
 cuBLAS's speed on a transformer's GEMMs; Hopper's own instructions (`wgmma`,

@@ -149,13 +149,34 @@ def extract_tasks(mod, target):
     fused attention kernels (passes/attention.py: one schedule of ours, no
     decisions to tune) and pure reshapes: the build turns a reshape into a view of its input
     (RewriteDataflowReshape), so its kernel never runs (a reshape left alone
-    after a reduction, say; flat_gemm's have gone at the optimize stage)."""
+    after a reduction, say; flat_gemm's have gone at the optimize stage).
+    (The GEMMs our wgmma kernel takes are left out by tune.py: `wgmma_tasks`.)"""
     from ..passes.attention import is_attention
     from ..tvm_compat import ms
 
     tasks = ms.relax_integration.extract_tasks(mod, target)
     return [t for t in tasks if (not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False))
             and not _is_reshape(t.dispatched[0]["main"]) and not is_attention(t.dispatched[0]["main"])]
+
+
+def wgmma_tasks(tasks, target) -> list[str]:
+    """The names of the tasks whose kernel passes/wgmma_gemm.py plans on
+    `target` (a TVM target; none but on sm_90): the build gives them that
+    kernel before any tuning record, so tune.py does not tune them. A plan
+    that raises keeps its task: the build keeps that kernel's chain too
+    (wgmma_gemm.replacement)."""
+    from ..passes import wgmma_gemm
+
+    if not wgmma_gemm.available(target):
+        return []
+    taken = []
+    for t in tasks:
+        try:
+            if wgmma_gemm.plan(t.dispatched[0]["main"]) is not None:
+                taken.append(t.task_name)
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+    return taken
 
 
 def _is_reshape(func) -> bool:

@@ -85,6 +85,11 @@ def tune_bucket(
     `store_root` seeds each task that another model tuned."""
     tvm_target = target.tvm_target()
     all_tasks = task_loop.extract_tasks(mod, tvm_target)
+    wgmma = task_loop.wgmma_tasks(all_tasks, tvm_target) if profile.uses_wgmma_gemm else []
+    if wgmma:  # (the build gives them our wgmma kernel before any record: tuning them would be time lost)
+        log.info("tune: %s: %d GEMM kernel(s) take the wgmma kernel (passes/wgmma_gemm.py), not tuned: %s",
+                 db_dir.name, len(wgmma), ", ".join(wgmma))
+        all_tasks = [t for t in all_tasks if t.task_name not in set(wgmma)]
     if dbs.has_records(db_dir):
         dbs.check_key(db_dir, key)
         dbs.pack(db_dir)  # what a killed run left (working copy, journal, lanes) counts towards the plan
@@ -111,6 +116,7 @@ def tune_bucket(
     summary = {
         "database": str(db_dir),
         "tasks_total": len(all_tasks),
+        **({"tasks_wgmma": len(wgmma)} if wgmma else {}),
         "tasks_selected": len(plan),
         "tasks": {},
         "trials_before": sum(p["done"] for p in plan),

@@ -319,3 +319,43 @@ def test_gpu_the_kernels_compute_what_numpy_computes(monkeypatch):
          * np.float16(0.5)).astype("float16")
     want = 2.0 * (res + ((h.astype("float32") @ w2.astype("float32")).astype("float16") + b2).astype("float32"))
     assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 2e-3
+
+
+def test_by_default_on_in_fp16_on_cuda_only():
+    """CUDA's profile takes the kernel by default in fp16 (on sm_90, where
+    the pass offers it); not in fp32 or TF32, not on the CPU, and not where
+    the user turns it off."""
+    from deploy import config
+
+    def uses(**cuda):
+        return config.from_dict({"model": {"source": "vit"}, "cuda": cuda}).profile("cuda").uses_wgmma_gemm
+
+    assert uses(precision="fp16") and not uses(precision="fp16", wgmma_gemm=False)
+    assert not uses(precision="fp32") and not uses(precision="tf32", layout="NHWC")
+    assert not config.from_dict({"model": {"source": "vit"}}).profile("llvm").uses_wgmma_gemm
+
+
+def test_tuning_leaves_out_the_gemms_the_kernel_takes(tmp_path):
+    """The GEMMs the build gives our kernel before any tuning record are not
+    tuned (their records would go unused): the tuner's tasks of the module
+    above on sm_90 are the element-wise kernel's alone, with the flag on;
+    all three with it off, or on sm_80."""
+    from deploy import config, targets
+    from deploy.tuning import tasks as tune_tasks
+    from deploy.tuning import tune
+
+    sm90, sm80 = (targets.resolve(t) for t in ("cuda:sm_90", "cuda:sm_80"))
+    found = tune_tasks.extract_tasks(_module(), sm90.tvm_target())
+    assert sorted(tune_tasks.wgmma_tasks(found, sm90.tvm_target())) == ["gemm_gelu", "gemm_residual"]
+    assert tune_tasks.wgmma_tasks(found, sm80.tvm_target()) == []
+
+    def tuned(target, **cuda):
+        profile = config.from_dict({"model": {"source": "vit"},
+                                    "cuda": {"precision": "fp16", "trials": 0, **cuda}}).profile("cuda")
+        summary = tune.tune_bucket(_module(), tmp_path / f"db-{target.arch}-{len(cuda)}", {"k": 1}, target, profile,
+                                   deadline=None, work=tmp_path)
+        return summary["tasks_total"], summary.get("tasks_wgmma", 0)
+
+    assert tuned(sm90) == (1, 2)
+    assert tuned(sm90, wgmma_gemm=False) == (3, 0)
+    assert tuned(sm80) == (3, 0)
