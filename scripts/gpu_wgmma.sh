@@ -7,7 +7,9 @@
 #        built without (--no-wgmma-gemm) and with the flag (on by default in fp16) at once (`deploy run
 #        --trials 0`, validated), then `deploy bench` of each that built and validated (the flag's
 #        beside torch.compile and eager fp16; RUNNERS= to change), 50 iterations, 3 rounds; logs and
-#        results in $OUT/wgmma-bench.tgz after each model; exit 1 where any test, build, validation or bench failed
+#        results in $OUT/wgmma-bench.tgz after each model; exit 1 where any test, build, validation or bench failed;
+#        EXTRA= more flags for both builds and benches (e.g. EXTRA="--implicit-gemm --flat-gemm": convolutions
+#        as GEMMs, which the kernel then takes too)
 #   bash scripts/gpu_wgmma.sh both vit,bert    tests, then bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +32,7 @@ mkdir -p "$B"
 for m in ${models//,/ }; do
   pids=()
   for v in off on; do  # (both packages built at once: each build is mostly single-threaded)
-    flag=(--no-wgmma-gemm); [ "$v" = on ] && flag=(--wgmma-gemm)
+    flag=(--no-wgmma-gemm ${EXTRA-}); [ "$v" = on ] && flag=(--wgmma-gemm ${EXTRA-})
     (s=$(date +%s)
      python3 -m deploy run --model "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" --trials 0 \
        --db-root "$DB_ROOT" --workdir "$WORK/ws-$m-$v" --alternatives none ${flag[@]+"${flag[@]}"} 2>&1 \
@@ -49,7 +51,7 @@ for m in ${models//,/ }; do
   # (the builds' own latency lines are not printed: the two builds timed them side by side on one GPU)
   for v in on off; do
     [[ " ${built[*]-} " == *" $v "* ]] || { echo "$m $v: not benched (its build failed)"; continue; }
-    flag=(--no-wgmma-gemm); [ "$v" = on ] && flag=(--wgmma-gemm)
+    flag=(--no-wgmma-gemm ${EXTRA-}); [ "$v" = on ] && flag=(--wgmma-gemm ${EXTRA-})
     runners=tvm; [ "$v" = on ] && runners=${RUNNERS:-tvm,torch-compile,torch-eager-fp16}
     rm -rf "$B/$m-$v-bench"
     python3 -m deploy bench --model "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" \

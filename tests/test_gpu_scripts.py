@@ -111,8 +111,8 @@ esac
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "WORK": str(tmp_path / "work"), "DB_ROOT": str(tmp_path / "db"), "WORKDIR": str(tmp_path / "ws")}
     (tmp_path / "out").mkdir()
-    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "vit,bert"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "vit,bert"], cwd=ROOT,
+                       env={**env, "EXTRA": "--implicit-gemm --flat-gemm"}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stderr  # (BERT's build with the flag failed)
     assert "bert on: not benched" in r.stdout and "bert on: rc=1" in r.stdout
     calls = log.read_text().splitlines()
@@ -120,6 +120,7 @@ esac
     benches = [c for c in calls if c.startswith("-m deploy bench")]
     assert len(runs) == 4 and len(benches) == 3
     assert all("--trials 0" in c and "--alternatives none" in c for c in runs)
+    assert all(c.endswith("--implicit-gemm --flat-gemm") for c in runs + benches)  # (EXTRA, both ways)
     assert all("--iters 50 --rounds 3" in c and "--compile-mode default" in c for c in benches)
     for c in runs + benches:  # (off: --no-wgmma-gemm, since the kernel is CUDA fp16's default)
         on = c.split("--workdir ")[1].split()[0].endswith("-on")
