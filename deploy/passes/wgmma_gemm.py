@@ -16,6 +16,13 @@ results/h100/2026-12-05/wgmma-ws-probe/), carrying the kernel's epilogue:
   boxes, an MN-major descriptor, wgmma's B transposed) or [N, K];
 - A's rows past the GEMM's (pad_gemm's padding) read as zeros by TMA and
   never written, so the kernel reads A where it lies;
+- or A gathered, an implicit GEMM's im2col (--implicit-gemm; a strided 1x1
+  convolution with --flat-gemm): the whole producer warpgroup copies each
+  row's 16-byte chunks by `cp.async` into TMA's swizzled layout, zero-filled
+  in the padding, the gather's own index and condition rewritten onto the
+  thread's row and K as the epilogue is (`_gather` checks, by evaluating
+  them, that each chunk is 8 neighbouring channels). Built and compiled on
+  the CPU machine; its GPU tests (`-m gpu`) not yet run;
 - the epilogue: the kernel's element-wise blocks after the GEMM (cast, bias,
   GELU, a residual), inlined into one expression by TVM's own
   `compute_inline`, applied to each thread's accumulators, two adjacent
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import re
 import string
+import textwrap
 
 from .mma_gemm import OPT_IN_SHARED_MEMORY
 
@@ -64,8 +72,7 @@ _TEMPLATE = string.Template('''
 @T.prim_func
 def main($params):
     T.func_attr({"tirx.noalias": True})
-    wg_a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-    T.call_packed("runtime.cuTensorMapEncodeTiled", wg_a_map, "float16", 2, $a.data, *wg_a_args)
+$a_map
     wg_b_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
     T.call_packed("runtime.cuTensorMapEncodeTiled", wg_b_map, "float16", 2, $b.data, *wg_b_args)
 
@@ -89,31 +96,14 @@ def main($params):
 
     if wg_tx == 0:
         for s in T.unroll(wg_stages):
-            T.ptx.mbarrier.init.shared.b64(wg_full.ptr_to([s]), T.uint32(1))
+            T.ptx.mbarrier.init.shared.b64(wg_full.ptr_to([s]), T.uint32(wg_full_count))
             T.ptx.mbarrier.init.shared.b64(wg_empty.ptr_to([s]), T.uint32(256))
     T.ptx.fence.proxy.async_.shared__cta()
     T.cuda.cta_sync()
     if wg_tx < 128:
         if wg_regs:
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](40)
-        if wg_tx == 0:
-            for t in T.serial(wg_my_tiles):
-                for kt in T.serial(wg_k_tiles):
-                    wg_it = T.meta_var(t * wg_k_tiles + kt)
-                    wg_tile = T.meta_var(wg_cta + t * wg_ctas)
-                    T.cuda.mbarrier_wait(wg_empty.ptr_to([wg_it % wg_stages]), (wg_it // wg_stages) % 2 ^ 1)
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(wg_full.ptr_to([wg_it % wg_stages]),
-                                                               T.uint32(wg_stage_bytes))
-                    T.ptx[wg_tma](wg_as.ptr_to([wg_it % wg_stages, 0, 0]), T.address_of(wg_a_map), kt * wg_bk,
-                                  (wg_tile // wg_grid_n) * wg_bm, wg_full.ptr_to([wg_it % wg_stages]))
-                    if wg_b_kn:
-                        for j in T.unroll(wg_bn // 64):
-                            T.ptx[wg_tma](wg_bs.ptr_to([wg_it % wg_stages, j, 0, 0]), T.address_of(wg_b_map),
-                                          (wg_tile % wg_grid_n) * wg_bn + j * 64, kt * wg_bk,
-                                          wg_full.ptr_to([wg_it % wg_stages]))
-                    else:
-                        T.ptx[wg_tma](wg_bs.ptr_to([wg_it % wg_stages, 0, 0]), T.address_of(wg_b_map), kt * wg_bk,
-                                      (wg_tile % wg_grid_n) * wg_bn, wg_full.ptr_to([wg_it % wg_stages]))
+$producer
     else:
         if wg_regs:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
@@ -125,7 +115,7 @@ def main($params):
             for kt in T.serial(wg_k_tiles):
                 wg_it = T.meta_var(t * wg_k_tiles + kt)
                 T.cuda.mbarrier_wait(wg_full.ptr_to([wg_it % wg_stages]), (wg_it // wg_stages) % 2)
-                for i in T.unroll(wg_nacc):
+$fence                for i in T.unroll(wg_nacc):
                     T.cuda.wgmma.noop_barrier(wg_acc[i])
                 T.ptx.wgmma.fence.sync.aligned()
                 for kk in T.unroll(wg_bk // 16):
@@ -152,16 +142,70 @@ def main($params):
                             $out[wg_row, wg_col + c] = wg_pair[c]
 ''')
 
+# A by TMA: one tensor map over the 2-D parameter (or its rows padded: TMA fills past the end with zeros)
+_A_MAP = '''    wg_a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+    T.call_packed("runtime.cuTensorMapEncodeTiled", wg_a_map, "float16", 2, $a.data, *wg_a_args)'''
+
+# B by TMA: [K, N] in 64-column boxes (an MN-major layout), or [N, K] in one box
+_B_LOAD = '''if wg_b_kn:
+    for j in T.unroll(wg_bn // 64):
+        T.ptx[wg_tma](wg_bs.ptr_to([wg_it % wg_stages, j, 0, 0]), T.address_of(wg_b_map),
+                      (wg_tile % wg_grid_n) * wg_bn + j * 64, kt * wg_bk, wg_full.ptr_to([wg_it % wg_stages]))
+else:
+    T.ptx[wg_tma](wg_bs.ptr_to([wg_it % wg_stages, 0, 0]), T.address_of(wg_b_map), kt * wg_bk,
+                  (wg_tile % wg_grid_n) * wg_bn, wg_full.ptr_to([wg_it % wg_stages]))'''
+
+# The producer warpgroup's first thread loads A and B by TMA
+_PRODUCER_TMA = '''if wg_tx == 0:
+    for t in T.serial(wg_my_tiles):
+        for kt in T.serial(wg_k_tiles):
+            wg_it = T.meta_var(t * wg_k_tiles + kt)
+            wg_tile = T.meta_var(wg_cta + t * wg_ctas)
+            T.cuda.mbarrier_wait(wg_empty.ptr_to([wg_it % wg_stages]), (wg_it // wg_stages) % 2 ^ 1)
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(wg_full.ptr_to([wg_it % wg_stages]), T.uint32(wg_stage_bytes))
+            T.ptx[wg_tma](wg_as.ptr_to([wg_it % wg_stages, 0, 0]), T.address_of(wg_a_map), kt * wg_bk,
+                          (wg_tile // wg_grid_n) * wg_bm, wg_full.ptr_to([wg_it % wg_stages]))
+''' + textwrap.indent(_B_LOAD, " " * 12)
+
+# A gathered (an implicit GEMM's im2col): each producer thread copies its row's eight 16-byte chunks of
+# the stage by cp.async (zero-filled where the gather reads padding, rows past M or K past its end) to
+# where TMA's 128-byte swizzle puts them (chunk j of row r at j ^ r % 8), then arrives on the stage's
+# `full` barrier when they land (.noinc: the barrier counts those 128 arrivals); the first thread loads
+# B by TMA as above.
+_PRODUCER_GATHER = '''for t in T.serial(wg_my_tiles):
+    for kt in T.serial(wg_k_tiles):
+        wg_it = T.meta_var(t * wg_k_tiles + kt)
+        wg_tile = T.meta_var(wg_cta + t * wg_ctas)
+        T.cuda.mbarrier_wait(wg_empty.ptr_to([wg_it % wg_stages]), (wg_it // wg_stages) % 2 ^ 1)
+        if wg_tx == 0:
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(wg_full.ptr_to([wg_it % wg_stages]), T.uint32(wg_b_bytes))
+''' + textwrap.indent(_B_LOAD, " " * 12) + '''
+        wg_arow = T.meta_var((wg_tile // wg_grid_n) * wg_bm + wg_tx)
+        for j in T.unroll(wg_bk // 8):
+            wg_ak = T.meta_var(kt * wg_bk + j * 8)
+            wg_ok = T.meta_var(T.And(T.And(wg_arow < wg_m, wg_ak < wg_k), $a_cond))
+            T.ptx["cp.async.cg.shared.global"](
+                wg_as.ptr_to([wg_it % wg_stages, wg_tx, T.bitwise_xor(j, wg_tx % 8) * 8]),
+                $x.ptr_to([$a_index]), 16, T.if_then_else(wg_ok, T.uint32(16), T.uint32(0)))
+        T.ptx["cp.async.mbarrier.arrive.noinc.shared.b64"](wg_full.ptr_to([wg_it % wg_stages]))'''
+
+# (cp.async writes A through the generic proxy, wgmma reads it through the async proxy)
+_FENCE = "                T.ptx.fence.proxy.async_.shared__cta()\n"
+
 
 class Plan:
     """What the kernel needs from a GEMM function: its parameters (name,
     shape, dtype), which are A, B and the output, the rows, N and K, whether
     B is [K, N], and the epilogue as TVMScript text over `wg_x` (the
-    accumulator), `wg_row` and `wg_colc`."""
+    accumulator), `wg_row` and `wg_colc`. Where A is gathered (an implicit
+    GEMM: `a` is then the gathered parameter), `gather` is (the condition,
+    the index texts) of A's element [`wg_arow`, `wg_ak`], the first of 8
+    that lie side by side in `a`'s last dimension."""
 
-    def __init__(self, params, a, b, out, m, n, k, b_kn, expr):
+    def __init__(self, params, a, b, out, m, n, k, b_kn, expr, gather=None):
         self.params, self.a, self.b, self.out = params, a, b, out
         self.m, self.n, self.k, self.b_kn, self.expr = m, n, k, b_kn, expr
+        self.gather = gather
 
 
 def available(target) -> bool:
@@ -189,25 +233,19 @@ def plan(func) -> Plan | None:
     main = sch.get(sch.get_sblock(gemm.name))
     a_src, b_src = (str(r.source) for r in main.reads)
     c_src = str(main.writes[0].source)
-    padded = None
-    for producer in gemm.producers:  # only row padding of a parameter: TMA reads the rows past the end as zeros
-        blk = sch.get(sch.get_sblock(producer))
-        if str(blk.writes[0].source) != a_src or len(blk.reads) != 1:
+    padded = gather = None
+    for producer in gemm.producers:  # row padding of a parameter (TMA reads the rows past the end as zeros),
+        blk = sch.get(sch.get_sblock(producer))  # or an implicit GEMM's gather of one (each row copied by cp.async)
+        if str(blk.writes[0].source) != a_src or len(blk.reads) != 1 or len(gemm.producers) != 1:
             return None
         padded = _padded_rows(blk)
         if padded is None:
-            return None
+            gather = _gather(blk, names, gemm.m, gemm.k)
+            if gather is None:
+                return None
         a_src = str(blk.reads[0].source)
-    if a_src not in names or b_src not in names or len(names[a_src][0]) != 2 or len(names[b_src][0]) != 2:
-        return None
-    (m, k), a_dtype = names[a_src]
-    b_shape, b_dtype = names[b_src]
-    if max(m * k, m * gemm.n, gemm.k * gemm.n) >= 2**31:  # (the kernel indexes in int32)
-        return None
-    b_kn = not gemm.b_transposed
-    if (a_dtype, b_dtype) != ("float16", "float16") or k != gemm.k or m > gemm.m or padded not in (None, m):
-        return None
-    if b_shape != ([gemm.k, gemm.n] if b_kn else [gemm.n, gemm.k]):
+    if (gather is None and (a_src not in names or len(names[a_src][0]) != 2)) or b_src not in names \
+            or len(names[b_src][0]) != 2:
         return None
     if gemm.epilogue:
         for name in gemm.epilogue[:-1]:
@@ -220,14 +258,102 @@ def plan(func) -> Plan | None:
         v0, v1 = (str(v.var) for v in main.iter_vars[:2])
         out = c_src
         text = f"{c_src}[{v0}, {v1}]"
-    if out not in names or names[out][0] != [m, gemm.n] or names[out][1] not in ("float16", "float32"):
+    if out not in names or len(names[out][0]) != 2:
+        return None
+    if gather is not None:  # (A's rows are the output's: the gather's rows past them, pad_gemm's, read as zeros)
+        m, k, a_dtype = names[out][0][0], gemm.k, names[a_src][1]
+    else:
+        (m, k), a_dtype = names[a_src]
+    b_shape, b_dtype = names[b_src]
+    if max(m * k, m * gemm.n, gemm.k * gemm.n) >= 2**31:  # (the kernel indexes in int32)
+        return None
+    b_kn = not gemm.b_transposed
+    if (a_dtype, b_dtype) != ("float16", "float16") or k != gemm.k or m > gemm.m or padded not in (None, m):
+        return None
+    if b_shape != ([gemm.k, gemm.n] if b_kn else [gemm.n, gemm.k]):
+        return None
+    if names[out][0] != [m, gemm.n] or names[out][1] not in ("float16", "float32"):
         return None
     expr = re.sub(rf"\b{re.escape(c_src)}\[{re.escape(v0)}, {re.escape(v1)}\]", "wg_x", text)
     expr = re.sub(rf"\b{re.escape(v0)}\b", "wg_row", re.sub(rf"\b{re.escape(v1)}\b", "wg_colc", expr))
     loads = set(re.findall(r"\b([A-Za-z_]\w*)\[", expr))
     if c_src in loads or not loads <= set(names) - {out}:
         return None  # (the result read elsewhere than at its own [i, j], or an intermediate left)
-    return Plan(params, a_src, b_src, out, m, gemm.n, k, b_kn, expr)
+    return Plan(params, a_src, b_src, out, m, gemm.n, k, b_kn, expr, gather)
+
+
+def _gather(blk, names, rows: int, k: int):
+    """(condition, index texts) over `wg_arow` and `wg_ak` where a producer
+    block gathers A [rows, k] from a 4-D fp16 parameter, as an implicit
+    GEMM's im2col does (`A[i, k] = if_then_else(cond, x[index], 0)`, the
+    conditions of pad_gemm's row padding around it), and each 8 elements
+    of A's row from a multiple of 8 lie side by side in the parameter's
+    last dimension (one 16-byte copy); else None. That is checked by
+    evaluating the block's own index and condition (NumPy) on rows at both
+    ends and between, over every k."""
+    import numpy as np
+
+    if len(blk.iter_vars) != 2:
+        return None
+    x = str(blk.reads[0].source)
+    if x not in names or len(names[x][0]) != 4 or names[x][1] != "float16" or names[x][0][3] % 8:
+        return None
+    v0, v1 = (str(v.var) for v in blk.iter_vars)
+    text = blk.body.value.script(show_meta=False).strip().splitlines()[-1]
+    conds = []
+    while text.startswith("T.if_then_else(") and text.endswith(")"):
+        args = _split(text[len("T.if_then_else("):-1], ",")
+        if args is None or len(args) != 3 or not re.fullmatch(r"T\.float16\(0(?:\.0)?\)", args[2]):
+            return None
+        conds += _split(args[0], " and ") or [args[0]]
+        text = args[1]
+    found = re.fullmatch(rf"{re.escape(x)}\[(.*)\]", text)
+    index = _split(found.group(1), ",") if found else None
+    if index is None or len(index) != 4:
+        return None
+    try:  # (NumPy arrays for v0 and v1: the printed // and % are floor division and modulo, as NumPy's)
+        def ev(t, i, j):
+            plain = re.sub(r"T\.int(?:32|64)\((-?\d+)\)", r"\1", t)
+            if "T." in plain or not re.fullmatch(r"[\w\s()+\-*/%<>=!]+", plain):
+                raise ValueError(t)
+            return np.broadcast_to(eval(plain, {"__builtins__": {}}, {v0: i, v1: j}), np.broadcast(i, j).shape)
+
+        i = np.unique(np.r_[0:min(rows, 3), max(rows - 3, 0):rows, np.random.default_rng(0).integers(0, rows, 8)])
+        i, j = i[:, None], np.arange(k)[None, :]
+        ok = np.logical_and.reduce([ev(c, i, j).astype(bool) for c in conds]) if conds else np.ones((i.size, k), bool)
+        idx = [ev(t, i, j) for t in index]
+    except Exception:  # noqa: BLE001 - a form not foreseen: declined
+        return None
+    base = j - j % 8
+    side_by_side = all(np.array_equal(d[:, base[0]] + (j[0] % 8 if n == 3 else 0), d) for n, d in enumerate(idx))
+    inside = all(np.all((d >= 0) & (d < size) | ~ok) for d, size in zip(idx, names[x][0]))
+    if not side_by_side or not np.array_equal(ok[:, base[0]], ok) or not inside:
+        return None
+
+    def kernel_vars(t):  # (in the block's index type: TVMScript compares only equal types)
+        dtype = str(blk.iter_vars[0].var.ty)
+        t = re.sub(rf"\b{re.escape(v1)}\b", f'T.Cast("{dtype}", wg_ak)', t)
+        return re.sub(rf"\b{re.escape(v0)}\b", f'T.Cast("{dtype}", wg_arow)', t)
+
+    return " and ".join(f"({kernel_vars(c)})" for c in conds) or "T.bool(True)", [kernel_vars(t) for t in index]
+
+
+def _split(text: str, sep: str) -> list[str] | None:
+    """`text` split at each `sep` outside brackets, or None where its
+    brackets do not balance."""
+    parts, depth, start, pos = [], 0, 0, 0
+    while pos < len(text):
+        ch = text[pos]
+        depth += (ch in "([") - (ch in ")]")
+        if depth < 0:
+            return None
+        if depth == 0 and text.startswith(sep, pos):
+            parts.append(text[start:pos].strip())
+            pos += len(sep)
+            start = pos
+            continue
+        pos += 1
+    return None if depth else [*parts, text[start:].strip()]
 
 
 def _padded_rows(blk) -> int | None:
@@ -272,13 +398,22 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
         "wg_a_tile": BM * BK, "wg_b_tile": bn * BK, "wg_b_stage": b_stage, "wg_nacc": bn // 2,
         "wg_k_tiles": k_tiles, "wg_grid_n": grid_n, "wg_stage_bytes": (BM + bn) * BK * 2, "wg_b_kn": p.b_kn,
         "wg_b_lbo": b_lbo, "wg_b_sbo": 64, "wg_b_step": b_step, "wg_b_trans": b_trans, "wg_b_origin": b_origin,
-        "wg_regs": bn > 128, "wg_m": p.m,
+        "wg_regs": bn > 128, "wg_m": p.m, "wg_k": p.k, "wg_b_bytes": bn * BK * 2,
+        "wg_full_count": 1 if p.gather is None else 129,  # (the TMA thread's arrival, and each gathering thread's)
         "wg_mma": f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16",
         "wg_tma": TMA_LOAD,
     }
     params = ", ".join(f'{name}: T.Buffer({tuple(shape)}, "{dtype}")' for name, shape, dtype in p.params)
     out_dtype = next(dtype for name, _, dtype in p.params if name == p.out)
-    text = _TEMPLATE.substitute(params=params, a=p.a, b=p.b, out=p.out, out_dtype=out_dtype, expr=p.expr)
+    if p.gather is None:
+        pieces = {"a_map": _A_MAP, "producer": textwrap.indent(_PRODUCER_TMA, " " * 8), "fence": ""}
+    else:
+        cond, index = p.gather
+        pieces = {"a_map": "", "producer": textwrap.indent(_PRODUCER_GATHER, " " * 8), "fence": _FENCE}
+        pieces["producer"] = string.Template(pieces["producer"]).safe_substitute(
+            a_cond=cond, x=p.a, a_index=", ".join(f"T.if_then_else(wg_ok, T.Cast(\"int64\", {t}), T.int64(0))" for t in index))
+    text = string.Template(_TEMPLATE.safe_substitute(pieces)).substitute(
+        params=params, a=p.a, b=p.b, out=p.out, out_dtype=out_dtype, expr=p.expr)
     from tvm.script import tirx as T
 
     func = tvm.script.from_source(text, extra_vars={"T": T, **consts})

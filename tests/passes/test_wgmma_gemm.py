@@ -24,7 +24,7 @@ def main($params):
         for wg_colc in range($n):
             wg_acc[0] = T.float32(0)
             for wg_k in range($k):
-                wg_acc[0] = wg_acc[0] + T.Cast("float32", $a[wg_row, wg_k]) * T.Cast("float32", $bload)
+                wg_acc[0] = wg_acc[0] + T.Cast("float32", $aload) * T.Cast("float32", $bload)
             wg_x = T.meta_var(wg_acc[0])
             $out[wg_row, wg_colc] = T.Cast("$out_dtype", $expr)
 ''')
@@ -74,7 +74,16 @@ def _meaning(p):
     params = ", ".join(f'{name}: T.Buffer({tuple(shape)}, "{dtype}")' for name, shape, dtype in p.params)
     out_dtype = next(dtype for name, _, dtype in p.params if name == p.out)
     bload = f"{p.b}[wg_k, wg_colc]" if p.b_kn else f"{p.b}[wg_colc, wg_k]"
-    text = _MEANING.substitute(params=params, m=p.m, n=p.n, k=p.k, a=p.a, bload=bload, out=p.out,
+    aload = f"{p.a}[wg_row, wg_k]"
+    if p.gather is not None:  # (as the kernel copies it: 8 elements from the gather's index at k - k % 8)
+        cond, index = p.gather
+
+        def at_chunk(t):
+            return t.replace("wg_arow", "wg_row").replace("wg_ak", "(wg_k - wg_k % 8)")
+        index = [at_chunk(t) for t in index]
+        index[3] = f"{index[3]} + wg_k % 8"
+        aload = f"T.if_then_else({at_chunk(cond)}, {p.a}[{', '.join(index)}], T.float16(0))"
+    text = _MEANING.substitute(params=params, m=p.m, n=p.n, k=p.k, aload=aload, bload=bload, out=p.out,
                                out_dtype=out_dtype, expr=p.expr)
     return tvm.script.from_source(text, extra_vars={"T": T})
 
@@ -93,6 +102,135 @@ def test_the_plan_means_what_the_function_computes(epilogue, b_kn, pad):
     got = emulation.reference(_meaning(p))
     assert all(np.array_equal(x, y) for x, y in zip(want[:-1], got[:-1]))
     np.testing.assert_allclose(got[-1].astype("float32"), want[-1].astype("float32"), rtol=1e-3, atol=1e-3)
+
+
+def _conv(n, hw, c, o, k, stride, residual=False):
+    """A fused implicit GEMM as the optimize stage makes it with
+    --implicit-gemm (passes/implicit_gemm.py): a k x k NHWC convolution
+    (padding k // 2) with ResNet's epilogue (bias, a residual, ReLU)."""
+    from deploy.passes.flat_gemm import flat_gemm
+
+    from .test_flat_gemm import _fused, _kernels, _parse
+
+    ho = (hw + 2 * (k // 2) - k) // stride + 1
+    res = f", r: R.Tensor(({n}, {ho}, {ho}, {o}), \"float16\")" if residual else ""
+    mod = _parse(f"""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor(({n}, {hw}, {hw}, {c}), "float16"), w: R.Tensor(({o}, {k}, {k}, {c}), "float16"),
+             b: R.Tensor((1, 1, 1, {o}), "float16"){res}):
+        with R.dataflow():
+            y = R.nn.conv2d(x, w, strides=[{stride}, {stride}], padding=[{k // 2}] * 4, data_layout="NHWC",
+                            kernel_layout="OHWI", out_layout="NHWC", out_dtype="float32")
+            z = R.add(R.astype(y, "float16"), b)
+            z = R.nn.relu({"R.add(z, r)" if residual else "z"})
+            R.output(z)
+        return z
+""")
+    kernels = _kernels(_fused(flat_gemm(convs=True)(mod)))  # (as with --flat-gemm: the strided 1x1 one too)
+    (name,) = [name for name in kernels if "conv2d_gemm" in name]
+    return kernels[name].with_attr("global_symbol", "main")
+
+
+def _implicit(shape):
+    """`_conv(*shape)`; with 24 images, its rows (1,176) padded to 1,280 by pad_gemm."""
+    from deploy.passes.pad_gemm import pad_prim_func
+
+    func = _conv(*shape)
+    if shape[0] == 24:
+        func = pad_prim_func(func)
+        assert func is not None
+    return func
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 64, 64, 3, 1, False), (2, 16, 64, 128, 3, 2, True), (3, 8, 16, 64, 1, 2, False),
+                                   (24, 7, 64, 64, 3, 1, False)],
+                         ids=["3x3", "3x3-stride2-residual", "1x1-stride2", "3x3-rows-padded"])
+def test_an_implicit_gemms_gather_means_what_the_function_computes(shape):
+    """An implicit GEMM (A gathered from the activations: the padding, the
+    stride, the channels) is planned as a gather, and the plan, with A read
+    as the kernel copies it (8 elements side by side from the gather's
+    index at each multiple of 8 of K), computes what the function computes;
+    also where pad_gemm padded its rows (24 x 7 x 7 = 1,176 to 1,280)."""
+    func = _implicit(shape)
+    p = wgmma_gemm.plan(func)
+    assert p is not None and p.gather is not None and p.a == "x" and not p.b_kn
+    want = emulation.reference(func)
+    got = emulation.reference(_meaning(p))
+    assert all(np.array_equal(x, y) for x, y in zip(want[:-1], got[:-1]))
+    np.testing.assert_allclose(got[-1].astype("float32"), want[-1].astype("float32"), rtol=1e-3, atol=1e-3)
+
+
+def test_a_gather_whose_copies_would_not_lie_side_by_side_is_declined():
+    """A gather whose 8 elements from a multiple of 8 of K are not 8
+    neighbouring channels (here each channel read twice: one 16-byte copy
+    would read the wrong ones) is declined: the chain keeps the kernel.
+    (Channels not a multiple of 8 never reach it: implicit_gemm.applies.)"""
+    from tvm.script import tirx as T
+
+    from deploy.tvm_compat import tvm
+
+    text = _conv(2, 8, 64, 64, 3, 1).script()
+    assert wgmma_gemm.plan(tvm.script.from_source(text, extra_vars={"T": T})) is not None
+    twice = text.replace("v_k % T.int64(64)]", "v_k % T.int64(64) // T.int64(2)]")
+    assert twice != text and wgmma_gemm.plan(tvm.script.from_source(twice, extra_vars={"T": T})) is None
+
+
+def _compiled(kernel, target):
+    from deploy.tvm_compat import tvm
+
+    wgmma_gemm.fix_noop_barrier_codegen()
+    return tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target,
+                       tir_pipeline="tirx")
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 64, 128, 3, 2, True), (1, 16, 64, 64, 3, 1, False),
+                                   (24, 7, 64, 64, 3, 1, False)],
+                         ids=["stride2-residual", "batch-1", "rows-padded"])
+def test_the_gather_kernel_compiles_for_sm90a(shape):
+    """The gathering producer: 16-byte `cp.async` copies zero-filled by
+    their source size, each thread's arrival on the stage's barrier when
+    its copies land, and the consumers' proxy fence before `wgmma` reads
+    them; nvcc compiles it for sm_90a. (At batch 1 the batch index is a
+    constant: the kernel's index types must still agree.)"""
+    from tvm.support import nvcc
+
+    from deploy.tvm_compat import tvm
+
+    kernel = wgmma_gemm.replacement(_implicit(shape))
+    src = _compiled(kernel, kernel.attrs["target"]).mod.imports[0].inspect_source()
+    for ptx in ("cp.async.cg.shared.global [%0], [%1], 16, %2;", "cp.async.mbarrier.arrive.noinc.shared.b64",
+                "fence.proxy.async.shared::cta", "wgmma.mma_async"):
+        assert ptx in src
+    assert "(uint)129" in src  # (the full barrier: the TMA thread's arrival and 128 gathering threads')
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8, 16, 64, 128, 3, 1, False), (24, 7, 64, 64, 3, 1, False),
+                                   (2, 16, 64, 128, 3, 2, True), (3, 8, 16, 64, 1, 2, False)],
+                         ids=["3x3-16-tiles", "3x3-rows-padded", "3x3-stride2-residual", "1x1-stride2"])
+def test_gpu_an_implicit_gemm_computes_the_convolution(shape, monkeypatch):
+    """The gathering kernel on the GPU against the function lowered for the
+    CPU: a persistent grid of two CTAs (each takes half the tiles: the ring
+    of four stages runs on across tiles, 9 K tiles each), pad_gemm's padded
+    rows (1,176 rows: the last tile ragged), a stride and a residual, a
+    strided 1x1."""
+    from deploy.tvm_compat import tvm
+
+    monkeypatch.setattr(wgmma_gemm, "SMS", 2)
+    func = _implicit(shape)
+    args = emulation.reference(func)
+    kernel = wgmma_gemm.replacement(func)
+    assert kernel is not None and wgmma_gemm.plan(func).gather is not None
+    lib = _compiled(kernel, kernel.attrs["target"])
+    dev = tvm.cuda(0)
+    got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
+    lib["main"](*got)
+    out, want = got[-1].numpy().astype("float32"), args[-1].astype("float32")
+    assert float(np.linalg.norm(out - want) / np.linalg.norm(want)) < 2e-3
 
 
 def test_the_kernel_builds_for_sm90a_with_the_epilogue_in_it():
