@@ -139,8 +139,10 @@ class Profile:
     # our Hopper kernel written in TIRx (passes.wgmma_gemm: wgmma fed by TMA,
     # warp-specialized, persistent), tried before the schedule chain and the
     # tuning records on sm_90, and not tuned; elsewhere the chain as before.
-    # None (the CUDA default): on in fp16 (`uses_wgmma_gemm`); true with
-    # another precision is refused.
+    # None (the CUDA default): on in fp16 (`uses_wgmma_gemm`), for GEMMs
+    # whose A is a tensor; true: also for implicit GEMMs, whose A the kernel
+    # gathers (`wgmma_gathers`; not yet run on a GPU); true with another
+    # precision is refused.
     wgmma_gemm: bool | None = False
 
     @property
@@ -154,6 +156,12 @@ class Profile:
         """Whether GEMMs passes.wgmma_gemm takes get its kernel on sm_90
         (wgmma_gemm, or by default: in fp16)."""
         return self.precision == "fp16" if self.wgmma_gemm is None else self.wgmma_gemm
+
+    @property
+    def wgmma_gathers(self) -> bool:
+        """Whether the wgmma kernel also takes implicit GEMMs (their A
+        gathered): only where wgmma_gemm is set true, not by default."""
+        return self.wgmma_gemm is True
 
 
 @dataclasses.dataclass(frozen=True)

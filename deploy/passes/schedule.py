@@ -129,7 +129,7 @@ def default_chain(target_kind: str) -> list[str]:
             for name in CHAINS[_chain_kind(target_kind)]] + [DEFAULT]
 
 
-def _sources(gv, plain, tuned, target, target_kind, wgmma=False):
+def _sources(gv, plain, tuned, target, target_kind, wgmma=False, wgmma_gather=True):
     """(source name, scheduled PrimFunc or exception), lazily, best first."""
     from ..tvm_compat import register_tensor_intrinsics, s_tir
 
@@ -139,7 +139,7 @@ def _sources(gv, plain, tuned, target, target_kind, wgmma=False):
         from . import wgmma_gemm
 
         try:
-            ours = wgmma_gemm.replacement(plain) if wgmma_gemm.available(target) else None
+            ours = wgmma_gemm.replacement(plain, gather=wgmma_gather) if wgmma_gemm.available(target) else None
         except Exception as e:  # noqa: BLE001 - the kernel not made: the fallbacks say why
             ours = e
         if ours is not None:
@@ -194,10 +194,11 @@ def final(func):
 
 
 def build(plain_mod, tuned_mod, target, target_kind: str, compile_fn: Callable, kernel_builds: Callable,
-          wgmma: bool = False):
+          wgmma: bool = False, wgmma_gather: bool = True):
     """Schedule each PrimFunc of `plain_mod` (tuning records applied in
     `tuned_mod`, same functions) and compile; returns (compiled, kernels).
-    `wgmma`: a GEMM passes/wgmma_gemm.py takes tries that kernel first.
+    `wgmma`: a GEMM passes/wgmma_gemm.py takes tries that kernel first
+    (`wgmma_gather`: implicit GEMMs too).
 
     `compile_fn(mod)` compiles a whole module; `kernel_builds(name, func)`
     raises when one PrimFunc alone does not build."""
@@ -210,7 +211,7 @@ def build(plain_mod, tuned_mod, target, target_kind: str, compile_fn: Callable, 
         if _is_scheduled(plain):  # scheduled before the build (none today): keep it
             tuned = plain
         kernels[gv] = Kernel(gv.name_hint)
-        chains[gv] = _sources(gv, plain, tuned, target, target_kind, wgmma)
+        chains[gv] = _sources(gv, plain, tuned, target, target_kind, wgmma, wgmma_gather)
         _advance(gv, kernels, chains, chosen, reason=None)
 
     verified = set()

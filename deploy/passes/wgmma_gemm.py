@@ -22,7 +22,8 @@ results/h100/2026-12-05/wgmma-ws-probe/), carrying the kernel's epilogue:
   in the padding, the gather's own index and condition rewritten onto the
   thread's row and K as the epilogue is (`_gather` checks, by evaluating
   them, that each chunk is 8 neighbouring channels). Built and compiled on
-  the CPU machine; its GPU tests (`-m gpu`) not yet run;
+  the CPU machine; its GPU tests (`-m gpu`) not yet run, so it is taken
+  only where `wgmma_gemm` is set true (`gather`), not by default;
 - the epilogue: the kernel's element-wise blocks after the GEMM (cast, bias,
   GELU, a residual), inlined into one expression by TVM's own
   `compute_inline`, applied to each thread's accumulators, two adjacent
@@ -213,15 +214,17 @@ def available(target) -> bool:
     return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) in ARCHS
 
 
-def plan(func) -> Plan | None:
+def plan(func, gather: bool = True) -> Plan | None:
     """The Plan of `func` (a fused PrimFunc), else None: an fp16 GEMM that
     mma_gemm.match takes, whose A is a parameter (or a parameter's row
-    padding), whose B is a parameter, whose N a multiple of 64 and K of 16,
-    and whose epilogue ends in a parameter of [rows, N]."""
+    padding, or with `gather` an implicit GEMM's gather of one), whose B is
+    a parameter, whose N a multiple of 64 and K of 16, and whose epilogue
+    ends in a parameter of [rows, N]."""
     from ..tvm_compat import s_tir, tvm
     from .kernel_shape import static_int
     from .mma_gemm import match
 
+    gathers, gather = gather, None
     gemm = match(func)
     if gemm is None or gemm.dtype != "float16" or gemm.n % 64 or gemm.k % 16:
         return None
@@ -233,14 +236,14 @@ def plan(func) -> Plan | None:
     main = sch.get(sch.get_sblock(gemm.name))
     a_src, b_src = (str(r.source) for r in main.reads)
     c_src = str(main.writes[0].source)
-    padded = gather = None
+    padded = None
     for producer in gemm.producers:  # row padding of a parameter (TMA reads the rows past the end as zeros),
         blk = sch.get(sch.get_sblock(producer))  # or an implicit GEMM's gather of one (each row copied by cp.async)
         if str(blk.writes[0].source) != a_src or len(blk.reads) != 1 or len(gemm.producers) != 1:
             return None
         padded = _padded_rows(blk)
         if padded is None:
-            gather = _gather(blk, names, gemm.m, gemm.k)
+            gather = _gather(blk, names, gemm.m, gemm.k) if gathers else None
             if gather is None:
                 return None
         a_src = str(blk.reads[0].source)
@@ -421,14 +424,14 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
     return func.with_attr("target", target()).with_attr(MARK, True).with_attr("tirx.is_scheduled", True)
 
 
-def replacement(func, sms: int | None = None):
-    """`kernel(plan(func))` (`sms`: by default SMS), or None where the plan
+def replacement(func, sms: int | None = None, gather: bool = True):
+    """`kernel(plan(func, gather))` (`sms`: by default SMS), or None where the plan
     declines, or raises on a function of a shape it did not foresee (the
     chain keeps the function). Where the kernel is not made from a plan
     (the template does not parse), that error is raised, for the build's
     fallbacks to name."""
     try:
-        p = plan(func)
+        p = plan(func, gather)
     except Exception:  # noqa: BLE001 - see the docstring
         return None
     return None if p is None else kernel(p, sms=sms or SMS)

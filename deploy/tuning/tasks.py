@@ -159,9 +159,9 @@ def extract_tasks(mod, target):
             and not _is_reshape(t.dispatched[0]["main"]) and not is_attention(t.dispatched[0]["main"])]
 
 
-def wgmma_tasks(tasks, target) -> list[str]:
+def wgmma_tasks(tasks, target, gather: bool = True) -> list[str]:
     """The names of the tasks whose kernel passes/wgmma_gemm.py plans on
-    `target` (a TVM target; none but on sm_90): the build gives them that
+    `target` (a TVM target; none but on sm_90; implicit GEMMs with `gather`): the build gives them that
     kernel before any tuning record, so tune.py does not tune them. A plan
     that raises keeps its task: the build keeps that kernel's chain too
     (wgmma_gemm.replacement)."""
@@ -172,7 +172,7 @@ def wgmma_tasks(tasks, target) -> list[str]:
     taken = []
     for t in tasks:
         try:
-            if wgmma_gemm.plan(t.dispatched[0]["main"]) is not None:
+            if wgmma_gemm.plan(t.dispatched[0]["main"], gather) is not None:
                 taken.append(t.task_name)
         except Exception:  # noqa: BLE001 - see the docstring
             pass

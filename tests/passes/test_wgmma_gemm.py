@@ -497,3 +497,34 @@ def test_tuning_leaves_out_the_gemms_the_kernel_takes(tmp_path):
     assert tuned(sm90) == (1, 2)
     assert tuned(sm90, wgmma_gemm=False) == (3, 0)
     assert tuned(sm80) == (3, 0)
+
+
+def test_implicit_gemms_only_where_the_flag_is_set_true():
+    """By default (fp16 on sm_90) the kernel takes GEMMs whose A is a
+    tensor, as measured; implicit GEMMs, whose A it gathers (not yet run on
+    a GPU), only with wgmma_gemm set true: neither the plan nor tuning's
+    list of the tasks it takes has them otherwise."""
+    from deploy import config, targets
+    from deploy.tuning import tasks as tune_tasks
+    from deploy.tvm_compat import relax
+
+    def profile(**cuda):
+        return config.from_dict({"model": {"source": "resnet50"}, "cuda": {"precision": "fp16", **cuda}}).profile("cuda")
+
+    assert not profile().wgmma_gathers and profile(wgmma_gemm=True).wgmma_gathers
+    conv = _conv(2, 8, 64, 64, 3, 1)
+    assert wgmma_gemm.plan(conv, gather=False) is None and wgmma_gemm.plan(conv).gather is not None
+    assert wgmma_gemm.replacement(conv, gather=False) is None
+    bb = relax.BlockBuilder()  # (a Relax module calling it: MetaSchedule's tasks come from one)
+    args = [relax.Var(str(a), relax.TensorType([int(d) for d in a.shape], str(a.dtype))) for a in conv.params[:-1]]
+    out = conv.params[-1]
+    with bb.function("main", args):
+        with bb.dataflow():
+            y = bb.emit_output(relax.call_tir(bb.add_func(conv, "conv"), args,
+                                              relax.TensorType([int(d) for d in out.shape], str(out.dtype))))
+        bb.emit_func_output(y)
+    sm90 = targets.resolve("cuda:sm_90").tvm_target()
+    found = tune_tasks.extract_tasks(bb.get(), sm90)
+    assert len(found) == 1
+    assert tune_tasks.wgmma_tasks(found, sm90, gather=False) == []
+    assert tune_tasks.wgmma_tasks(found, sm90) == [found[0].task_name]
