@@ -292,6 +292,7 @@ def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
         "default_chain": default_chain(target.kind),
         # (the GEMMs' kernels, where the pass can take them; absent: keys as before)
         **({"wgmma_gemm": True} if profile.uses_wgmma_gemm and target.kind == "cuda" and target.arch in ARCHS else {}),
+        **({"wgmma_gather": True} if profile.wgmma_gathers and target.kind == "cuda" and target.arch in ARCHS else {}),
         "input_ranges": True,  # (a copy built before packages recorded them is built again, not loaded with a warning)
     }
 

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_wgmma.sh tests            the pass's and the GEMM probe's -m gpu tests ($OUT/pytest-gpu.log)
 #   bash scripts/gpu_wgmma.sh bench vit,bert   (BATCH=32) each model's package from the committed databases
-#        built without (--no-wgmma-gemm) and with the flag (on by default in fp16) at once (`deploy run
+#        built without (--no-wgmma-gemm) and with it (--wgmma-gemm: implicit GEMMs too) at once (`deploy run
 #        --trials 0`, validated), then `deploy bench` of each that built and validated (the flag's
 #        beside torch.compile and eager fp16; RUNNERS= to change), 50 iterations, 3 rounds; logs and
 #        results in $OUT/wgmma-bench.tgz after each model; exit 1 where any test, build, validation or bench failed;

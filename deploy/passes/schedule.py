@@ -129,7 +129,7 @@ def default_chain(target_kind: str) -> list[str]:
             for name in CHAINS[_chain_kind(target_kind)]] + [DEFAULT]
 
 
-def _sources(gv, plain, tuned, target, target_kind, wgmma=False, wgmma_gather=True):
+def _sources(gv, plain, tuned, target, target_kind, wgmma=False, wgmma_gather=False):
     """(source name, scheduled PrimFunc or exception), lazily, best first."""
     from ..tvm_compat import register_tensor_intrinsics, s_tir
 
@@ -194,7 +194,7 @@ def final(func):
 
 
 def build(plain_mod, tuned_mod, target, target_kind: str, compile_fn: Callable, kernel_builds: Callable,
-          wgmma: bool = False, wgmma_gather: bool = True):
+          wgmma: bool = False, wgmma_gather: bool = False):
     """Schedule each PrimFunc of `plain_mod` (tuning records applied in
     `tuned_mod`, same functions) and compile; returns (compiled, kernels).
     `wgmma`: a GEMM passes/wgmma_gemm.py takes tries that kernel first

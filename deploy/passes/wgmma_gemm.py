@@ -188,7 +188,8 @@ _PRODUCER_GATHER = '''for t in T.serial(wg_my_tiles):
             T.ptx["cp.async.cg.shared.global"](
                 wg_as.ptr_to([wg_it % wg_stages, wg_tx, T.bitwise_xor(j, wg_tx % 8) * 8]),
                 $x.ptr_to([$a_index]), 16, T.if_then_else(wg_ok, T.uint32(16), T.uint32(0)))
-        T.ptx["cp.async.mbarrier.arrive.noinc.shared.b64"](wg_full.ptr_to([wg_it % wg_stages]))'''
+        T.ptx["cp.async.mbarrier.arrive.noinc.shared.b64"](wg_full.ptr_to([wg_it % wg_stages]))
+T.ptx["cp.async.wait_all"]()  # (no copy left in flight when the thread ends)'''
 
 # (cp.async writes A through the generic proxy, wgmma reads it through the async proxy)
 _FENCE = "                T.ptx.fence.proxy.async_.shared__cta()\n"
@@ -214,7 +215,7 @@ def available(target) -> bool:
     return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) in ARCHS
 
 
-def plan(func, gather: bool = True) -> Plan | None:
+def plan(func, gather: bool = False) -> Plan | None:
     """The Plan of `func` (a fused PrimFunc), else None: an fp16 GEMM that
     mma_gemm.match takes, whose A is a parameter (or a parameter's row
     padding, or with `gather` an implicit GEMM's gather of one), whose B is
@@ -291,7 +292,8 @@ def _gather(blk, names, rows: int, k: int):
     GEMM's im2col does (`A[i, k] = if_then_else(cond, x[index], 0)`, the
     conditions of pad_gemm's row padding around it), and each 8 elements
     of A's row from a multiple of 8 lie side by side in the parameter's
-    last dimension (one 16-byte copy); else None. That is checked by
+    last dimension from a multiple of 8 (one aligned 16-byte copy); else
+    None. That is checked by
     evaluating the block's own index and condition (NumPy) on rows at both
     ends and between, over every k."""
     import numpy as np
@@ -330,7 +332,10 @@ def _gather(blk, names, rows: int, k: int):
     base = j - j % 8
     side_by_side = all(np.array_equal(d[:, base[0]] + (j[0] % 8 if n == 3 else 0), d) for n, d in enumerate(idx))
     inside = all(np.all((d >= 0) & (d < size) | ~ok) for d, size in zip(idx, names[x][0]))
-    if not side_by_side or not np.array_equal(ok[:, base[0]], ok) or not inside:
+    _, h, w, c = names[x][0]
+    offset = ((idx[0] * h + idx[1]) * w + idx[2]) * c + idx[3]  # (a copy's first element: 16-byte aligned)
+    aligned = np.all((offset[:, base[0]] % 8 == 0) | ~ok)
+    if not side_by_side or not np.array_equal(ok[:, base[0]], ok) or not inside or not aligned:
         return None
 
     def kernel_vars(t):  # (in the block's index type: TVMScript compares only equal types)
@@ -424,7 +429,7 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
     return func.with_attr("target", target()).with_attr(MARK, True).with_attr("tirx.is_scheduled", True)
 
 
-def replacement(func, sms: int | None = None, gather: bool = True):
+def replacement(func, sms: int | None = None, gather: bool = False):
     """`kernel(plan(func, gather))` (`sms`: by default SMS), or None where the plan
     declines, or raises on a function of a shape it did not foresee (the
     chain keeps the function). Where the kernel is not made from a plan

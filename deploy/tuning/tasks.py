@@ -159,12 +159,14 @@ def extract_tasks(mod, target):
             and not _is_reshape(t.dispatched[0]["main"]) and not is_attention(t.dispatched[0]["main"])]
 
 
-def wgmma_tasks(tasks, target, gather: bool = True) -> list[str]:
+def wgmma_tasks(tasks, target, gather: bool = False) -> list[str]:
     """The names of the tasks whose kernel passes/wgmma_gemm.py plans on
     `target` (a TVM target; none but on sm_90; implicit GEMMs with `gather`): the build gives them that
-    kernel before any tuning record, so tune.py does not tune them. A plan
-    that raises keeps its task: the build keeps that kernel's chain too
-    (wgmma_gemm.replacement)."""
+    kernel before any tuning record, so tune.py does not tune them. Where
+    the kernel is not made (a plan that raises, a template that does not
+    parse) the task is kept: the build keeps that kernel's chain too
+    (wgmma_gemm.replacement). (One that is made and then does not compile
+    falls back untuned: the build's fallbacks name it.)"""
     from ..passes import wgmma_gemm
 
     if not wgmma_gemm.available(target):
@@ -172,7 +174,7 @@ def wgmma_tasks(tasks, target, gather: bool = True) -> list[str]:
     taken = []
     for t in tasks:
         try:
-            if wgmma_gemm.plan(t.dispatched[0]["main"], gather) is not None:
+            if wgmma_gemm.replacement(t.dispatched[0]["main"], gather=gather) is not None:
                 taken.append(t.task_name)
         except Exception:  # noqa: BLE001 - see the docstring
             pass

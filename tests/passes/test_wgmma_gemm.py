@@ -154,7 +154,7 @@ def test_an_implicit_gemms_gather_means_what_the_function_computes(shape):
     index at each multiple of 8 of K), computes what the function computes;
     also where pad_gemm padded its rows (24 x 7 x 7 = 1,176 to 1,280)."""
     func = _implicit(shape)
-    p = wgmma_gemm.plan(func)
+    p = wgmma_gemm.plan(func, gather=True)
     assert p is not None and p.gather is not None and p.a == "x" and not p.b_kn
     want = emulation.reference(func)
     got = emulation.reference(_meaning(p))
@@ -165,16 +165,23 @@ def test_an_implicit_gemms_gather_means_what_the_function_computes(shape):
 def test_a_gather_whose_copies_would_not_lie_side_by_side_is_declined():
     """A gather whose 8 elements from a multiple of 8 of K are not 8
     neighbouring channels (here each channel read twice: one 16-byte copy
-    would read the wrong ones) is declined: the chain keeps the kernel.
+    would read the wrong ones), or are but not from a multiple of 8 (the
+    copy misaligned), is declined: the chain keeps the kernel.
     (Channels not a multiple of 8 never reach it: implicit_gemm.applies.)"""
     from tvm.script import tirx as T
 
     from deploy.tvm_compat import tvm
 
     text = _conv(2, 8, 64, 64, 3, 1).script()
-    assert wgmma_gemm.plan(tvm.script.from_source(text, extra_vars={"T": T})) is not None
+    assert wgmma_gemm.plan(tvm.script.from_source(text, extra_vars={"T": T}), gather=True) is not None
     twice = text.replace("v_k % T.int64(64)]", "v_k % T.int64(64) // T.int64(2)]")
-    assert twice != text and wgmma_gemm.plan(tvm.script.from_source(twice, extra_vars={"T": T})) is None
+    assert twice != text and wgmma_gemm.plan(tvm.script.from_source(twice, extra_vars={"T": T}), gather=True) is None
+    # 8 neighbouring channels from channel 4 of 72: side by side and in bounds, but a 16-byte copy from an
+    # 8-byte-aligned address faults (the kernel would end the CUDA context, not fall back)
+    shifted = text.replace("T.int64(8), T.int64(64)), \"float16\")", "T.int64(8), T.int64(72)), \"float16\")", 1)
+    shifted = shifted.replace("v_k % T.int64(64)]", "v_k % T.int64(64) + T.int64(4)]")
+    assert shifted.count("T.int64(72)") == 1 and "+ T.int64(4)]" in shifted
+    assert wgmma_gemm.plan(tvm.script.from_source(shifted, extra_vars={"T": T}), gather=True) is None
 
 
 def _compiled(kernel, target):
@@ -198,7 +205,7 @@ def test_the_gather_kernel_compiles_for_sm90a(shape):
 
     from deploy.tvm_compat import tvm
 
-    kernel = wgmma_gemm.replacement(_implicit(shape))
+    kernel = wgmma_gemm.replacement(_implicit(shape), gather=True)
     src = _compiled(kernel, kernel.attrs["target"]).mod.imports[0].inspect_source()
     for ptx in ("cp.async.cg.shared.global [%0], [%1], 16, %2;", "cp.async.mbarrier.arrive.noinc.shared.b64",
                 "fence.proxy.async.shared::cta", "wgmma.mma_async"):
@@ -223,8 +230,8 @@ def test_gpu_an_implicit_gemm_computes_the_convolution(shape, monkeypatch):
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
     func = _implicit(shape)
     args = emulation.reference(func)
-    kernel = wgmma_gemm.replacement(func)
-    assert kernel is not None and wgmma_gemm.plan(func).gather is not None
+    kernel = wgmma_gemm.replacement(func, gather=True)
+    assert kernel is not None and wgmma_gemm.plan(func, gather=True).gather is not None
     lib = _compiled(kernel, kernel.attrs["target"])
     dev = tvm.cuda(0)
     got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
@@ -251,7 +258,8 @@ def test_the_kernel_builds_for_sm90a_with_the_epilogue_in_it():
 
 def test_what_it_leaves_to_the_schedule_chain():
     """Declined, never raised: N not a multiple of 64, producers other than
-    row padding (an im2col-like gather of a 3-D input, a column mask), an
+    row padding or an implicit GEMM's gather (even with gathers on: an
+    element-wise producer, a gather of a 3-D input, a column mask), an
     epilogue whose intermediate is an output too, an fp32 GEMM."""
     from tvm import te, tirx
 
@@ -265,14 +273,14 @@ def test_what_it_leaves_to_the_schedule_chain():
                                                         axis=r), name="c")
 
     sq = te.compute((64, 32), lambda i, j: a[i, j] * a[i, j], name="sq")
-    assert wgmma_gemm.replacement(te.create_prim_func([a, w, gemm_of(sq)])) is None
+    assert wgmma_gemm.replacement(te.create_prim_func([a, w, gemm_of(sq)]), gather=True) is None
     x3 = te.placeholder((8, 8, 32), "float16", name="x3")
     rows = te.compute((64, 32), lambda i, j: tirx.if_then_else(i < 48, x3[i // 8, i % 8, j],
                                                                tirx.const(0, "float16")), name="x_rows")
-    assert wgmma_gemm.replacement(te.create_prim_func([x3, w, gemm_of(rows)])) is None
+    assert wgmma_gemm.replacement(te.create_prim_func([x3, w, gemm_of(rows)]), gather=True) is None
     cols = te.compute((64, 32), lambda i, j: tirx.if_then_else(j < 24, a[i, j], tirx.const(0, "float16")),
                       name="a_cols")
-    assert wgmma_gemm.replacement(te.create_prim_func([a, w, gemm_of(cols)])) is None
+    assert wgmma_gemm.replacement(te.create_prim_func([a, w, gemm_of(cols)]), gather=True) is None
     bias = te.placeholder((64,), "float16", name="bias")
     c = gemm_of(a)
     h = te.compute((64, 64), lambda i, j: c[i, j].astype("float16") + bias[j], name="h")
@@ -513,8 +521,8 @@ def test_implicit_gemms_only_where_the_flag_is_set_true():
 
     assert not profile().wgmma_gathers and profile(wgmma_gemm=True).wgmma_gathers
     conv = _conv(2, 8, 64, 64, 3, 1)
-    assert wgmma_gemm.plan(conv, gather=False) is None and wgmma_gemm.plan(conv).gather is not None
-    assert wgmma_gemm.replacement(conv, gather=False) is None
+    assert wgmma_gemm.plan(conv, gather=False) is None and wgmma_gemm.plan(conv, gather=True).gather is not None
+    assert wgmma_gemm.replacement(conv) is None
     bb = relax.BlockBuilder()  # (a Relax module calling it: MetaSchedule's tasks come from one)
     args = [relax.Var(str(a), relax.TensorType([int(d) for d in a.shape], str(a.dtype))) for a in conv.params[:-1]]
     out = conv.params[-1]
@@ -527,4 +535,26 @@ def test_implicit_gemms_only_where_the_flag_is_set_true():
     found = tune_tasks.extract_tasks(bb.get(), sm90)
     assert len(found) == 1
     assert tune_tasks.wgmma_tasks(found, sm90, gather=False) == []
-    assert tune_tasks.wgmma_tasks(found, sm90) == [found[0].task_name]
+    assert tune_tasks.wgmma_tasks(found, sm90, gather=True) == [found[0].task_name]
+
+
+def test_the_untuned_builds_cache_key_names_what_the_kernel_takes():
+    """A cached untuned build is reused only for the same kernels: the key
+    names the kernel where it can act (sm_90 fp16) and its implicit GEMMs
+    where they are on, and nothing on other archs."""
+    import types
+
+    from deploy import config, pipeline, targets
+
+    opt = types.SimpleNamespace(manifest={"files": {}, "buckets": {}})
+
+    def key(target, **cuda):
+        profile = config.from_dict({"model": {"source": "resnet50"},
+                                    "cuda": {"precision": "fp16", **cuda}}).profile("cuda")
+        k = pipeline.untuned_key(opt, targets.resolve(target), profile, [])
+        return k.get("wgmma_gemm", False), k.get("wgmma_gather", False)
+
+    assert key("cuda:sm_90") == (True, False)
+    assert key("cuda:sm_90", wgmma_gemm=True) == (True, True)
+    assert key("cuda:sm_90", wgmma_gemm=False) == (False, False)
+    assert key("cuda:sm_80") == (False, False)
