@@ -255,17 +255,28 @@ def main(argv=None) -> int:
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()] or \
         (["fp16"] if target.kind == "cuda" else ["fp32"])
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "corpus.json"
     report = json.loads(path.read_text()) if path.is_file() else {"results": []}
+    settings = {"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
+                "layout": args.layout or "default", "flat_gemm": args.flat_gemm,
+                "implicit_gemm": args.implicit_gemm, "fused_attention": args.fused_attention,
+                "wgmma_gemm": args.wgmma_gemm}
+    # A resumed run adds rows to the saved ones: only under the same settings (a saved corpus from before
+    # `wgmma_gemm` existed was built with it off, as `false` says now; CUDA's options mean nothing on llvm)
+    saved = {k: report.get(k, False if k == "wgmma_gemm" else v) for k, v in settings.items()}
+    differ = [k for k in settings if saved[k] != settings[k]
+              and not (target.kind != "cuda" and k in ("fused_attention", "wgmma_gemm"))]
+    if report["results"] and not args.force and differ:
+        k = differ[0]
+        print(f"error: {path} was made with other settings | got {k} {json.dumps(settings[k])}, it has "
+              f"{json.dumps(saved[k])} | expected another --out, or --force to run every model again", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
     env = bench_report.environment()
     command = "python scripts/corpus.py " + " ".join(argv if argv is not None else sys.argv[1:])
     # A resumed run is several commands: each is kept, in order.
     commands = report.get("commands") or ([report["command"]] if "command" in report else [])
-    report.update({"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
-                   "layout": args.layout or "default", "flat_gemm": args.flat_gemm,
-                   "implicit_gemm": args.implicit_gemm, "fused_attention": args.fused_attention,
-                   "wgmma_gemm": args.wgmma_gemm, "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
+    report.update({**settings, "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
                    "commands": [*commands, command]})
     results = {(r["model"], r["precision"]): r for r in report["results"]}
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="corpus-"))

@@ -7,6 +7,7 @@ operators TVM's ONNX frontend lacks (an entry marked `expect="unsupported"`)
 must end in the one-line unsupported-operator error."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,35 @@ def test_dynamo_exporter_every_stage(name, tmp_path, llvm_target):
     assert summary["validation"]["passed"]
     m = json.loads((tmp_path / "ws" / "export" / "manifest.json").read_text())
     assert m["origin"]["exporter"] == "dynamo" and m["opset"] >= 18
+
+
+def test_a_resumed_run_with_other_settings_is_refused_in_one_line(tmp_path, capsys):
+    """scripts/corpus.py adds rows to a saved corpus.json only under the
+    same settings: one saved with `wgmma_gemm` off (or from before the
+    key, when it was off) is not resumed under the default, which is on in
+    fp16; the refusal is one line, exit 2, the file untouched. On llvm the
+    CUDA-only options do not count."""
+    from .conftest import load_script
+
+    corpus = load_script("corpus")
+    out = tmp_path / "out"
+    out.mkdir()
+    saved = {"target": "cuda sm_90", "size": "small", "exporter": "torchscript", "layout": "default",
+             "flat_gemm": False, "implicit_gemm": False, "fused_attention": None,
+             "results": [{"model": "tiny_mlp", "precision": "fp16"}]}
+    for wgmma in ({"wgmma_gemm": False}, {}):
+        (out / "corpus.json").write_text(json.dumps({**saved, **wgmma}))
+        before = (out / "corpus.json").read_text()
+        assert corpus.main(["--target", "cuda:sm_90", "--size", "small", "--models", "tiny_mlp",
+                            "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "other settings" in err and "wgmma_gemm null" in err
+        assert (out / "corpus.json").read_text() == before
+    # on llvm: a corpus saved when --wgmma-gemm was store_true (false) resumes; its done row is kept
+    rows = json.loads((Path(__file__).resolve().parents[1] / "results/cpu/2026-12-05/corpus-wgmma-default/llvm.json").read_text())["results"]
+    row = next(r for r in rows if r["model"] == "tiny_mlp")
+    arch = targets.resolve("llvm").arch
+    (out / "corpus.json").write_text(json.dumps({**saved, "target": f"llvm {arch}", "wgmma_gemm": False,
+                                                 "results": [row]}))
+    assert corpus.main(["--target", "llvm", "--size", "small", "--models", "tiny_mlp", "--out", str(out)]) == 0
+    assert json.loads((out / "corpus.json").read_text())["results"] == [row]
