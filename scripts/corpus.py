@@ -278,7 +278,8 @@ def main(argv=None) -> int:
     commands = report.get("commands") or ([report["command"]] if "command" in report else [])
     report.update({**settings, "date": time.strftime("%Y-%m-%d"), "environment": env, "command": command,
                    "commands": [*commands, command]})
-    results = {(r["model"], r["precision"]): r for r in report["results"]}
+    # (with --force under other settings, the saved rows go: none of them was built as the header now says)
+    results = {} if differ else {(r["model"], r["precision"]): r for r in report["results"]}
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="corpus-"))
     work.mkdir(parents=True, exist_ok=True)
 

@@ -7,6 +7,8 @@ operators TVM's ONNX frontend lacks (an entry marked `expect="unsupported"`)
 must end in the one-line unsupported-operator error."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,7 +96,8 @@ def test_a_resumed_run_with_other_settings_is_refused_in_one_line(tmp_path, caps
     same settings: one saved with `wgmma_gemm` off (or from before the
     key, when it was off) is not resumed under the default, which is on in
     fp16; the refusal is one line, exit 2, the file untouched. On llvm the
-    CUDA-only options do not count."""
+    CUDA-only options do not count. --force under other settings starts
+    over."""
     from .conftest import load_script
 
     corpus = load_script("corpus")
@@ -119,3 +122,14 @@ def test_a_resumed_run_with_other_settings_is_refused_in_one_line(tmp_path, caps
                                                  "results": [row]}))
     assert corpus.main(["--target", "llvm", "--size", "small", "--models", "tiny_mlp", "--out", str(out)]) == 0
     assert json.loads((out / "corpus.json").read_text())["results"] == [row]
+    # --force under other settings starts over: the saved rows (another model's too) are not kept
+    other = {**row, "model": "tiny_cnn"}
+    (out / "corpus.json").write_text(json.dumps({**saved, "target": f"llvm {arch}", "layout": "NCHW",
+                                                 "results": [row, other]}))
+    root = Path(__file__).resolve().parents[1]  # (a run builds in a process pool: the script itself, not its module)
+    subprocess.run([sys.executable, "scripts/corpus.py", "--target", "llvm", "--size", "small", "--models",
+                    "tiny_mlp", "--out", str(out), "--work", str(tmp_path / "work"), "--force"],
+                   cwd=root, check=True, capture_output=True, timeout=600)
+    report = json.loads((out / "corpus.json").read_text())
+    assert [r["model"] for r in report["results"]] == ["tiny_mlp"] and report["layout"] == "default"
+    assert report["results"][0]["outcome"] == "validated"
