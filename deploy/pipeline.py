@@ -285,14 +285,15 @@ def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
     from .passes.schedule import default_chain
     from .passes.wgmma_gemm import ARCHS
 
+    hopper = target.kind == "cuda" and target.arch in ARCHS
     return {
         "modules": {str(b): opt.manifest["files"][opt.manifest["buckets"][str(b)]] for b in buckets},
         "target": target.key(),
         "cuda_graph": bool(profile.cuda_graph),
         "default_chain": default_chain(target.kind),
         # (the GEMMs' kernels, where the pass can take them; absent: keys as before)
-        **({"wgmma_gemm": True} if profile.uses_wgmma_gemm and target.kind == "cuda" and target.arch in ARCHS else {}),
-        **({"wgmma_gather": True} if profile.wgmma_gathers and target.kind == "cuda" and target.arch in ARCHS else {}),
+        **({"wgmma_gemm": True} if hopper and profile.uses_wgmma_gemm else {}),
+        **({"wgmma_gather": True} if hopper and profile.wgmma_gathers else {}),
         "input_ranges": True,  # (a copy built before packages recorded them is built again, not loaded with a warning)
     }
 

@@ -225,7 +225,6 @@ def plan(func, gather: bool = False) -> Plan | None:
     from .kernel_shape import static_int
     from .mma_gemm import match
 
-    gathers, gather = gather, None
     gemm = match(func)
     if gemm is None or gemm.dtype != "float16" or gemm.n % 64 or gemm.k % 16:
         return None
@@ -237,18 +236,18 @@ def plan(func, gather: bool = False) -> Plan | None:
     main = sch.get(sch.get_sblock(gemm.name))
     a_src, b_src = (str(r.source) for r in main.reads)
     c_src = str(main.writes[0].source)
-    padded = None
+    padded = gathered = None
     for producer in gemm.producers:  # row padding of a parameter (TMA reads the rows past the end as zeros),
         blk = sch.get(sch.get_sblock(producer))  # or an implicit GEMM's gather of one (each row copied by cp.async)
         if str(blk.writes[0].source) != a_src or len(blk.reads) != 1 or len(gemm.producers) != 1:
             return None
         padded = _padded_rows(blk)
         if padded is None:
-            gather = _gather(blk, names, gemm.m, gemm.k) if gathers else None
-            if gather is None:
+            gathered = _gather(blk, names, gemm.m, gemm.k) if gather else None
+            if gathered is None:
                 return None
         a_src = str(blk.reads[0].source)
-    if (gather is None and (a_src not in names or len(names[a_src][0]) != 2)) or b_src not in names \
+    if (gathered is None and (a_src not in names or len(names[a_src][0]) != 2)) or b_src not in names \
             or len(names[b_src][0]) != 2:
         return None
     if gemm.epilogue:
@@ -264,7 +263,7 @@ def plan(func, gather: bool = False) -> Plan | None:
         text = f"{c_src}[{v0}, {v1}]"
     if out not in names or len(names[out][0]) != 2:
         return None
-    if gather is not None:  # (A's rows are the output's: the gather's rows past them, pad_gemm's, read as zeros)
+    if gathered is not None:  # (A's rows are the output's: the gather's rows past them, pad_gemm's, read as zeros)
         m, k, a_dtype = names[out][0][0], gemm.k, names[a_src][1]
     else:
         (m, k), a_dtype = names[a_src]
@@ -283,7 +282,7 @@ def plan(func, gather: bool = False) -> Plan | None:
     loads = set(re.findall(r"\b([A-Za-z_]\w*)\[", expr))
     if c_src in loads or not loads <= set(names) - {out}:
         return None  # (the result read elsewhere than at its own [i, j], or an intermediate left)
-    return Plan(params, a_src, b_src, out, m, gemm.n, k, b_kn, expr, gather)
+    return Plan(params, a_src, b_src, out, m, gemm.n, k, b_kn, expr, gathered)
 
 
 def _gather(blk, names, rows: int, k: int):
@@ -293,9 +292,8 @@ def _gather(blk, names, rows: int, k: int):
     conditions of pad_gemm's row padding around it), and each 8 elements
     of A's row from a multiple of 8 lie side by side in the parameter's
     last dimension from a multiple of 8 (one aligned 16-byte copy); else
-    None. That is checked by
-    evaluating the block's own index and condition (NumPy) on rows at both
-    ends and between, over every k."""
+    None. That is checked by evaluating the block's own index and condition
+    (NumPy) on rows at both ends and between, over every k."""
     import numpy as np
 
     if len(blk.iter_vars) != 2:
@@ -338,8 +336,10 @@ def _gather(blk, names, rows: int, k: int):
     if not side_by_side or not np.array_equal(ok[:, base[0]], ok) or not inside or not aligned:
         return None
 
-    def kernel_vars(t):  # (in the block's index type: TVMScript compares only equal types)
-        dtype = str(blk.iter_vars[0].var.ty)
+    # (the kernel's row and K in the block's index type: TVMScript compares only equal types)
+    dtype = str(blk.iter_vars[0].var.ty)
+
+    def kernel_vars(t):
         t = re.sub(rf"\b{re.escape(v1)}\b", f'T.Cast("{dtype}", wg_ak)', t)
         return re.sub(rf"\b{re.escape(v0)}\b", f'T.Cast("{dtype}", wg_arow)', t)
 
@@ -414,14 +414,14 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
     params = ", ".join(f'{name}: T.Buffer({tuple(shape)}, "{dtype}")' for name, shape, dtype in p.params)
     out_dtype = next(dtype for name, _, dtype in p.params if name == p.out)
     if p.gather is None:
-        pieces = {"a_map": _A_MAP, "producer": textwrap.indent(_PRODUCER_TMA, " " * 8), "fence": ""}
+        pieces, gather = {"a_map": _A_MAP, "producer": textwrap.indent(_PRODUCER_TMA, " " * 8), "fence": ""}, {}
     else:
         cond, index = p.gather
         pieces = {"a_map": "", "producer": textwrap.indent(_PRODUCER_GATHER, " " * 8), "fence": _FENCE}
-        pieces["producer"] = string.Template(pieces["producer"]).safe_substitute(
-            a_cond=cond, x=p.a, a_index=", ".join(f"T.if_then_else(wg_ok, T.Cast(\"int64\", {t}), T.int64(0))" for t in index))
+        gather = {"a_cond": cond, "x": p.a,
+                  "a_index": ", ".join(f'T.if_then_else(wg_ok, T.Cast("int64", {t}), T.int64(0))' for t in index)}
     text = string.Template(_TEMPLATE.safe_substitute(pieces)).substitute(
-        params=params, a=p.a, b=p.b, out=p.out, out_dtype=out_dtype, expr=p.expr)
+        params=params, a=p.a, b=p.b, out=p.out, out_dtype=out_dtype, expr=p.expr, **gather)
     from tvm.script import tirx as T
 
     func = tvm.script.from_source(text, extra_vars={"T": T, **consts})

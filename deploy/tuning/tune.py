@@ -89,7 +89,8 @@ def tune_bucket(
     if wgmma:  # (the build gives them our wgmma kernel before any record: tuning them would be time lost)
         log.info("tune: %s: %d GEMM kernel(s) take the wgmma kernel (passes/wgmma_gemm.py), not tuned: %s",
                  db_dir.name, len(wgmma), ", ".join(wgmma))
-        all_tasks = [t for t in all_tasks if t.task_name not in set(wgmma)]
+        taken = set(wgmma)
+        all_tasks = [t for t in all_tasks if t.task_name not in taken]
     if dbs.has_records(db_dir):
         dbs.check_key(db_dir, key)
         dbs.pack(db_dir)  # what a killed run left (working copy, journal, lanes) counts towards the plan

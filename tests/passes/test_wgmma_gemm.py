@@ -184,11 +184,12 @@ def test_a_gather_whose_copies_would_not_lie_side_by_side_is_declined():
     assert wgmma_gemm.plan(tvm.script.from_source(shifted, extra_vars={"T": T}), gather=True) is None
 
 
-def _compiled(kernel, target):
+def _compiled(kernel):
+    """`kernel` compiled alone for its own target (sm_90a) by TVM's TIRx pipeline."""
     from deploy.tvm_compat import tvm
 
     wgmma_gemm.fix_noop_barrier_codegen()
-    return tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target,
+    return tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=kernel.attrs["target"],
                        tir_pipeline="tirx")
 
 
@@ -206,7 +207,7 @@ def test_the_gather_kernel_compiles_for_sm90a(shape):
     from deploy.tvm_compat import tvm
 
     kernel = wgmma_gemm.replacement(_implicit(shape), gather=True)
-    src = _compiled(kernel, kernel.attrs["target"]).mod.imports[0].inspect_source()
+    src = _compiled(kernel).mod.imports[0].inspect_source()
     for ptx in ("cp.async.cg.shared.global [%0], [%1], 16, %2;", "cp.async.mbarrier.arrive.noinc.shared.b64",
                 "fence.proxy.async.shared::cta", "wgmma.mma_async"):
         assert ptx in src
@@ -232,7 +233,7 @@ def test_gpu_an_implicit_gemm_computes_the_convolution(shape, monkeypatch):
     args = emulation.reference(func)
     kernel = wgmma_gemm.replacement(func, gather=True)
     assert kernel is not None and wgmma_gemm.plan(func, gather=True).gather is not None
-    lib = _compiled(kernel, kernel.attrs["target"])
+    lib = _compiled(kernel)
     dev = tvm.cuda(0)
     got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
     lib["main"](*got)
@@ -241,15 +242,11 @@ def test_gpu_an_implicit_gemm_computes_the_convolution(shape, monkeypatch):
 
 
 def test_the_kernel_builds_for_sm90a_with_the_epilogue_in_it():
-    from deploy.tvm_compat import tvm
-
-    wgmma_gemm.fix_noop_barrier_codegen()
     for func, tile, trans in ((_gemm(400, 256, 192, "gelu", pad_to=512), "m64n128k16", "_1_1_0_1("),
                               (_gemm(400, 192, 96, "residual", b_kn=False), "m64n64k16", "_1_1_0_0(")):
         k = wgmma_gemm.kernel(wgmma_gemm.plan(func))
         assert wgmma_gemm.is_ours(k) and str(k.attrs["target"].attrs["arch"]) == "sm_90a"
-        src = tvm.compile(tvm.IRModule({"main": k.with_attr("global_symbol", "main")}), target=k.attrs["target"],
-                          tir_pipeline="tirx").mod.imports[0].inspect_source()
+        src = _compiled(k).mod.imports[0].inspect_source()
         kernel = src[src.index("main_kernel("):]
         assert f"{tile}_f32_f16_f16{trans}" in kernel and "cp_async_bulk_tensor" in kernel
         assert ("erf" in kernel) == ("erf" in wgmma_gemm.plan(func).expr)
@@ -321,13 +318,19 @@ def _module(m=400, k=192):
     return bb.get()
 
 
+def _profile(**cuda):
+    """CUDA's profile, in fp16 unless `cuda` says otherwise."""
+    from deploy import config
+
+    return config.from_dict({"model": {"source": "resnet50"}, "cuda": {"precision": "fp16", **cuda}}).profile("cuda")
+
+
 def _build(mod, target_name, wgmma=True):
-    from deploy import build, config, targets
+    from deploy import build, targets
     from deploy.passes import schedule
 
     target = targets.resolve(target_name)
-    profile = config.from_dict({"model": {"source": "resnet18"},
-                                "cuda": {"precision": "fp16", "wgmma_gemm": wgmma}}).profile("cuda")
+    profile = _profile(wgmma_gemm=wgmma)
     with target.tvm_target():
         return schedule.build(mod, None, target.tvm_target(), "cuda",
                               compile_fn=lambda m: build.compile_module(m, target, profile),
@@ -412,10 +415,7 @@ def test_tvm_still_compiles_cuda_for_the_current_target_not_the_modules():
     from deploy.tvm_compat import tvm
 
     assert "def tvm_callback_cuda_compile(code):" in inspect.getsource(nvcc)  # (registered: an ffi.Function)
-    wgmma_gemm.fix_noop_barrier_codegen()
-    k = wgmma_gemm.replacement(_gemm(128, 64, 64, "bias"))
-    src = tvm.compile(tvm.IRModule({"main": k.with_attr("global_symbol", "main")}), target=k.attrs["target"],
-                      tir_pipeline="tirx").mod.imports[0].inspect_source()
+    src = _compiled(wgmma_gemm.replacement(_gemm(128, 64, 64, "bias"))).mod.imports[0].inspect_source()
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):  # (what compile_target gives)
         assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), pytest.raises(Exception, match="wgmma"):
@@ -473,11 +473,9 @@ def test_by_default_on_in_fp16_on_cuda_only():
     the user turns it off."""
     from deploy import config
 
-    def uses(**cuda):
-        return config.from_dict({"model": {"source": "vit"}, "cuda": cuda}).profile("cuda").uses_wgmma_gemm
-
-    assert uses(precision="fp16") and not uses(precision="fp16", wgmma_gemm=False)
-    assert not uses(precision="fp32") and not uses(precision="tf32", layout="NHWC")
+    assert _profile().uses_wgmma_gemm and not _profile(wgmma_gemm=False).uses_wgmma_gemm
+    assert not _profile(precision="fp32").uses_wgmma_gemm
+    assert not _profile(precision="tf32", layout="NHWC").uses_wgmma_gemm
     assert not config.from_dict({"model": {"source": "vit"}}).profile("llvm").uses_wgmma_gemm
 
 
@@ -486,7 +484,7 @@ def test_tuning_leaves_out_the_gemms_the_kernel_takes(tmp_path):
     tuned (their records would go unused): the tuner's tasks of the module
     above on sm_90 are the element-wise kernel's alone, with the flag on;
     all three with it off, or on sm_80."""
-    from deploy import config, targets
+    from deploy import targets
     from deploy.tuning import tasks as tune_tasks
     from deploy.tuning import tune
 
@@ -496,9 +494,8 @@ def test_tuning_leaves_out_the_gemms_the_kernel_takes(tmp_path):
     assert tune_tasks.wgmma_tasks(found, sm80.tvm_target()) == []
 
     def tuned(target, **cuda):
-        profile = config.from_dict({"model": {"source": "vit"},
-                                    "cuda": {"precision": "fp16", "trials": 0, **cuda}}).profile("cuda")
-        summary = tune.tune_bucket(_module(), tmp_path / f"db-{target.arch}-{len(cuda)}", {"k": 1}, target, profile,
+        summary = tune.tune_bucket(_module(), tmp_path / f"db-{target.arch}-{len(cuda)}", {"k": 1}, target,
+                                   _profile(trials=0, **cuda),
                                    deadline=None, work=tmp_path)
         return summary["tasks_total"], summary.get("tasks_wgmma", 0)
 
@@ -512,14 +509,11 @@ def test_implicit_gemms_only_where_the_flag_is_set_true():
     tensor, as measured; implicit GEMMs, whose A it gathers (not yet run on
     a GPU), only with wgmma_gemm set true: neither the plan nor tuning's
     list of the tasks it takes has them otherwise."""
-    from deploy import config, targets
+    from deploy import targets
     from deploy.tuning import tasks as tune_tasks
     from deploy.tvm_compat import relax
 
-    def profile(**cuda):
-        return config.from_dict({"model": {"source": "resnet50"}, "cuda": {"precision": "fp16", **cuda}}).profile("cuda")
-
-    assert not profile().wgmma_gathers and profile(wgmma_gemm=True).wgmma_gathers
+    assert not _profile().wgmma_gathers and _profile(wgmma_gemm=True).wgmma_gathers
     conv = _conv(2, 8, 64, 64, 3, 1)
     assert wgmma_gemm.plan(conv, gather=False) is None and wgmma_gemm.plan(conv, gather=True).gather is not None
     assert wgmma_gemm.replacement(conv) is None
@@ -544,14 +538,12 @@ def test_the_untuned_builds_cache_key_names_what_the_kernel_takes():
     where they are on, and nothing on other archs."""
     import types
 
-    from deploy import config, pipeline, targets
+    from deploy import pipeline, targets
 
     opt = types.SimpleNamespace(manifest={"files": {}, "buckets": {}})
 
     def key(target, **cuda):
-        profile = config.from_dict({"model": {"source": "resnet50"},
-                                    "cuda": {"precision": "fp16", **cuda}}).profile("cuda")
-        k = pipeline.untuned_key(opt, targets.resolve(target), profile, [])
+        k = pipeline.untuned_key(opt, targets.resolve(target), _profile(**cuda), [])
         return k.get("wgmma_gemm", False), k.get("wgmma_gather", False)
 
     assert key("cuda:sm_90") == (True, False)
