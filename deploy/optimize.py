@@ -19,8 +19,10 @@ relax/backend/cuda/pipeline.py):
                     convolutions as implicit GEMMs (passes.implicit_gemm; asked for);
                     both always in tf32
   epilogues         otherwise: a 2-D matmul's elementwise epilogue carried in 2-D
-                    where its output is reshaped to more dimensions (passes.flat_gemm);
-                    named implicit_gemm where that is asked for without flat_gemm
+                    where its output is reshaped to more dimensions, and on sm_90 with
+                    the wgmma kernel in use the N-D matmuls it would take as 2-D GEMMs
+                    (passes.flat_gemm); named implicit_gemm where that is asked for
+                    without flat_gemm
   fusion            legalize to TIR and fuse into kernels (an fp32 cast before a
                     mean inside the mean's kernel: passes.mean_cast), GEMM rows that
                     tile badly padded inside their kernels (passes.pad_gemm; CUDA): the
@@ -84,7 +86,10 @@ class OptimizeArtifact:
         return load_json(self.module_path(bucket).read_text())
 
 
-def phases(profile: Profile) -> list[tuple[str, list]]:
+def phases(profile: Profile, target=None) -> list[tuple[str, list]]:
+    """The phases for `profile` on `target` (a TVM target; what the
+    optimize stage runs under)."""
+    from .passes import wgmma_gemm
     from .tvm_compat import relax
 
     T = relax.transform
@@ -122,9 +127,10 @@ def phases(profile: Profile) -> list[tuple[str, list]]:
     if profile.flat_gemm:
         out.append(("flat_gemm", [flat_gemm(convs=profile.implicit_gemm, tf32=tf32), *fold()]))
     else:
+        wgmma = profile.uses_wgmma_gemm and target is not None and wgmma_gemm.available(target)
         out.append(("implicit_gemm" if profile.implicit_gemm else "epilogues",
-                    [flat_epilogues(pad_rows=profile.pad_gemm, convs=profile.implicit_gemm), T.CanonicalizeBindings(),
-                     *fold()]))
+                    [flat_epilogues(pad_rows=profile.pad_gemm, convs=profile.implicit_gemm, wgmma=wgmma),
+                     T.CanonicalizeBindings(), *fold()]))
     out.append(
         (
             "fusion",
@@ -177,7 +183,7 @@ def optimize_module(mod, profile: Profile, target, dump_dir: Path | None = None)
 
     report = [{"phase": "input", "ops": op_counts(mod)}]
     with target, PassContext(opt_level=3):
-        for name, passes in phases(profile):
+        for name, passes in phases(profile, target):
             mod = Sequential(passes, name=name)(mod)
             entry = {"phase": name, "ops": op_counts(mod)}
             if name == "fusion":

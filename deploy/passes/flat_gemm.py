@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from . import implicit_gemm, pruned, relax_function_pass, static_shape, tensor_dtype
+from . import implicit_gemm, pruned, relax_function_pass, static_shape, tensor_dtype, wgmma_gemm
 from .pad_gemm import pads
 
 UNARY = frozenset({
@@ -47,14 +47,17 @@ BINARY = frozenset({
 })
 
 
-def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, tf32: bool = False):
+def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, tf32: bool = False,
+              wgmma: bool = False):
     """A pass: see the module's docstring. `gemms=False` (`flat_epilogues()`)
     rewrites no convolution or matmul, and only carries the epilogues of
     2-D results viewed in more dimensions; with `pad_rows`, it also rewrites
     the N-D matmuls whose row count passes.pad_gemm pads (which only pads a
-    GEMM whose rows are one loop); with `convs`, the convolutions that
-    passes.implicit_gemm takes become implicit GEMMs [N*Ho*Wo, O], their
-    epilogues carried in 2-D as well (fp32 ones too with `tf32`)."""
+    GEMM whose rows are one loop); with `wgmma`, the N-D matmuls whose 2-D
+    form passes.wgmma_gemm's kernel takes (which takes 2-D GEMMs only);
+    with `convs`, the convolutions that passes.implicit_gemm takes become
+    implicit GEMMs [N*Ho*Wo, O], their epilogues carried in 2-D as well
+    (fp32 ones too with `tf32`)."""
     from ..tvm_compat import relax, tvm
 
     op = relax.op
@@ -111,8 +114,8 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
                 return self._implicit(call)
             if name == "relax.nn.conv2d" and gemms:
                 return self._conv1x1(call)
-            if name == "relax.matmul" and (gemms or pad_rows):
-                return self._matmul(call, only_padded=not gemms)
+            if name == "relax.matmul" and (gemms or pad_rows or wgmma):
+                return self._matmul(call, every=gemms)
             if name == "relax.reshape":
                 return self._reshape(call)
             if name in UNARY:
@@ -164,14 +167,18 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
                                          primfunc_name_hint="conv2d_gemm")
             return self._emit_flat(gemm, ys)
 
-        def _matmul(self, call, only_padded: bool = False):
+        def _matmul(self, call, every: bool):
+            """Every N-D matmul by a 2-D right side, or (not `every`) those
+            pad_rows and wgmma ask for."""
             x, w = call.args
             xs, ws, ys = static_shape(x), static_shape(w), static_shape(call)
             if xs is None or ws is None or ys is None or len(xs) < 3 or len(ws) != 2:
                 return call
-            if only_padded and not pads(math.prod(xs[:-1])):
+            rows = math.prod(xs[:-1])
+            kernel = wgmma and wgmma_gemm.fits(rows, ws[1], xs[-1]) and tensor_dtype(x) == tensor_dtype(w) == "float16"
+            if not every and not (pad_rows and pads(rows)) and not kernel:
                 return call
-            lhs = self._rows(x, [math.prod(xs[:-1]), xs[-1]])
+            lhs = self._rows(x, [rows, xs[-1]])
             return self._emit_flat(op.matmul(lhs, w, out_dtype=call.attrs.out_dtype), ys)
 
         def _binary(self, call):
@@ -208,7 +215,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
     return pruned("FlatGemm", relax_function_pass("FlatGemm", FlatGemm, emits_functions=convs))
 
 
-def flat_epilogues(pad_rows: bool = False, convs: bool = False, tf32: bool = False):
+def flat_epilogues(pad_rows: bool = False, convs: bool = False, tf32: bool = False, wgmma: bool = False):
     """The elementwise epilogue of a 2-D matmul whose output is reshaped to
     more dimensions (a transformer's dense layer over batch x sequence rows,
     then GELU, a residual add) carried in 2-D, and the reshape back to 2-D
@@ -218,5 +225,8 @@ def flat_epilogues(pad_rows: bool = False, convs: bool = False, tf32: bool = Fal
     this too. With `pad_rows` (the profile's `pad_gemm`), N-D matmuls whose
     rows passes.pad_gemm pads become 2-D GEMMs as well (ViT-S/16's attention
     output projection over 32 x 197 tokens). With `convs` (the profile's
-    `implicit_gemm`), KxK convolutions become implicit GEMMs as well."""
-    return flat_gemm(gemms=False, pad_rows=pad_rows, convs=convs, tf32=tf32)
+    `implicit_gemm`), KxK convolutions become implicit GEMMs as well. With
+    `wgmma` (passes.wgmma_gemm's kernel in use), N-D matmuls whose 2-D form
+    the kernel takes become 2-D GEMMs (GPT's dense layers over batch x
+    sequence rows: the kernel takes 2-D GEMMs only)."""
+    return flat_gemm(gemms=False, pad_rows=pad_rows, convs=convs, tf32=tf32, wgmma=wgmma)

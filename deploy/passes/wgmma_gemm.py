@@ -215,6 +215,12 @@ def available(target) -> bool:
     return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) in ARCHS
 
 
+def fits(m: int, n: int, k: int) -> bool:
+    """Whether the kernel takes an fp16 GEMM of this shape (with A, B and
+    the output parameters: plan's other terms)."""
+    return m % 16 == 0 and n % 64 == 0 and k % 16 == 0
+
+
 def plan(func, gather: bool = False) -> Plan | None:
     """The Plan of `func` (a fused PrimFunc), else None: an fp16 GEMM that
     mma_gemm.match takes, whose A is a parameter (or a parameter's row
@@ -226,7 +232,7 @@ def plan(func, gather: bool = False) -> Plan | None:
     from .mma_gemm import match
 
     gemm = match(func)
-    if gemm is None or gemm.dtype != "float16" or gemm.n % 64 or gemm.k % 16:
+    if gemm is None or gemm.dtype != "float16" or not fits(gemm.m, gemm.n, gemm.k):
         return None
     params = [(str(p), [static_int(d) for d in p.shape], str(p.dtype)) for p in func.params]
     if any(None in shape for _, shape, _ in params):
