@@ -175,7 +175,8 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             if xs is None or ws is None or ys is None or len(xs) < 3 or len(ws) != 2:
                 return call
             rows = math.prod(xs[:-1])
-            kernel = wgmma and wgmma_gemm.fits(rows, ws[1], xs[-1]) and tensor_dtype(x) == tensor_dtype(w) == "float16"
+            kernel = wgmma and wgmma_gemm.fits(rows, ws[1], xs[-1]) and tensor_dtype(x) == tensor_dtype(w) == "float16" \
+                and tensor_dtype(call) == "float32"  # (the kernel sums in fp32: accumulate = "fp16" is not its)
             if not every and not (pad_rows and pads(rows)) and not kernel:
                 return call
             lhs = self._rows(x, [rows, xs[-1]])

@@ -216,8 +216,9 @@ def available(target) -> bool:
 
 
 def fits(m: int, n: int, k: int) -> bool:
-    """Whether the kernel takes an fp16 GEMM of this shape (with A, B and
-    the output parameters: plan's other terms)."""
+    """Whether the kernel can take an fp16 GEMM of this shape, summed in
+    fp32: necessary, not sufficient (plan's other terms: A, B and the
+    output parameters, sizes within int32, an element-wise epilogue)."""
     return m % 16 == 0 and n % 64 == 0 and k % 16 == 0
 
 

@@ -316,28 +316,38 @@ class Mod:
         np.testing.assert_array_equal(got, ref)
 
 
-def _dense_nd(dtype="float16", seq=8, n=64):
-    """A dense layer as GPT's importer gives it: [batch, seq, K] @ [K, N] +
-    bias, GELU, the matmul 3-D."""
+def _dense_nd(dtype="float16", seq=8, n=64, k=64, acc="float32"):
+    """A dense layer as GPT's importer and mixed precision give it:
+    [batch, seq, K] @ [K, N] summed in `acc`, cast back, + bias, GELU, the
+    matmul 3-D."""
+    y = f'R.astype(y, "{dtype}")' if acc != dtype else "y"
     return _parse(f"""
 @I.ir_module
 class Mod:
     @R.function
-    def main(x: R.Tensor((2, {seq}, 64), "{dtype}"), w: R.Tensor((64, {n}), "{dtype}"),
+    def main(x: R.Tensor((2, {seq}, {k}), "{dtype}"), w: R.Tensor(({k}, {n}), "{dtype}"),
              b: R.Tensor(({n},), "{dtype}")):
         with R.dataflow():
-            y = R.matmul(x, w, out_dtype="{dtype}")
-            z = R.nn.gelu(R.add(y, b))
+            y = R.matmul(x, w, out_dtype="{acc}")
+            z = R.nn.gelu(R.add({y}, b))
             R.output(z)
         return z
 """)
 
 
+def _gemm_kernel(mod):
+    """The one matmul kernel of `mod` (fused if it is not yet)."""
+    kernels = _kernels(mod) or _kernels(_fused(mod))
+    (func,) = [f for f in kernels.values() if "matmul" in f.script()]
+    return func
+
+
 def test_the_nd_matmuls_the_wgmma_kernel_takes_become_2d_gemms():
     """flat_epilogues(wgmma=True) (sm_90, the kernel in use): an N-D matmul
-    whose 2-D form the kernel takes (fp16, rows a multiple of 16, N of 64,
-    K of 16) becomes one 2-D GEMM kernel with its epilogue, computing the
-    same; the rest is left as it was."""
+    whose 2-D form the kernel takes (fp16 summed in fp32, rows a multiple of
+    16, N of 64, K of 16) becomes one 2-D GEMM kernel with its epilogue,
+    computing the same, that the kernel's plan takes; the rest is left as
+    it was."""
     from deploy.passes import wgmma_gemm
     from deploy.passes.flat_gemm import flat_epilogues
 
@@ -351,22 +361,28 @@ def test_the_nd_matmuls_the_wgmma_kernel_takes_become_2d_gemms():
     gemms = [n for n in kernels if n.startswith("fused_matmul")]
     assert len(gemms) == 1 and "add" in gemms[0], kernels.keys()
     assert "T.Buffer((T.int64(16), T.int64(64))" in kernels[gemms[0]].script()  # rows = batch x seq
-    for why, other in [("rows 10", _dense_nd(seq=5)), ("N 48", _dense_nd(n=48)), ("fp32", _dense_nd("float32"))]:
+    assert wgmma_gemm.plan(kernels[gemms[0]]) is not None
+    assert wgmma_gemm.plan(_gemm_kernel(mod)) is None  # (what it was: 3-D, not the kernel's)
+    for why, other in [("rows 10", _dense_nd(seq=5)), ("N 48", _dense_nd(n=48)), ("K 40", _dense_nd(k=40)),
+                       ("fp32", _dense_nd("float32", acc="float32")), ("summed in fp16", _dense_nd(acc="float16"))]:
         assert "R.matmul(x" in flat_epilogues(wgmma=True)(other).script(), why
     assert "R.matmul(x" in flat_epilogues()(mod).script()  # (not asked: as before)
-    assert wgmma_gemm.fits(16, 64, 64) and not wgmma_gemm.fits(10, 64, 64) and not wgmma_gemm.fits(16, 48, 64)
+    assert wgmma_gemm.fits(16, 64, 64) and not any(wgmma_gemm.fits(*s) for s in [(10, 64, 64), (16, 48, 64), (16, 64, 40)])
 
 
 @pytest.mark.parametrize("arch, cuda, flat", [
     ("sm_90", {}, True),  # the default: the kernel in use in fp16
     ("sm_90", {"wgmma_gemm": False}, False),
+    ("sm_90", {"accumulate": "fp16"}, False),  # (the kernel sums in fp32)
     ("sm_80", {}, False),  # no kernel there: as before
 ])
 def test_the_optimize_stage_flattens_them_where_the_kernel_is_used(arch, cuda, flat):
     from deploy import optimize, targets
+    from deploy.passes import wgmma_gemm
 
     cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"precision": "fp16", **cuda}})
     target = targets.resolve(f"cuda:{arch}").tvm_target()
-    mod, _ = optimize.optimize_module(_dense_nd("float32"), cfg.cuda, target)
-    shapes = [str(f.params[0].ty.shape) for f in _kernels(mod).values() if "matmul" in f.script()]
-    assert len(shapes) == 1 and (shapes[0].count(",") == 1) == flat, shapes
+    mod, _ = optimize.optimize_module(_dense_nd("float32", acc="float32"), cfg.cuda, target)
+    func = _gemm_kernel(mod)
+    assert (len(func.params[0].ty.shape) == 2) == flat, func.script()
+    assert (wgmma_gemm.plan(func) is not None) == flat
