@@ -176,7 +176,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
                 return call
             rows = math.prod(xs[:-1])
             kernel = wgmma and wgmma_gemm.fits(rows, ws[1], xs[-1]) and tensor_dtype(x) == tensor_dtype(w) == "float16" \
-                and tensor_dtype(call) == "float32"  # (the kernel sums in fp32: accumulate = "fp16" is not its)
+                and tensor_dtype(call) == "float32"  # (the kernel sums in fp32, not as accumulate = "fp16" asks)
             if not every and not (pad_rows and pads(rows)) and not kernel:
                 return call
             lhs = self._rows(x, [rows, xs[-1]])
