@@ -101,6 +101,7 @@ def test_a_resumed_run_with_other_settings_is_refused_in_one_line(tmp_path, caps
     from .conftest import load_script
 
     corpus = load_script("corpus")
+    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "out"
     out.mkdir()
     saved = {"target": "cuda sm_90", "size": "small", "exporter": "torchscript", "layout": "default",
@@ -115,7 +116,7 @@ def test_a_resumed_run_with_other_settings_is_refused_in_one_line(tmp_path, caps
         assert err.count("\n") == 1 and "other settings" in err and "wgmma_gemm null" in err
         assert (out / "corpus.json").read_text() == before
     # on llvm: a corpus saved when --wgmma-gemm was store_true (false) resumes; its done row is kept
-    rows = json.loads((Path(__file__).resolve().parents[1] / "results/cpu/2026-12-05/corpus-wgmma-default/llvm.json").read_text())["results"]
+    rows = json.loads((root / "results/cpu/2026-12-05/corpus-wgmma-default/llvm.json").read_text())["results"]
     row = next(r for r in rows if r["model"] == "tiny_mlp")
     arch = targets.resolve("llvm").arch
     (out / "corpus.json").write_text(json.dumps({**saved, "target": f"llvm {arch}", "wgmma_gemm": False,
@@ -126,7 +127,7 @@ def test_a_resumed_run_with_other_settings_is_refused_in_one_line(tmp_path, caps
     other = {**row, "model": "tiny_cnn"}
     (out / "corpus.json").write_text(json.dumps({**saved, "target": f"llvm {arch}", "layout": "NCHW",
                                                  "results": [row, other]}))
-    root = Path(__file__).resolve().parents[1]  # (a run builds in a process pool: the script itself, not its module)
+    # (a run builds in a process pool: the script itself, not its module)
     subprocess.run([sys.executable, "scripts/corpus.py", "--target", "llvm", "--size", "small", "--models",
                     "tiny_mlp", "--out", str(out), "--work", str(tmp_path / "work"), "--force"],
                    cwd=root, check=True, capture_output=True, timeout=600)
