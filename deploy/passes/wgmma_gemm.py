@@ -15,14 +15,16 @@ results/h100/2026-12-05/wgmma-ws-probe/), carrying the kernel's epilogue:
 - B as the model stores it: [K, N] (ONNX MatMul's weight: 64-column TMA
   boxes, an MN-major descriptor, wgmma's B transposed) or [N, K];
 - A's rows past the GEMM's (pad_gemm's padding) read as zeros by TMA and
-  never written, so the kernel reads A where it lies;
+  never written, so the kernel reads A where it lies; so are B's columns
+  past N where the tiles do not divide it (ConvNeXt's and Swin's first
+  stage, N = 96: `tile_columns`);
 - or A gathered, an implicit GEMM's im2col (--implicit-gemm; a strided 1x1
   convolution with --flat-gemm): the whole producer warpgroup copies each
   row's 16-byte chunks by `cp.async` into TMA's swizzled layout, zero-filled
   in the padding, the gather's own index and condition rewritten onto the
   thread's row and K as the epilogue is (`_gather` checks, by evaluating
-  them, that each chunk is 8 neighbouring channels). Built and compiled on
-  the CPU machine; its GPU tests (`-m gpu`) not yet run, so it is taken
+  them, that each chunk is 8 neighbouring channels). Its GPU tests pass
+  (results/h100/2026-12-06/flat-wgmma/); not yet timed, so it is taken
   only where `wgmma_gemm` is set true (`gather`), not by default;
 - the epilogue: the kernel's element-wise blocks after the GEMM (cast, bias,
   GELU, a residual), inlined into one expression by TVM's own
@@ -134,7 +136,7 @@ $fence                for i in T.unroll(wg_nacc):
                     wg_row = T.meta_var((wg_tile // wg_grid_n) * wg_bm + wg_g * 64 + (wg_tx % 128) // 32 * 16
                                         + (wg_tx % 32) // 4 + r * 8)
                     wg_col = T.meta_var((wg_tile % wg_grid_n) * wg_bn + i * 8 + (wg_tx % 4) * 2)
-                    if wg_row < wg_m:  # (the epilogue reads per-row parameters too: only rows that exist)
+                    if $in_bounds:  # (the epilogue reads per-row and per-column parameters: only what exists)
                         for c in T.unroll(2):
                             wg_x = T.meta_var(wg_acc[i * 4 + r * 2 + c])
                             wg_colc = T.meta_var(wg_col + c)
@@ -218,15 +220,32 @@ def available(target) -> bool:
 def fits(m: int, n: int, k: int) -> bool:
     """Whether the kernel can take an fp16 GEMM of this shape, summed in
     fp32: necessary, not sufficient (plan's other terms: A, B and the
-    output parameters, sizes within int32, an element-wise epilogue)."""
-    return m % 16 == 0 and n % 64 == 0 and k % 16 == 0
+    output parameters, sizes within int32, an element-wise epilogue).
+    (N need not fill the tiles, nor K a stage: TMA reads B's columns or rows
+    past N and both operands' K past its end as zeros, and the columns past
+    N are not written; 16, as mma_gemm.match asks, keeps TMA's rows 16-byte
+    aligned.)"""
+    return m % 16 == 0 and n % 16 == 0 and k % 16 == 0
+
+
+def tile_columns(n: int, b_kn: bool) -> int:
+    """A tile's columns for N: 128 or 64 where they divide it (128 first);
+    else the one that computes the fewest columns past N, the larger on a
+    tie (A read once a row of tiles), or with B [N, K] N itself up to 256
+    (wgmma's N is any multiple of 8 when B is K-major; with B [K, N] its
+    TMA boxes and swizzle are 64 columns wide)."""
+    if n % 128 == 0 or n % 64 == 0:
+        return 128 if n % 128 == 0 else 64
+    if not b_kn and n <= 256 and n % 8 == 0:
+        return n
+    return min((128, 64), key=lambda bn: -(-n // bn) * bn)
 
 
 def plan(func, gather: bool = False) -> Plan | None:
     """The Plan of `func` (a fused PrimFunc), else None: an fp16 GEMM that
     mma_gemm.match takes, whose A is a parameter (or a parameter's row
     padding, or with `gather` an implicit GEMM's gather of one), whose B is
-    a parameter, whose N a multiple of 64 and K of 16, and whose epilogue
+    a parameter, whose shape `fits`, and whose epilogue
     ends in a parameter of [rows, N]."""
     from ..tvm_compat import s_tir, tvm
     from .kernel_shape import static_int
@@ -388,18 +407,20 @@ def _padded_rows(blk) -> int | None:
 def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None):
     """The TIRx PrimFunc of a Plan: the model function's parameters, the
     kernel of the module docstring, with tiles of `bn` columns (by default
-    128 where they divide N, else 64). Raises ValueError where `bn` does not
-    tile N (a multiple of 8 up to 256; of 64 with B [K, N]) or the ring
-    does not fit in shared memory."""
+    `tile_columns`; the last tile's columns past N read as zeros and not
+    written). Raises ValueError where `bn` is not a tile (a multiple of 8
+    up to 256; of 64 with B [K, N]) or the ring does not fit in shared
+    memory."""
     from ..tvm_compat import tvm
 
-    bn = bn or (128 if p.n % 128 == 0 else 64)
-    if p.n % bn or bn % (64 if p.b_kn else 8) or bn > 256:
-        raise ValueError(f"{bn} columns do not tile N = {p.n} (a multiple of {64 if p.b_kn else 8} up to 256)")
+    bn = bn or tile_columns(p.n, p.b_kn)
+    if bn % (64 if p.b_kn else 8) or bn > 256 or p.n % 8:
+        raise ValueError(f"{bn} columns are not a tile (a multiple of {64 if p.b_kn else 8} up to 256) of "
+                         f"N = {p.n} (a multiple of 8)")
     if stages * (BM + bn) * BK * 2 > SHARED_MEMORY:
         raise ValueError(f"{stages} stages of 128x{bn} tiles need {stages * (BM + bn) * BK * 2 // 1024} KB of "
                          f"shared memory; a block has {SHARED_MEMORY // 1024} KB on sm_90")
-    k_tiles, grid_m, grid_n = (p.k + BK - 1) // BK, (p.m + BM - 1) // BM, p.n // bn
+    k_tiles, grid_m, grid_n = (p.k + BK - 1) // BK, (p.m + BM - 1) // BM, (p.n + bn - 1) // bn
     tiles = grid_m * grid_n
     if p.b_kn:
         b_stage, b_args = (stages, bn // 64, BK, 64), [p.n, p.k, p.n * 2, 64, BK, 1, 1, 0, 3, 2, 0]
@@ -413,7 +434,7 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
         "wg_a_tile": BM * BK, "wg_b_tile": bn * BK, "wg_b_stage": b_stage, "wg_nacc": bn // 2,
         "wg_k_tiles": k_tiles, "wg_grid_n": grid_n, "wg_stage_bytes": (BM + bn) * BK * 2, "wg_b_kn": p.b_kn,
         "wg_b_lbo": b_lbo, "wg_b_sbo": 64, "wg_b_step": b_step, "wg_b_trans": b_trans, "wg_b_origin": b_origin,
-        "wg_regs": bn > 128, "wg_m": p.m, "wg_k": p.k, "wg_b_bytes": bn * BK * 2,
+        "wg_regs": bn > 128, "wg_m": p.m, "wg_n": p.n, "wg_k": p.k, "wg_b_bytes": bn * BK * 2,
         "wg_full_count": 1 if p.gather is None else 129,  # (the TMA thread's arrival, and each gathering thread's)
         "wg_mma": f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16",
         "wg_tma": TMA_LOAD,
@@ -427,8 +448,9 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
         pieces = {"a_map": "", "producer": textwrap.indent(_PRODUCER_GATHER, " " * 8), "fence": _FENCE}
         gather = {"a_cond": cond, "x": p.a,
                   "a_index": ", ".join(f'T.if_then_else(wg_ok, T.Cast("int64", {t}), T.int64(0))' for t in index)}
+    in_bounds = "wg_row < wg_m" if p.n % bn == 0 else "T.And(wg_row < wg_m, wg_col < wg_n)"  # (N even: col + 1 too)
     text = string.Template(_TEMPLATE.safe_substitute(pieces)).substitute(
-        params=params, a=p.a, b=p.b, out=p.out, out_dtype=out_dtype, expr=p.expr, **gather)
+        params=params, a=p.a, b=p.b, out=p.out, out_dtype=out_dtype, expr=p.expr, in_bounds=in_bounds, **gather)
     from tvm.script import tirx as T
 
     func = tvm.script.from_source(text, extra_vars={"T": T, **consts})

@@ -88,15 +88,16 @@ def _meaning(p):
     return tvm.script.from_source(text, extra_vars={"T": T})
 
 
-@pytest.mark.parametrize("epilogue,b_kn,pad", [("gelu", True, 128), ("residual", True, None), ("bias", False, None),
-                                               ("none", True, None)])
-def test_the_plan_means_what_the_function_computes(epilogue, b_kn, pad):
+@pytest.mark.parametrize("epilogue,b_kn,pad,n", [("gelu", True, 128, 64), ("residual", True, None, 64),
+                                                 ("bias", False, None, 64), ("none", True, None, 64),
+                                                 ("residual", True, None, 96)])
+def test_the_plan_means_what_the_function_computes(epilogue, b_kn, pad, n):
     """The plan's A, B, output, B layout and epilogue text, run as plain TIR
     on LLVM, compute what the fused function computes (a ViT fc1 with its
-    rows padded, a residual in fp32, B stored [N, K], no epilogue)."""
-    func = _gemm(112, 64, 48, epilogue, b_kn=b_kn, pad_to=pad)
+    rows padded, a residual in fp32, B stored [N, K], no epilogue, N = 96)."""
+    func = _gemm(112, n, 48, epilogue, b_kn=b_kn, pad_to=pad)
     p = wgmma_gemm.plan(func)
-    assert p is not None and (p.a, p.b, p.m, p.n, p.k, p.b_kn) == ("a", "w", 112, 64, 48, b_kn)
+    assert p is not None and (p.a, p.b, p.m, p.n, p.k, p.b_kn) == ("a", "w", 112, n, 48, b_kn)
     assert "wg_x" in p.expr
     want = emulation.reference(func)  # (both on the same seeded inputs: the meaning takes the function's parameters)
     got = emulation.reference(_meaning(p))
@@ -253,14 +254,72 @@ def test_the_kernel_builds_for_sm90a_with_the_epilogue_in_it():
         assert "*(half2*)" in kernel or "*(float2*)" in kernel  # (two columns a store)
 
 
+def test_a_tile_has_the_columns_that_compute_fewest_past_n():
+    """128 or 64 columns where they divide N; else the fewest computed past
+    N (the larger on a tie), or N itself with B [N, K] (wgmma's N, any
+    multiple of 8 when B is K-major)."""
+    tiles = wgmma_gemm.tile_columns
+    assert (tiles(384, True), tiles(192, True), tiles(192, False)) == (128, 64, 64)
+    assert (tiles(96, True), tiles(288, True), tiles(160, True), tiles(16, True)) == (128, 64, 64, 64)
+    assert (tiles(96, False), tiles(240, False), tiles(288, False)) == (96, 240, 64)
+
+
+# (N = 96 with B [K, N]: one tile of 128 columns, the last 32 past N; with B [N, K]: tiles of 96; N = 288 with
+# B [K, N]: five tiles of 64, the last half past N)
+_RAGGED_N = [(96, True, "gelu", 128), (96, False, "residual", 96), (288, True, "bias", 64)]
+
+
+@pytest.mark.parametrize("n,b_kn,epilogue,bn", _RAGGED_N, ids=["96-kn", "96-nk", "288-kn"])
+def test_columns_past_n_are_guarded_and_nvcc_compiles_the_kernel(n, b_kn, epilogue, bn):
+    """Where the tiles do not divide N the store (and the epilogue's read of
+    a per-column parameter) is kept inside N; where they do, the kernel is
+    as it was; nvcc compiles both for sm_90a. (One tile of 128 columns over
+    N = 96: the compiler drops the stores of the last four column groups.)"""
+    from tvm.support import nvcc
+
+    from deploy.tvm_compat import tvm
+
+    func = _gemm(400, n, 192, epilogue, b_kn=b_kn)
+    k = wgmma_gemm.kernel(wgmma_gemm.plan(func))
+    guard = [line for line in k.script().splitlines() if "< 400" in line]
+    assert len(guard) == 1 and guard[0].rstrip().endswith(f"< {n}:") == (n % bn != 0), guard
+    src = _compiled(k).mod.imports[0].inspect_source()
+    kernel = src[src.index("main_kernel("):]
+    assert f"m64n{bn}k16" in kernel
+    assert kernel.count(" = *(") == (2 * n // 8 if n <= bn else 2 * bn // 8)  # (two rows a column group)
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,b_kn,epilogue,bn", _RAGGED_N, ids=["96-kn", "96-nk", "288-kn"])
+def test_gpu_columns_past_n_read_as_zeros_and_are_not_written(n, b_kn, epilogue, bn, monkeypatch):
+    """The kernels of the test above on the GPU, on two persistent CTAs,
+    against the function lowered for the CPU: the product over the columns
+    that exist, the output's columns untouched past N (it is exactly N
+    wide: a write past it would land in the next row, which the comparison
+    sees)."""
+    from deploy.tvm_compat import tvm
+
+    monkeypatch.setattr(wgmma_gemm, "SMS", 2)
+    func = _gemm(400, n, 192, epilogue, b_kn=b_kn)
+    args = emulation.reference(func)
+    lib = _compiled(wgmma_gemm.replacement(func))
+    dev = tvm.cuda(0)
+    got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
+    lib["main"](*got)
+    out, want = got[-1].numpy().astype("float32"), args[-1].astype("float32")
+    assert float(np.linalg.norm(out - want) / np.linalg.norm(want)) < 2e-3
+
+
 def test_what_it_leaves_to_the_schedule_chain():
-    """Declined, never raised: N not a multiple of 64, producers other than
+    """Declined, never raised: N not a multiple of 16, producers other than
     row padding or an implicit GEMM's gather (even with gathers on: an
     element-wise producer, a gather of a 3-D input, a column mask), an
     epilogue whose intermediate is an output too, an fp32 GEMM."""
     from tvm import te, tirx
 
-    assert wgmma_gemm.plan(_gemm(112, 96, 48, "bias")) is None
+    assert wgmma_gemm.plan(_gemm(112, 104, 48, "bias")) is None
     a = te.placeholder((64, 32), "float16", name="a")
     w = te.placeholder((32, 64), "float16", name="w")
     r = te.reduce_axis((0, 32), "r")
