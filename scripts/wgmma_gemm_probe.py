@@ -42,6 +42,7 @@ registers and spills.
     python scripts/wgmma_gemm_probe.py --shapes 6272x1536x384,6400x384x1536 --epilogue gelu --out DIR
     python scripts/wgmma_gemm_probe.py --kernels persistent --bn 128,256 --shapes 4096x4096x4096 --out DIR
     python scripts/wgmma_gemm_probe.py --kernels persistent --b-layout kn --shapes 6272x1536x384 --out DIR
+    python scripts/wgmma_gemm_probe.py --kernels persistent --in-flight 0,1 --shapes 6272x1536x384 --out DIR
 
 Writes DIR/probe.json and DIR/probe.md.
 
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -194,22 +196,23 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
 
 
 def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: str = "bias",
-                 sms: int = 132, b_kn: bool = False):
+                 sms: int = 132, b_kn: bool = False, in_flight: int = 0):
     """`make_gemm`'s GEMM (fp16) as the package builds it with --wgmma-gemm
     (deploy/passes/wgmma_gemm.py): warp-specialized on a persistent grid, as
     cuBLAS's Hopper kernels are. `sms` CTAs take the 128 x bn tiles in turn;
     a producer warpgroup (one thread issuing TMA) keeps the ring full across
     tiles, two consumer warpgroups (64 rows each) multiply, and apply the
     epilogue while the producer loads the next tile. `b_kn`: B stored [K, N]
-    (ONNX MatMul's weight) instead of [N, K]. The epilogue is made as the
+    (ONNX MatMul's weight) instead of [N, K]; `in_flight`: wgmma groups a
+    consumer leaves running (the pass's `kernel`). N need not be a multiple
+    of `bn` (the last tile's columns past N read as zeros, not written).
+    The epilogue is made as the
     model's would be, a fused function's blocks (bias: fp16(C + bias); gelu:
     GELU of it in fp32), and carried into the kernel by the pass."""
     from tvm import te, tirx
 
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
-    if n % bn or k % 16:
-        raise ValueError(f"{m}x{n}x{k} does not tile by {BM}x{bn}x16 (N % {bn}, K % 16)")
     a = te.placeholder((m, k), "float16", name="A")
     b = te.placeholder((k, n) if b_kn else (n, k), "float16", name="B")
     bias = te.placeholder((n,), "float16", name="bias")
@@ -223,8 +226,9 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     out = te.compute((m, n), lambda i, j: h[i, j].astype("float16"), name="D")
     plan = wgmma_gemm.plan(te.create_prim_func([a, b, bias, out]))
     if plan is None:
-        raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M and K multiples of 16, N of 64)")
-    return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn).with_attr("global_symbol", "main")
+        raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M, N and K multiples of 16)")
+    return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn, in_flight=in_flight).with_attr("global_symbol",
+                                                                                                  "main")
 
 
 def build(func):
@@ -244,13 +248,18 @@ def main(argv=None) -> int:
                    help="tf32: fp32 operands on TF32 tensor cores, checked against strict fp32")
     p.add_argument("--kernels", default="single,persistent",
                    help="single: make_gemm; persistent: make_gemm_ws (warp-specialized, fp16 only)")
+    p.add_argument("--in-flight", default="0",
+                   help="wgmma groups a consumer leaves running, e.g. 0,1 (persistent kernel only)")
     p.add_argument("--b-layout", default="nk", choices=("nk", "kn"),
                    help="B stored [N, K] (a dense layer's weight) or [K, N] (ONNX MatMul's; persistent kernel only)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     shapes = probe_common.parse_shapes(args.shapes)
     bns, stage_list = probe_common.parse_ints(args.bn, "--bn"), probe_common.parse_ints(args.stages, "--stages")
-    if shapes is None or bns is None or stage_list is None:
+    flights = [int(x) for x in args.in_flight.split(",")] if re.fullmatch(r"[01](,[01])*", args.in_flight) else None
+    if flights is None:
+        print(f"error: --in-flight must be 0 or 1, separated by commas | got {args.in_flight!r}", file=sys.stderr)
+    if shapes is None or bns is None or stage_list is None or flights is None:
         return 2
     kernels = args.kernels.split(",")
     if not kernels or any(x not in KERNELS for x in kernels):
@@ -303,17 +312,17 @@ def main(argv=None) -> int:
 
             rows.append(probe_common.torch_row(shape, f"torch (cuBLAS, {args.dtype})", cublas, flop))
             run_args = ([a_np, b_np, bias_np], (m, n), elem, ref, flop)
-        for kernel in kernels:
-            for bn in bns:
-                for stages in stage_list:
-                    make = (functools.partial(make_gemm, m, n, k, bn, stages, args.epilogue, args.dtype)
-                            if kernel == "single" else functools.partial(make_gemm_ws, m, n, k, bn, stages,
-                                                                         args.epilogue, b_kn=b_kn))
-                    rows.append(probe_common.measure(
-                        {"shape": shape, "config": f"{KERNELS[kernel]} {args.dtype} 128x{bn}x{bk}-s{stages}"
-                                                   + ("-kn" if b_kn else "")},
-                        lambda make=make: build(make()), {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor"},
-                        run_args, "sm_90a"))
+        configs = [(kernel, bn, stages, fl) for kernel in kernels for bn in bns for stages in stage_list
+                   for fl in (flights if kernel == "persistent" else [0])]
+        for kernel, bn, stages, fl in configs:
+            make = (functools.partial(make_gemm, m, n, k, bn, stages, args.epilogue, args.dtype)
+                    if kernel == "single" else functools.partial(make_gemm_ws, m, n, k, bn, stages,
+                                                                 args.epilogue, b_kn=b_kn, in_flight=fl))
+            rows.append(probe_common.measure(
+                {"shape": shape, "config": f"{KERNELS[kernel]} {args.dtype} 128x{bn}x{bk}-s{stages}"
+                                           + ("-kn" if b_kn else "") + (f"-f{fl}" if fl else "")},
+                lambda make=make: build(make()), {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor"},
+                run_args, "sm_90a"))
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"
     probe_common.write_results(
         out, f"device: {dev_name}; target sm_90a; {args.dtype}, epilogue {args.epilogue} (scripts/wgmma_gemm_probe.py)",

@@ -67,6 +67,7 @@ RULE = "wgmma-gemm"  # the schedule source's name (passes/schedule.py)
 ARCHS = ("sm_90", "sm_90a")  # wgmma and TMA: Hopper only
 BM, BK = 128, 64  # a tile's rows (two consumer warpgroups of 64), a stage's K (128 bytes of fp16)
 STAGES = 4
+IN_FLIGHT = 0  # wgmma groups a consumer leaves running while it waits for the next stage (`kernel`)
 SHARED_MEMORY = OPT_IN_SHARED_MEMORY["sm_90"] - 1024  # a block's dynamic shared memory, less the barriers' and alignment's
 TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 SMS = 132  # persistent CTAs: the H100's and H200's SMs (more CTAs than SMs is correct, and slower)
@@ -127,10 +128,18 @@ $fence                for i in T.unroll(wg_nacc):
                     T.ptx[wg_mma](*[wg_acc[i] for i in range(wg_nacc)], wg_d_a, wg_d_b, kt * (wg_bk // 16) + kk > 0,
                                   1, 1, 0, wg_b_trans)
                 T.ptx.wgmma.commit_group.sync.aligned()
+                T.ptx.wgmma.wait_group.sync.aligned(wg_in_flight)
+                for i in T.unroll(wg_nacc):
+                    T.cuda.wgmma.noop_barrier(wg_acc[i])
+                if kt >= wg_in_flight:  # (the stage whose group has finished goes back to the producer)
+                    T.ptx.mbarrier.arrive.shared.b64(wg_empty.ptr_to([(wg_it - wg_in_flight) % wg_stages]),
+                                                     T.uint32(1))
+            if wg_in_flight > 0:  # (the tile's last group, before its accumulators are read)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 for i in T.unroll(wg_nacc):
                     T.cuda.wgmma.noop_barrier(wg_acc[i])
-                T.ptx.mbarrier.arrive.shared.b64(wg_empty.ptr_to([wg_it % wg_stages]), T.uint32(1))
+                T.ptx.mbarrier.arrive.shared.b64(wg_empty.ptr_to([(t * wg_k_tiles + wg_k_tiles - 1) % wg_stages]),
+                                                 T.uint32(1))
             for i in T.unroll(wg_nacc // 4):
                 for r in T.unroll(2):
                     wg_row = T.meta_var((wg_tile // wg_grid_n) * wg_bm + wg_g * 64 + (wg_tx % 128) // 32 * 16
@@ -404,19 +413,27 @@ def _padded_rows(blk) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None):
+def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None, in_flight: int | None = None):
     """The TIRx PrimFunc of a Plan: the model function's parameters, the
     kernel of the module docstring, with tiles of `bn` columns (by default
     `tile_columns`; the last tile's columns past N read as zeros and not
-    written). Raises ValueError where `bn` is not a tile (a multiple of 8
-    up to 256; of 64 with B [K, N]) or the ring does not fit in shared
-    memory."""
+    written), each consumer leaving `in_flight` (0 or 1; by default
+    IN_FLIGHT) groups of `wgmma`
+    running while it waits for the next stage (with 1, a stage goes back to
+    the producer when the group after it is issued, as CUTLASS's Hopper
+    mainloop does). Raises ValueError where `bn` is not a tile (a multiple
+    of 8 up to 256; of 64 with B [K, N]), the ring does not fit in shared
+    memory, or `in_flight` is neither 0 nor 1 (a stage must be left for
+    the producer to fill)."""
     from ..tvm_compat import tvm
 
     bn = bn or tile_columns(p.n, p.b_kn)
     if bn % (64 if p.b_kn else 8) or bn > 256 or p.n % 8:
         raise ValueError(f"{bn} columns are not a tile (a multiple of {64 if p.b_kn else 8} up to 256) of "
                          f"N = {p.n} (a multiple of 8)")
+    in_flight = IN_FLIGHT if in_flight is None else in_flight
+    if in_flight not in (0, 1) or in_flight >= stages:
+        raise ValueError(f"{in_flight} wgmma groups in flight: 0 or 1, fewer than the {stages} stages")
     if stages * (BM + bn) * BK * 2 > SHARED_MEMORY:
         raise ValueError(f"{stages} stages of 128x{bn} tiles need {stages * (BM + bn) * BK * 2 // 1024} KB of "
                          f"shared memory; a block has {SHARED_MEMORY // 1024} KB on sm_90")
@@ -434,7 +451,7 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None)
         "wg_a_tile": BM * BK, "wg_b_tile": bn * BK, "wg_b_stage": b_stage, "wg_nacc": bn // 2,
         "wg_k_tiles": k_tiles, "wg_grid_n": grid_n, "wg_stage_bytes": (BM + bn) * BK * 2, "wg_b_kn": p.b_kn,
         "wg_b_lbo": b_lbo, "wg_b_sbo": 64, "wg_b_step": b_step, "wg_b_trans": b_trans, "wg_b_origin": b_origin,
-        "wg_regs": bn > 128, "wg_m": p.m, "wg_n": p.n, "wg_k": p.k, "wg_b_bytes": bn * BK * 2,
+        "wg_in_flight": in_flight, "wg_regs": bn > 128, "wg_m": p.m, "wg_n": p.n, "wg_k": p.k, "wg_b_bytes": bn * BK * 2,
         "wg_full_count": 1 if p.gather is None else 129,  # (the TMA thread's arrival, and each gathering thread's)
         "wg_mma": f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16",
         "wg_tma": TMA_LOAD,

@@ -493,16 +493,40 @@ def test_the_flag_is_refused_on_the_cpu_and_outside_fp16():
         config.from_dict({"model": {"source": "vit"}, "llvm": {"wgmma_gemm": True}})
 
 
+def test_a_consumer_can_leave_one_group_in_flight():
+    """in_flight=1: each consumer waits for all but the group it just issued
+    and then gives the stage before back, and for the last one before the
+    epilogue reads the accumulators; nvcc compiles it. 0 is the kernel as
+    it was; 2 is refused."""
+    import re
+
+    from tvm.support import nvcc
+
+    from deploy.tvm_compat import tvm
+
+    plan = wgmma_gemm.plan(_gemm(400, 256, 320, "gelu"))
+    src = {f: _compiled(wgmma_gemm.kernel(plan, in_flight=f)).mod.imports[0].inspect_source() for f in (0, 1)}
+    waits = {f: re.findall(r"wait_group_sync_aligned_(\d)\(\)", s[s.index("main_kernel("):]) for f, s in src.items()}
+    assert waits == {0: ["0"], 1: ["1", "0"]}
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        assert nvcc.compile_cuda(src[1], target_format="cubin", compiler="nvcc")
+    with pytest.raises(ValueError, match="in flight"):
+        wgmma_gemm.kernel(plan, in_flight=2)
+
+
 @pytest.mark.gpu
-def test_gpu_the_kernels_compute_what_numpy_computes(monkeypatch):
+@pytest.mark.parametrize("in_flight", [0, 1])
+def test_gpu_the_kernels_compute_what_numpy_computes(in_flight, monkeypatch):
     """The module above on the GPU: 400 rows (the last tile ragged), K = 320
     (five K tiles through a four-stage ring), the GELU and residual
     epilogues, and a persistent grid of two CTAs, so that each takes four
-    of the eight tiles (the ring and the accumulators carried across tiles)."""
+    of the eight tiles (the ring and the accumulators carried across tiles);
+    with one wgmma group left in flight too."""
     from deploy.passes import schedule
     from deploy.tvm_compat import relax, tvm
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
+    monkeypatch.setattr(wgmma_gemm, "IN_FLIGHT", in_flight)
     mod = _module(m=400, k=320)
     compiled, kernels = _build(mod, "cuda")
     assert schedule.summarize(kernels)["sources"].get(wgmma_gemm.RULE) == 2  # (compiled as ours, no fallback)
