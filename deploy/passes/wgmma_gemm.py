@@ -19,8 +19,9 @@ results/h100/2026-12-05/wgmma-ws-probe/), carrying the kernel's epilogue:
   past N where the tiles do not divide it (ConvNeXt's and Swin's first
   stage, N = 96: `tile_columns`);
 - or A gathered, an implicit GEMM's im2col (--implicit-gemm; a strided 1x1
-  convolution with --flat-gemm): the whole producer warpgroup copies each
-  row's 16-byte chunks by `cp.async` into TMA's swizzled layout, zero-filled
+  convolution with --flat-gemm): the whole producer warpgroup copies the
+  rows' 16-byte chunks by `cp.async`, eight threads a row (a warp reads
+  four rows' contiguous 128 bytes), into TMA's swizzled layout, zero-filled
   in the padding, the gather's own index and condition rewritten onto the
   thread's row and K as the epilogue is (`_gather` checks, by evaluating
   them, that each chunk is 8 neighbouring channels). Its GPU tests pass
@@ -179,11 +180,12 @@ _PRODUCER_TMA = '''if wg_tx == 0:
                           (wg_tile // wg_grid_n) * wg_bm, wg_full.ptr_to([wg_it % wg_stages]))
 ''' + textwrap.indent(_B_LOAD, " " * 12)
 
-# A gathered (an implicit GEMM's im2col): each producer thread copies its row's eight 16-byte chunks of
-# the stage by cp.async (zero-filled where the gather reads padding, rows past M or K past its end) to
-# where TMA's 128-byte swizzle puts them (chunk j of row r at j ^ r % 8), then arrives on the stage's
-# `full` barrier when they land (.noinc: the barrier counts those 128 arrivals); the first thread loads
-# B by TMA as above.
+# A gathered (an implicit GEMM's im2col): the producer warpgroup copies the stage's 128 rows of eight
+# 16-byte chunks by cp.async, eight neighbouring threads a row (chunk tx % 8 of rows tx // 8, + 16, ...:
+# a warp reads four rows' 128 contiguous bytes each at once), zero-filled where the gather reads padding,
+# rows past M or K past its end, to where TMA's 128-byte swizzle puts them (chunk c of row r at
+# c ^ r % 8); each thread then arrives on the stage's `full` barrier when its copies land (.noinc: the
+# barrier counts those 128 arrivals); the first thread loads B by TMA as above.
 _PRODUCER_GATHER = '''for t in T.serial(wg_my_tiles):
     for kt in T.serial(wg_k_tiles):
         wg_it = T.meta_var(t * wg_k_tiles + kt)
@@ -192,12 +194,13 @@ _PRODUCER_GATHER = '''for t in T.serial(wg_my_tiles):
         if wg_tx == 0:
             T.ptx.mbarrier.arrive.expect_tx.shared.b64(wg_full.ptr_to([wg_it % wg_stages]), T.uint32(wg_b_bytes))
 ''' + textwrap.indent(_B_LOAD, " " * 12) + '''
-        wg_arow = T.meta_var((wg_tile // wg_grid_n) * wg_bm + wg_tx)
-        for j in T.unroll(wg_bk // 8):
-            wg_ak = T.meta_var(kt * wg_bk + j * 8)
+        for j in T.unroll(wg_bm // 16):
+            wg_r = T.meta_var(j * 16 + wg_tx // 8)
+            wg_arow = T.meta_var((wg_tile // wg_grid_n) * wg_bm + wg_r)
+            wg_ak = T.meta_var(kt * wg_bk + wg_tx % 8 * 8)
             wg_ok = T.meta_var(T.And(T.And(wg_arow < wg_m, wg_ak < wg_k), $a_cond))
             T.ptx["cp.async.cg.shared.global"](
-                wg_as.ptr_to([wg_it % wg_stages, wg_tx, T.bitwise_xor(j, wg_tx % 8) * 8]),
+                wg_as.ptr_to([wg_it % wg_stages, wg_r, T.bitwise_xor(wg_tx % 8, wg_r % 8) * 8]),
                 $x.ptr_to([$a_index]), 16, T.if_then_else(wg_ok, T.uint32(16), T.uint32(0)))
         T.ptx["cp.async.mbarrier.arrive.noinc.shared.b64"](wg_full.ptr_to([wg_it % wg_stages]))
 T.ptx["cp.async.wait_all"]()  # (no copy left in flight when the thread ends)'''
