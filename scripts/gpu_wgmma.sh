@@ -9,7 +9,8 @@
 #        beside torch.compile and eager fp16; RUNNERS= to change), 50 iterations, 3 rounds; logs and
 #        results in $OUT/wgmma-bench.tgz after each model; exit 1 where any test, build, validation or bench failed;
 #        EXTRA= more flags for both builds and benches (e.g. EXTRA="--implicit-gemm --flat-gemm": convolutions
-#        as GEMMs, which the kernel then takes too)
+#        as GEMMs, which the kernel then takes too); VARIANTS="off default on" adds a third package built
+#        with neither flag (the default: the kernel takes GEMMs, not implicit GEMMs' gathers)
 #   bash scripts/gpu_wgmma.sh both vit,bert    tests, then bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,11 @@ what=${1:-both}
 models=${2:-vit,bert,convnext}
 case "$what" in tests|bench|both) ;; *)
   echo "error: unknown pass '$what' | expected: tests, bench or both" >&2; exit 2;; esac
+variants=(${VARIANTS:-off on})
+for v in "${variants[@]}"; do
+  case "$v" in off|default|on) ;; *)
+    echo "error: unknown variant '$v' in VARIANTS | expected: off, default or on" >&2; exit 2;; esac
+done
 source scripts/gpu_env.sh
 WORK=${WORK:-/tmp/wgmma}
 mkdir -p "$WORK"
@@ -29,10 +35,13 @@ fi
 [ "$what" = tests ] && exit "$rc"
 B=$WORK/bench
 mkdir -p "$B"
+flags() {  # the variant's flags: --no-wgmma-gemm, none (the default), --wgmma-gemm; then EXTRA
+  case "$1" in off) echo "--no-wgmma-gemm ${EXTRA-}";; on) echo "--wgmma-gemm ${EXTRA-}";; *) echo "${EXTRA-}";; esac
+}
 for m in ${models//,/ }; do
   pids=()
-  for v in off on; do  # (both packages built at once: each build is mostly single-threaded)
-    flag=(--no-wgmma-gemm ${EXTRA-}); [ "$v" = on ] && flag=(--wgmma-gemm ${EXTRA-})
+  for v in "${variants[@]}"; do  # (the packages built at once: each build is mostly single-threaded)
+    read -r -a flag <<< "$(flags "$v")"
     (s=$(date +%s)
      python3 -m deploy run --model "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" --trials 0 \
        --db-root "$DB_ROOT" --workdir "$WORK/ws-$m-$v" --alternatives none ${flag[@]+"${flag[@]}"} 2>&1 \
@@ -43,15 +52,15 @@ for m in ${models//,/ }; do
     pids+=($!)
   done
   built=()
-  for i in 0 1; do  # (a failed or unvalidated build is not benched: its workdir may hold an older package)
-    v=$([ "$i" = 0 ] && echo off || echo on)
+  for i in "${!variants[@]}"; do  # (a failed or unvalidated build is not benched: its workdir may hold an older package)
+    v=${variants[$i]}
     if wait "${pids[$i]}" && ! grep -q "^validation FAILED" "$B/$m-$v-run.log"; then built+=("$v"); else rc=1; fi
     grep -E "wgmma-gemm|^validation|^rc=" "$B/$m-$v-run.log" | sed "s/^/$m $v: /" | cut -c1-220
   done
   # (the builds' own latency lines are not printed: the two builds timed them side by side on one GPU)
-  for v in on off; do
+  for v in $(printf '%s\n' "${variants[@]}" | sort -r); do  # (on first: it benches the other runners too)
     [[ " ${built[*]-} " == *" $v "* ]] || { echo "$m $v: not benched (its build failed)"; continue; }
-    flag=(--no-wgmma-gemm ${EXTRA-}); [ "$v" = on ] && flag=(--wgmma-gemm ${EXTRA-})
+    read -r -a flag <<< "$(flags "$v")"
     runners=tvm; [ "$v" = on ] && runners=${RUNNERS:-tvm,torch-compile,torch-eager-fp16}
     rm -rf "$B/$m-$v-bench"
     python3 -m deploy bench --model "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" \

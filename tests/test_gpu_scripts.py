@@ -133,3 +133,40 @@ esac
         names = t.getnames()
     assert "bench/vit-on-bench/results.md" in names and "bench/bert-on-run.log" in names
     assert "bench/bert-on-bench/results.md" not in names
+
+
+def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
+    """VARIANTS="off default on": a third package built with neither flag
+    (the kernel's default: GEMMs, not gathers), benched alone; an unknown
+    variant is refused in one line before anything runs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    (bin_dir / "python3").write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$*" in
+  *"deploy run"*) echo "validation PASSED";;
+  *"deploy bench"*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"
+                    echo "| tvm | 1.0 |" > "$out/results.md";;
+esac
+""")
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "WORK": str(tmp_path / "work"), "DB_ROOT": str(tmp_path / "db"), "EXTRA": "--implicit-gemm"}
+    (tmp_path / "out").mkdir()
+    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
+                       env={**env, "VARIANTS": "off default on"}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    benches = [c for c in calls if c.startswith("-m deploy bench")]
+    by_dir = {c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1]: c for c in calls if "deploy run" in c}
+    assert sorted(by_dir) == ["ws-resnet50-default", "ws-resnet50-off", "ws-resnet50-on"]
+    assert "wgmma-gemm" not in by_dir["ws-resnet50-default"] and by_dir["ws-resnet50-default"].endswith(
+        "--implicit-gemm")
+    assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in benches] == \
+        ["ws-resnet50-on", "ws-resnet50-off", "ws-resnet50-default"]
+    log.unlink()
+    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
+                       env={**env, "VARIANTS": "off both"}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown variant 'both'" in r.stderr
+    assert not log.exists()
