@@ -43,6 +43,7 @@ registers and spills.
     python scripts/wgmma_gemm_probe.py --kernels persistent --bn 128,256 --shapes 4096x4096x4096 --out DIR
     python scripts/wgmma_gemm_probe.py --kernels persistent --b-layout kn --shapes 6272x1536x384 --out DIR
     python scripts/wgmma_gemm_probe.py --kernels persistent --in-flight 0,1 --shapes 6272x1536x384 --out DIR
+    python scripts/wgmma_gemm_probe.py --kernels persistent --pingpong 0,1 --shapes 100352x384x96 --out DIR
 
 Writes DIR/probe.json and DIR/probe.md.
 
@@ -196,7 +197,7 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
 
 
 def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: str = "bias",
-                 sms: int = 132, b_kn: bool = False, in_flight: int = 0):
+                 sms: int = 132, b_kn: bool = False, in_flight: int = 0, pingpong: bool = False):
     """`make_gemm`'s GEMM (fp16) as the package builds it with --wgmma-gemm
     (deploy/passes/wgmma_gemm.py): warp-specialized on a persistent grid, as
     cuBLAS's Hopper kernels are. `sms` CTAs take the 128 x bn tiles in turn;
@@ -204,7 +205,8 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     tiles, two consumer warpgroups (64 rows each) multiply, and apply the
     epilogue while the producer loads the next tile. `b_kn`: B stored [K, N]
     (ONNX MatMul's weight) instead of [N, K]; `in_flight`: wgmma groups a
-    consumer leaves running (the pass's `kernel`). N need not be a multiple
+    consumer leaves running, `pingpong`: each consumer warpgroup whole
+    tiles, the two in turn (the pass's `kernel`). N need not be a multiple
     of `bn` (the last tile's columns past N read as zeros, not written).
     The epilogue is made as the
     model's would be, a fused function's blocks (bias: fp16(C + bias); gelu:
@@ -227,8 +229,8 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     plan = wgmma_gemm.plan(te.create_prim_func([a, b, bias, out]))
     if plan is None:
         raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M, N and K multiples of 16)")
-    return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn, in_flight=in_flight).with_attr("global_symbol",
-                                                                                                  "main")
+    return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn, in_flight=in_flight,
+                             pingpong=pingpong).with_attr("global_symbol", "main")
 
 
 def build(func):
@@ -250,6 +252,9 @@ def main(argv=None) -> int:
                    help="single: make_gemm; persistent: make_gemm_ws (warp-specialized, fp16 only)")
     p.add_argument("--in-flight", default="0",
                    help="wgmma groups a consumer leaves running, e.g. 0,1 (persistent kernel only)")
+    p.add_argument("--pingpong", default="0",
+                   help="0: the two consumer warpgroups share each tile; 1: each takes whole tiles in turn; "
+                        "0,1 both (persistent kernel only)")
     p.add_argument("--b-layout", default="nk", choices=("nk", "kn"),
                    help="B stored [N, K] (a dense layer's weight) or [K, N] (ONNX MatMul's; persistent kernel only)")
     p.add_argument("--out", required=True)
@@ -257,8 +262,10 @@ def main(argv=None) -> int:
     shapes = probe_common.parse_shapes(args.shapes)
     bns, stage_list = probe_common.parse_ints(args.bn, "--bn"), probe_common.parse_ints(args.stages, "--stages")
     flights = [int(x) for x in args.in_flight.split(",")] if re.fullmatch(r"[01](,[01])*", args.in_flight) else None
-    if flights is None:
-        print(f"error: --in-flight must be 0 or 1, separated by commas | got {args.in_flight!r}", file=sys.stderr)
+    pings = [int(x) for x in args.pingpong.split(",")] if re.fullmatch(r"[01](,[01])*", args.pingpong) else None
+    if flights is None or pings is None:
+        bad = ("--in-flight", args.in_flight) if flights is None else ("--pingpong", args.pingpong)
+        print(f"error: {bad[0]} must be 0 or 1, separated by commas | got {bad[1]!r}", file=sys.stderr)
     if shapes is None or bns is None or stage_list is None or flights is None:
         return 2
     kernels = args.kernels.split(",")
@@ -312,15 +319,18 @@ def main(argv=None) -> int:
 
             rows.append(probe_common.torch_row(shape, f"torch (cuBLAS, {args.dtype})", cublas, flop))
             run_args = ([a_np, b_np, bias_np], (m, n), elem, ref, flop)
-        configs = [(kernel, bn, stages, fl) for kernel in kernels for bn in bns for stages in stage_list
-                   for fl in (flights if kernel == "persistent" else [0])]
-        for kernel, bn, stages, fl in configs:
+        configs = [(kernel, bn, stages, fl, pp) for kernel in kernels for bn in bns for stages in stage_list
+                   for fl in (flights if kernel == "persistent" else [0])
+                   for pp in (pings if kernel == "persistent" else [0])]
+        for kernel, bn, stages, fl, pp in configs:
             make = (functools.partial(make_gemm, m, n, k, bn, stages, args.epilogue, args.dtype)
                     if kernel == "single" else functools.partial(make_gemm_ws, m, n, k, bn, stages,
-                                                                 args.epilogue, b_kn=b_kn, in_flight=fl))
+                                                                 args.epilogue, b_kn=b_kn, in_flight=fl,
+                                                                 pingpong=bool(pp)))
             rows.append(probe_common.measure(
                 {"shape": shape, "config": f"{KERNELS[kernel]} {args.dtype} 128x{bn}x{bk}-s{stages}"
-                                           + ("-kn" if b_kn else "") + (f"-f{fl}" if fl else "")},
+                                           + ("-kn" if b_kn else "") + (f"-f{fl}" if fl else "")
+                                           + ("-pp" if pp else "")},
                 lambda make=make: build(make()), {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor"},
                 run_args, "sm_90a"))
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"

@@ -154,13 +154,20 @@ def test_b_stored_k_by_n_is_the_persistent_kernels_only(tmp_path, capsys):
 def test_b_stored_k_by_n_computes_what_pytorch_computes(tmp_path, epilogue):
     """The same ragged shapes as above with B [K, N], 64 and 192 columns
     (one and three boxes a tile), with one wgmma group left in flight or
-    none; and N = 96 in tiles of 128 columns (the last 32 past N)."""
+    none; and N = 96 in tiles of 128 columns (the last 32 past N); and
+    with each consumer warpgroup taking whole tiles in turn (64 columns)."""
     probe = _script()
     assert probe.main(["--shapes", "400x192x96,400x192x592", "--bn", "64,192", "--stages", "2,4", "--kernels",
                        "persistent", "--b-layout", "kn", "--in-flight", "0,1", "--epilogue", epilogue,
                        "--out", str(tmp_path)]) == 0
     rows = [r for r in json.loads((tmp_path / "probe.json").read_text())["rows"] if r["config"].startswith("wgmma")]
     assert len(rows) == 16 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
+    assert probe.main(["--shapes", "400x192x96,1000x192x592", "--bn", "64", "--stages", "2,4", "--kernels",
+                       "persistent", "--b-layout", "kn", "--in-flight", "0,1", "--pingpong", "1",
+                       "--epilogue", epilogue, "--out", str(tmp_path / "pp")]) == 0
+    rows = [r for r in json.loads((tmp_path / "pp" / "probe.json").read_text())["rows"]
+            if r["config"].startswith("wgmma")]
+    assert len(rows) == 8 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
     assert probe.main(["--shapes", "400x96x384", "--bn", "128", "--kernels", "persistent", "--b-layout", "kn",
                        "--epilogue", epilogue, "--out", str(tmp_path / "n96")]) == 0
     rows = json.loads((tmp_path / "n96" / "probe.json").read_text())["rows"]

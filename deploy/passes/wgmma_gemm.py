@@ -69,6 +69,7 @@ ARCHS = ("sm_90", "sm_90a")  # wgmma and TMA: Hopper only
 BM, BK = 128, 64  # a tile's rows (two consumer warpgroups of 64), a stage's K (128 bytes of fp16)
 STAGES = 4
 IN_FLIGHT = 0  # wgmma groups a consumer leaves running while it waits for the next stage (`kernel`)
+PINGPONG = False  # each consumer warpgroup a whole tile, the two in turn (`kernel`)
 SHARED_MEMORY = OPT_IN_SHARED_MEMORY["sm_90"] - 1024  # a block's dynamic shared memory, less the barriers' and alignment's
 TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 SMS = 132  # persistent CTAs: the H100's and H200's SMs (more CTAs than SMs is correct, and slower)
@@ -90,7 +91,8 @@ $a_map
                           scope="shared.dyn")
     wg_full = T.alloc_shared((wg_stages,), "uint64")
     wg_empty = T.alloc_shared((wg_stages,), "uint64")
-    wg_acc = T.alloc_local((wg_nacc,), "float32")
+    wg_turn = T.alloc_shared((1,), "uint64")
+    wg_acc = T.alloc_local((wg_nacc * (1 + wg_pp),), "float32")
     wg_pair = T.alloc_local((2,), "$out_dtype")
     wg_desc_a: T.uint64
     wg_desc_b: T.uint64
@@ -100,9 +102,10 @@ $a_map
     wg_g = T.meta_var(wg_tx // 128 - 1)
 
     if wg_tx == 0:
-        for s in T.unroll(wg_stages):
-            T.ptx.mbarrier.init.shared.b64(wg_full.ptr_to([s]), T.uint32(wg_full_count))
-            T.ptx.mbarrier.init.shared.b64(wg_empty.ptr_to([s]), T.uint32(256))
+        for wg_s in T.unroll(wg_stages):
+            T.ptx.mbarrier.init.shared.b64(wg_full.ptr_to([wg_s]), T.uint32(wg_full_count))
+            T.ptx.mbarrier.init.shared.b64(wg_empty.ptr_to([wg_s]), T.uint32(256 // (1 + wg_pp)))
+        T.ptx.mbarrier.init.shared.b64(wg_turn.ptr_to([0]), T.uint32(128))
     T.ptx.fence.proxy.async_.shared__cta()
     T.cuda.cta_sync()
     if wg_tx < 128:
@@ -112,47 +115,59 @@ $producer
     else:
         if wg_regs:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
-        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(wg_desc_a), wg_as.ptr_to([0, wg_g * 64, 0]), 1, 64, 3)
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(wg_desc_a), wg_as.ptr_to([0, wg_g * (1 - wg_pp) * 64, 0]),
+                                              1, 64, 3)
         T.cuda.wgmma.encode_matrix_descriptor(T.address_of(wg_desc_b), wg_bs.ptr_to(wg_b_origin), wg_b_lbo,
                                               wg_b_sbo, 3)
-        for t in T.serial(wg_my_tiles):
-            wg_tile = T.meta_var(wg_cta + t * wg_ctas)
-            for kt in T.serial(wg_k_tiles):
-                wg_it = T.meta_var(t * wg_k_tiles + kt)
+        for wg_tt in T.serial((wg_my_tiles - wg_g * wg_pp + wg_pp) // (1 + wg_pp)):
+            wg_t = T.meta_var(wg_tt * (1 + wg_pp) + wg_g * wg_pp)
+            wg_tile = T.meta_var(wg_cta + wg_t * wg_ctas)
+            if wg_pp:  # (the tile's products begin when the other warpgroup's last tile's have been issued)
+                if wg_t > 0:
+                    T.cuda.mbarrier_wait(wg_turn.ptr_to([0]), (wg_t - 1) % 2)
+            for wg_kt in T.serial(wg_k_tiles):
+                wg_it = T.meta_var(wg_t * wg_k_tiles + wg_kt)
                 T.cuda.mbarrier_wait(wg_full.ptr_to([wg_it % wg_stages]), (wg_it // wg_stages) % 2)
-$fence                for i in T.unroll(wg_nacc):
-                    T.cuda.wgmma.noop_barrier(wg_acc[i])
+$fence                for wg_i in T.unroll(wg_nacc * (1 + wg_pp)):
+                    T.cuda.wgmma.noop_barrier(wg_acc[wg_i])
                 T.ptx.wgmma.fence.sync.aligned()
-                for kk in T.unroll(wg_bk // 16):
-                    wg_d_a = wg_desc_a + T.Cast("uint64", ((wg_it % wg_stages) * wg_a_tile * 2 + kk * 32) // 16)
-                    wg_d_b = wg_desc_b + T.Cast("uint64", ((wg_it % wg_stages) * wg_b_tile * 2 + kk * wg_b_step) // 16)
-                    T.ptx[wg_mma](*[wg_acc[i] for i in range(wg_nacc)], wg_d_a, wg_d_b, kt * (wg_bk // 16) + kk > 0,
+                for wg_kk in T.unroll(wg_bk // 16):
+                    wg_d_a = wg_desc_a + T.Cast("uint64", ((wg_it % wg_stages) * wg_a_tile * 2 + wg_kk * 32) // 16)
+                    wg_d_b = wg_desc_b + T.Cast("uint64", ((wg_it % wg_stages) * wg_b_tile * 2 + wg_kk * wg_b_step) // 16)
+                    T.ptx[wg_mma](*[wg_acc[wg_i] for wg_i in range(wg_nacc)], wg_d_a, wg_d_b, wg_kt * (wg_bk // 16) + wg_kk > 0,
                                   1, 1, 0, wg_b_trans)
+                    if wg_pp:  # (the tile's second 64 rows: 64 rows of 128 bytes further)
+                        T.ptx[wg_mma](*[wg_acc[wg_nacc + wg_i] for wg_i in range(wg_nacc)], wg_d_a + T.uint64(512), wg_d_b,
+                                      wg_kt * (wg_bk // 16) + wg_kk > 0, 1, 1, 0, wg_b_trans)
                 T.ptx.wgmma.commit_group.sync.aligned()
                 T.ptx.wgmma.wait_group.sync.aligned(wg_in_flight)
-                for i in T.unroll(wg_nacc):
-                    T.cuda.wgmma.noop_barrier(wg_acc[i])
-                if kt >= wg_in_flight:  # (the stage whose group has finished goes back to the producer)
+                for wg_i in T.unroll(wg_nacc * (1 + wg_pp)):
+                    T.cuda.wgmma.noop_barrier(wg_acc[wg_i])
+                if wg_kt >= wg_in_flight:  # (the stage whose group has finished goes back to the producer)
                     T.ptx.mbarrier.arrive.shared.b64(wg_empty.ptr_to([(wg_it - wg_in_flight) % wg_stages]),
                                                      T.uint32(1))
+            if wg_pp:  # (every stage of the tile waited for: the other warpgroup's next tile may begin)
+                T.ptx.mbarrier.arrive.shared.b64(wg_turn.ptr_to([0]), T.uint32(1))
             if wg_in_flight > 0:  # (the tile's last group, before its accumulators are read)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
-                for i in T.unroll(wg_nacc):
-                    T.cuda.wgmma.noop_barrier(wg_acc[i])
-                T.ptx.mbarrier.arrive.shared.b64(wg_empty.ptr_to([(t * wg_k_tiles + wg_k_tiles - 1) % wg_stages]),
+                for wg_i in T.unroll(wg_nacc * (1 + wg_pp)):
+                    T.cuda.wgmma.noop_barrier(wg_acc[wg_i])
+                T.ptx.mbarrier.arrive.shared.b64(wg_empty.ptr_to([(wg_t * wg_k_tiles + wg_k_tiles - 1) % wg_stages]),
                                                  T.uint32(1))
-            for i in T.unroll(wg_nacc // 4):
-                for r in T.unroll(2):
-                    wg_row = T.meta_var((wg_tile // wg_grid_n) * wg_bm + wg_g * 64 + (wg_tx % 128) // 32 * 16
-                                        + (wg_tx % 32) // 4 + r * 8)
-                    wg_col = T.meta_var((wg_tile % wg_grid_n) * wg_bn + i * 8 + (wg_tx % 4) * 2)
+            for wg_hi in T.unroll((1 + wg_pp) * (wg_nacc // 4)):  # (h: the 64-row halves a warpgroup computes)
+                wg_h = T.meta_var(wg_hi // (wg_nacc // 4))
+                wg_i = T.meta_var(wg_hi % (wg_nacc // 4))
+                for wg_r in T.unroll(2):
+                    wg_row = T.meta_var((wg_tile // wg_grid_n) * wg_bm + (wg_h + wg_g * (1 - wg_pp)) * 64
+                                        + (wg_tx % 128) // 32 * 16 + (wg_tx % 32) // 4 + wg_r * 8)
+                    wg_col = T.meta_var((wg_tile % wg_grid_n) * wg_bn + wg_i * 8 + (wg_tx % 4) * 2)
                     if $in_bounds:  # (the epilogue reads per-row and per-column parameters: only what exists)
-                        for c in T.unroll(2):
-                            wg_x = T.meta_var(wg_acc[i * 4 + r * 2 + c])
-                            wg_colc = T.meta_var(wg_col + c)
-                            wg_pair[c] = T.Cast("$out_dtype", $expr)
-                        for c in T.vectorized(2):
-                            $out[wg_row, wg_col + c] = wg_pair[c]
+                        for wg_c in T.unroll(2):
+                            wg_x = T.meta_var(wg_acc[wg_h * wg_nacc + wg_i * 4 + wg_r * 2 + wg_c])
+                            wg_colc = T.meta_var(wg_col + wg_c)
+                            wg_pair[wg_c] = T.Cast("$out_dtype", $expr)
+                        for wg_c in T.vectorized(2):
+                            $out[wg_row, wg_col + wg_c] = wg_pair[wg_c]
 ''')
 
 # A by TMA: one tensor map over the 2-D parameter (or its rows padded: TMA fills past the end with zeros)
@@ -161,22 +176,22 @@ _A_MAP = '''    wg_a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("ten
 
 # B by TMA: [K, N] in 64-column boxes (an MN-major layout), or [N, K] in one box
 _B_LOAD = '''if wg_b_kn:
-    for j in T.unroll(wg_bn // 64):
-        T.ptx[wg_tma](wg_bs.ptr_to([wg_it % wg_stages, j, 0, 0]), T.address_of(wg_b_map),
-                      (wg_tile % wg_grid_n) * wg_bn + j * 64, kt * wg_bk, wg_full.ptr_to([wg_it % wg_stages]))
+    for wg_j in T.unroll(wg_bn // 64):
+        T.ptx[wg_tma](wg_bs.ptr_to([wg_it % wg_stages, wg_j, 0, 0]), T.address_of(wg_b_map),
+                      (wg_tile % wg_grid_n) * wg_bn + wg_j * 64, wg_kt * wg_bk, wg_full.ptr_to([wg_it % wg_stages]))
 else:
-    T.ptx[wg_tma](wg_bs.ptr_to([wg_it % wg_stages, 0, 0]), T.address_of(wg_b_map), kt * wg_bk,
+    T.ptx[wg_tma](wg_bs.ptr_to([wg_it % wg_stages, 0, 0]), T.address_of(wg_b_map), wg_kt * wg_bk,
                   (wg_tile % wg_grid_n) * wg_bn, wg_full.ptr_to([wg_it % wg_stages]))'''
 
 # The producer warpgroup's first thread loads A and B by TMA
 _PRODUCER_TMA = '''if wg_tx == 0:
-    for t in T.serial(wg_my_tiles):
-        for kt in T.serial(wg_k_tiles):
-            wg_it = T.meta_var(t * wg_k_tiles + kt)
-            wg_tile = T.meta_var(wg_cta + t * wg_ctas)
+    for wg_t in T.serial(wg_my_tiles):
+        for wg_kt in T.serial(wg_k_tiles):
+            wg_it = T.meta_var(wg_t * wg_k_tiles + wg_kt)
+            wg_tile = T.meta_var(wg_cta + wg_t * wg_ctas)
             T.cuda.mbarrier_wait(wg_empty.ptr_to([wg_it % wg_stages]), (wg_it // wg_stages) % 2 ^ 1)
             T.ptx.mbarrier.arrive.expect_tx.shared.b64(wg_full.ptr_to([wg_it % wg_stages]), T.uint32(wg_stage_bytes))
-            T.ptx[wg_tma](wg_as.ptr_to([wg_it % wg_stages, 0, 0]), T.address_of(wg_a_map), kt * wg_bk,
+            T.ptx[wg_tma](wg_as.ptr_to([wg_it % wg_stages, 0, 0]), T.address_of(wg_a_map), wg_kt * wg_bk,
                           (wg_tile // wg_grid_n) * wg_bm, wg_full.ptr_to([wg_it % wg_stages]))
 ''' + textwrap.indent(_B_LOAD, " " * 12)
 
@@ -186,18 +201,18 @@ _PRODUCER_TMA = '''if wg_tx == 0:
 # rows past M or K past its end, to where TMA's 128-byte swizzle puts them (chunk c of row r at
 # c ^ r % 8); each thread then arrives on the stage's `full` barrier when its copies land (.noinc: the
 # barrier counts those 128 arrivals); the first thread loads B by TMA as above.
-_PRODUCER_GATHER = '''for t in T.serial(wg_my_tiles):
-    for kt in T.serial(wg_k_tiles):
-        wg_it = T.meta_var(t * wg_k_tiles + kt)
-        wg_tile = T.meta_var(wg_cta + t * wg_ctas)
+_PRODUCER_GATHER = '''for wg_t in T.serial(wg_my_tiles):
+    for wg_kt in T.serial(wg_k_tiles):
+        wg_it = T.meta_var(wg_t * wg_k_tiles + wg_kt)
+        wg_tile = T.meta_var(wg_cta + wg_t * wg_ctas)
         T.cuda.mbarrier_wait(wg_empty.ptr_to([wg_it % wg_stages]), (wg_it // wg_stages) % 2 ^ 1)
         if wg_tx == 0:
             T.ptx.mbarrier.arrive.expect_tx.shared.b64(wg_full.ptr_to([wg_it % wg_stages]), T.uint32(wg_b_bytes))
 ''' + textwrap.indent(_B_LOAD, " " * 12) + '''
-        for j in T.unroll(wg_bm // 16):
-            wg_r = T.meta_var(j * 16 + wg_tx // 8)
+        for wg_j in T.unroll(wg_bm // 16):
+            wg_r = T.meta_var(wg_j * 16 + wg_tx // 8)
             wg_arow = T.meta_var((wg_tile // wg_grid_n) * wg_bm + wg_r)
-            wg_ak = T.meta_var(kt * wg_bk + wg_tx % 8 * 8)
+            wg_ak = T.meta_var(wg_kt * wg_bk + wg_tx % 8 * 8)
             wg_ok = T.meta_var(T.And(T.And(wg_arow < wg_m, wg_ak < wg_k), $a_cond))
             T.ptx["cp.async.cg.shared.global"](
                 wg_as.ptr_to([wg_it % wg_stages, wg_r, T.bitwise_xor(wg_tx % 8, wg_r % 8) * 8]),
@@ -416,18 +431,31 @@ def _padded_rows(blk) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None, in_flight: int | None = None):
+def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None, in_flight: int | None = None,
+           pingpong: bool | None = None):
     """The TIRx PrimFunc of a Plan: the model function's parameters, the
     kernel of the module docstring, with tiles of `bn` columns (by default
     `tile_columns`; the last tile's columns past N read as zeros and not
     written), each consumer leaving `in_flight` (0 or 1; by default
-    IN_FLIGHT) groups of `wgmma`
-    running while it waits for the next stage (with 1, a stage goes back to
-    the producer when the group after it is issued, as CUTLASS's Hopper
-    mainloop does). Raises ValueError where `bn` is not a tile (a multiple
-    of 8 up to 256; of 64 with B [K, N]), the ring does not fit in shared
-    memory, or `in_flight` is neither 0 nor 1 (a stage must be left for
-    the producer to fill)."""
+    IN_FLIGHT) groups of `wgmma` running while it waits for the next stage
+    (with 1, a stage goes back to the producer when the group after it is
+    issued, as CUTLASS's Hopper mainloop does).
+
+    `pingpong` (by default PINGPONG): rather than the two consumer
+    warpgroups computing a tile's two 64-row halves together (and storing
+    them together, while no product runs), each computes whole tiles, the
+    two taking the CTA's tiles in turn, as CUTLASS's "pingpong" kernel
+    does: one's products run while the other applies its epilogue and
+    stores. Their products run one warpgroup at a time (a `turn`
+    mbarrier: a tile's products begin when the tile before it has waited
+    for all its stages), which also keeps each consumer's waits on the
+    ring's barriers in the order the producer fills them. Twice the
+    accumulators a thread: up to 128 columns.
+
+    Raises ValueError where `bn` is not a tile (a multiple of 8 up to 256;
+    of 64 with B [K, N]; up to 128 with `pingpong`), the ring does not fit
+    in shared memory, or `in_flight` is neither 0 nor 1 (a stage must be
+    left for the producer to fill)."""
     from ..tvm_compat import tvm
 
     bn = bn or tile_columns(p.n, p.b_kn)
@@ -435,6 +463,9 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
         raise ValueError(f"{bn} columns are not a tile (a multiple of {64 if p.b_kn else 8} up to 256) of "
                          f"N = {p.n} (a multiple of 8)")
     in_flight = IN_FLIGHT if in_flight is None else in_flight
+    pingpong = PINGPONG if pingpong is None else pingpong
+    if pingpong and bn > 128:
+        raise ValueError(f"{bn} columns with pingpong: a thread would hold {bn} accumulators (up to 128)")
     if in_flight not in (0, 1) or in_flight >= stages:
         raise ValueError(f"{in_flight} wgmma groups in flight: 0 or 1, fewer than the {stages} stages")
     if stages * (BM + bn) * BK * 2 > SHARED_MEMORY:
@@ -454,7 +485,7 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
         "wg_a_tile": BM * BK, "wg_b_tile": bn * BK, "wg_b_stage": b_stage, "wg_nacc": bn // 2,
         "wg_k_tiles": k_tiles, "wg_grid_n": grid_n, "wg_stage_bytes": (BM + bn) * BK * 2, "wg_b_kn": p.b_kn,
         "wg_b_lbo": b_lbo, "wg_b_sbo": 64, "wg_b_step": b_step, "wg_b_trans": b_trans, "wg_b_origin": b_origin,
-        "wg_in_flight": in_flight, "wg_regs": bn > 128, "wg_m": p.m, "wg_n": p.n, "wg_k": p.k, "wg_b_bytes": bn * BK * 2,
+        "wg_in_flight": in_flight, "wg_pp": bool(pingpong), "wg_regs": bn * (1 + pingpong) > 128, "wg_m": p.m, "wg_n": p.n, "wg_k": p.k, "wg_b_bytes": bn * BK * 2,
         "wg_full_count": 1 if p.gather is None else 129,  # (the TMA thread's arrival, and each gathering thread's)
         "wg_mma": f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16",
         "wg_tma": TMA_LOAD,

@@ -218,18 +218,22 @@ def test_the_gather_kernel_compiles_for_sm90a(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(8, 16, 64, 128, 3, 1, False), (24, 7, 64, 64, 3, 1, False),
-                                   (2, 16, 64, 128, 3, 2, True), (3, 8, 16, 64, 1, 2, False)],
-                         ids=["3x3-16-tiles", "3x3-rows-padded", "3x3-stride2-residual", "1x1-stride2"])
-def test_gpu_an_implicit_gemm_computes_the_convolution(shape, monkeypatch):
+@pytest.mark.parametrize("shape,pingpong", [((8, 16, 64, 128, 3, 1, False), False), ((24, 7, 64, 64, 3, 1, False), False),
+                                            ((2, 16, 64, 128, 3, 2, True), False), ((3, 8, 16, 64, 1, 2, False), False),
+                                            ((8, 16, 64, 128, 3, 1, False), True)],
+                         ids=["3x3-16-tiles", "3x3-rows-padded", "3x3-stride2-residual", "1x1-stride2",
+                              "3x3-16-tiles-pingpong"])
+def test_gpu_an_implicit_gemm_computes_the_convolution(shape, pingpong, monkeypatch):
     """The gathering kernel on the GPU against the function lowered for the
     CPU: a persistent grid of two CTAs (each takes half the tiles: the ring
     of four stages runs on across tiles, 9 K tiles each), pad_gemm's padded
     rows (1,176 rows: the last tile ragged), a stride and a residual, a
-    strided 1x1."""
+    strided 1x1; the 16 tiles with each consumer warpgroup taking whole
+    tiles in turn (four each)."""
     from deploy.tvm_compat import tvm
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
+    monkeypatch.setattr(wgmma_gemm, "PINGPONG", pingpong)
     func = _implicit(shape)
     args = emulation.reference(func)
     kernel = wgmma_gemm.replacement(func, gather=True)
@@ -514,19 +518,51 @@ def test_a_consumer_can_leave_one_group_in_flight():
         wgmma_gemm.kernel(plan, in_flight=2)
 
 
+def test_pingpong_gives_each_consumer_whole_tiles_in_turn():
+    """pingpong: each consumer warpgroup issues both 64-row halves' wgmma
+    (the second 512 16-byte units further into the A stage), waits for its
+    turn (an mbarrier of 128 arrivals, the other warpgroup's) before a
+    tile's products, and stores both halves; nvcc compiles it, for a gather
+    too. More than 128 columns are refused (256 accumulators a thread)."""
+    from tvm.support import nvcc
+
+    from deploy.tvm_compat import tvm
+
+    plan = wgmma_gemm.plan(_gemm(400, 256, 320, "gelu"))
+    one, two = (wgmma_gemm.kernel(plan, pingpong=pp) for pp in (False, True))
+    assert two.script().count("m64n128k16") == 2 * one.script().count("m64n128k16") == 2
+    assert "wg_d_a + T.uint64(512)" in two.script() and "wg_turn" not in one.script().split("T.cuda.cta_sync")[1]
+    for k in (two, wgmma_gemm.kernel(wgmma_gemm.plan(_implicit((8, 16, 64, 128, 3, 1, False)), gather=True),
+                                     pingpong=True)):
+        src = _compiled(k).mod.imports[0].inspect_source()
+        kernel = src[src.index("main_kernel("):]
+        assert "wg_turn" in kernel and "(uint)128)" in kernel  # (the turn barrier, and `empty`: one warpgroup)
+        with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+            assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+    stores = {}
+    for pp, k in ((False, one), (True, two)):
+        src = _compiled(k).mod.imports[0].inspect_source()
+        stores[pp] = src[src.index("main_kernel("):].count(" = *(")
+    assert stores[True] == 2 * stores[False] == 64  # (both halves' stores: 16 column groups, 2 rows, 2 halves)
+    with pytest.raises(ValueError, match="pingpong"):
+        wgmma_gemm.kernel(plan, pingpong=True, bn=256)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("in_flight", [0, 1])
-def test_gpu_the_kernels_compute_what_numpy_computes(in_flight, monkeypatch):
+@pytest.mark.parametrize("in_flight,pingpong", [(0, False), (1, False), (0, True), (1, True)])
+def test_gpu_the_kernels_compute_what_numpy_computes(in_flight, pingpong, monkeypatch):
     """The module above on the GPU: 400 rows (the last tile ragged), K = 320
     (five K tiles through a four-stage ring), the GELU and residual
     epilogues, and a persistent grid of two CTAs, so that each takes four
     of the eight tiles (the ring and the accumulators carried across tiles);
-    with one wgmma group left in flight too."""
+    with one wgmma group left in flight, and each consumer warpgroup taking
+    whole tiles in turn (two each a CTA), too."""
     from deploy.passes import schedule
     from deploy.tvm_compat import relax, tvm
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
     monkeypatch.setattr(wgmma_gemm, "IN_FLIGHT", in_flight)
+    monkeypatch.setattr(wgmma_gemm, "PINGPONG", pingpong)
     mod = _module(m=400, k=320)
     compiled, kernels = _build(mod, "cuda")
     assert schedule.summarize(kernels)["sources"].get(wgmma_gemm.RULE) == 2  # (compiled as ours, no fallback)
