@@ -8,7 +8,7 @@
 #        --trials 0`, validated), then `deploy bench` of each that built and validated (the flag's
 #        beside torch.compile and eager fp16; RUNNERS= to change), 50 iterations, 3 rounds; logs and
 #        results in $OUT/wgmma-bench.tgz after each model; exit 1 where any test, build, validation or bench failed;
-#        EXTRA= more flags for both builds and benches (e.g. EXTRA="--implicit-gemm --flat-gemm": convolutions
+#        EXTRA= more flags for every build and bench (e.g. EXTRA="--implicit-gemm --flat-gemm": convolutions
 #        as GEMMs, which the kernel then takes too); VARIANTS="off default on" adds a third package built
 #        with neither flag (the default: the kernel takes GEMMs, not implicit GEMMs' gathers)
 #   bash scripts/gpu_wgmma.sh both vit,bert    tests, then bench
@@ -18,11 +18,14 @@ what=${1:-both}
 models=${2:-vit,bert,convnext}
 case "$what" in tests|bench|both) ;; *)
   echo "error: unknown pass '$what' | expected: tests, bench or both" >&2; exit 2;; esac
-variants=(${VARIANTS:-off on})
-for v in "${variants[@]}"; do
+read -r -a variants <<< "${VARIANTS:-off on}"
+for v in "${variants[@]-}"; do
   case "$v" in off|default|on) ;; *)
     echo "error: unknown variant '$v' in VARIANTS | expected: off, default or on" >&2; exit 2;; esac
 done
+if [ "$(printf '%s\n' "${variants[@]}" | sort -u | wc -l)" != "${#variants[@]}" ]; then
+  echo "error: VARIANTS='${VARIANTS}' names a variant twice | each of off, default, on at most once" >&2; exit 2
+fi
 source scripts/gpu_env.sh
 WORK=${WORK:-/tmp/wgmma}
 mkdir -p "$WORK"
@@ -57,7 +60,7 @@ for m in ${models//,/ }; do
     if wait "${pids[$i]}" && ! grep -q "^validation FAILED" "$B/$m-$v-run.log"; then built+=("$v"); else rc=1; fi
     grep -E "wgmma-gemm|^validation|^rc=" "$B/$m-$v-run.log" | sed "s/^/$m $v: /" | cut -c1-220
   done
-  # (the builds' own latency lines are not printed: the two builds timed them side by side on one GPU)
+  # (the builds' own latency lines are not printed: the builds timed them side by side on one GPU)
   for v in $(printf '%s\n' "${variants[@]}" | sort -r); do  # (on first: it benches the other runners too)
     [[ " ${built[*]-} " == *" $v "* ]] || { echo "$m $v: not benched (its build failed)"; continue; }
     read -r -a flag <<< "$(flags "$v")"

@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     if flights is None or pings is None:
         bad = ("--in-flight", args.in_flight) if flights is None else ("--pingpong", args.pingpong)
         print(f"error: {bad[0]} must be 0 or 1, separated by commas | got {bad[1]!r}", file=sys.stderr)
-    if shapes is None or bns is None or stage_list is None or flights is None:
+    if shapes is None or bns is None or stage_list is None or flights is None or pings is None:
         return 2
     kernels = args.kernels.split(",")
     if not kernels or any(x not in KERNELS for x in kernels):

@@ -166,7 +166,8 @@ esac
     assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in benches] == \
         ["ws-resnet50-on", "ws-resnet50-off", "ws-resnet50-default"]
     log.unlink()
-    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
-                       env={**env, "VARIANTS": "off both"}, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown variant 'both'" in r.stderr
-    assert not log.exists()
+    for variants, why in [("off both", "unknown variant 'both'"), ("on on", "names a variant twice")]:
+        r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
+                           env={**env, "VARIANTS": variants}, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+        assert not log.exists()

@@ -155,7 +155,8 @@ def test_b_stored_k_by_n_computes_what_pytorch_computes(tmp_path, epilogue):
     """The same ragged shapes as above with B [K, N], 64 and 192 columns
     (one and three boxes a tile), with one wgmma group left in flight or
     none; and N = 96 in tiles of 128 columns (the last 32 past N); and
-    with each consumer warpgroup taking whole tiles in turn (64 columns)."""
+    pingpong's kernel (a tile a CTA here: the warpgroups' turns are the
+    pass's GPU tests')."""
     probe = _script()
     assert probe.main(["--shapes", "400x192x96,400x192x592", "--bn", "64,192", "--stages", "2,4", "--kernels",
                        "persistent", "--b-layout", "kn", "--in-flight", "0,1", "--epilogue", epilogue,

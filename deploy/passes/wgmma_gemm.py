@@ -24,9 +24,11 @@ results/h100/2026-12-05/wgmma-ws-probe/), carrying the kernel's epilogue:
   four rows' contiguous 128 bytes), into TMA's swizzled layout, zero-filled
   in the padding, the gather's own index and condition rewritten onto the
   thread's row and K as the epilogue is (`_gather` checks, by evaluating
-  them, that each chunk is 8 neighbouring channels). Its GPU tests pass
-  (results/h100/2026-12-06/flat-wgmma/); not yet timed, so it is taken
-  only where `wgmma_gemm` is set true (`gather`), not by default;
+  them, that each chunk is 8 neighbouring channels). Taken only where
+  `wgmma_gemm` is set true (`gather`), not by default: as first written
+  (a thread a row) it computed correctly on a GPU and ran 3x slower than
+  our `mma.sync` gather (results/h100/2026-12-06/ragged-n-and-gathers/);
+  eight threads a row is the change after that run;
 - the epilogue: the kernel's element-wise blocks after the GEMM (cast, bias,
   GELU, a residual), inlined into one expression by TVM's own
   `compute_inline`, applied to each thread's accumulators, two adjacent
@@ -91,7 +93,7 @@ $a_map
                           scope="shared.dyn")
     wg_full = T.alloc_shared((wg_stages,), "uint64")
     wg_empty = T.alloc_shared((wg_stages,), "uint64")
-    wg_turn = T.alloc_shared((1,), "uint64")
+    wg_turn = T.alloc_shared((2,), "uint64")
     wg_acc = T.alloc_local((wg_nacc * (1 + wg_pp),), "float32")
     wg_pair = T.alloc_local((2,), "$out_dtype")
     wg_desc_a: T.uint64
@@ -105,7 +107,8 @@ $a_map
         for wg_s in T.unroll(wg_stages):
             T.ptx.mbarrier.init.shared.b64(wg_full.ptr_to([wg_s]), T.uint32(wg_full_count))
             T.ptx.mbarrier.init.shared.b64(wg_empty.ptr_to([wg_s]), T.uint32(256 // (1 + wg_pp)))
-        T.ptx.mbarrier.init.shared.b64(wg_turn.ptr_to([0]), T.uint32(128))
+        for wg_s in T.unroll(2):
+            T.ptx.mbarrier.init.shared.b64(wg_turn.ptr_to([wg_s]), T.uint32(128))
     T.ptx.fence.proxy.async_.shared__cta()
     T.cuda.cta_sync()
     if wg_tx < 128:
@@ -124,7 +127,7 @@ $producer
             wg_tile = T.meta_var(wg_cta + wg_t * wg_ctas)
             if wg_pp:  # (the tile's products begin when the other warpgroup's last tile's have been issued)
                 if wg_t > 0:
-                    T.cuda.mbarrier_wait(wg_turn.ptr_to([0]), (wg_t - 1) % 2)
+                    T.cuda.mbarrier_wait(wg_turn.ptr_to([wg_g]), (wg_tt - 1 + wg_g) % 2)
             for wg_kt in T.serial(wg_k_tiles):
                 wg_it = T.meta_var(wg_t * wg_k_tiles + wg_kt)
                 T.cuda.mbarrier_wait(wg_full.ptr_to([wg_it % wg_stages]), (wg_it // wg_stages) % 2)
@@ -147,7 +150,7 @@ $fence                for wg_i in T.unroll(wg_nacc * (1 + wg_pp)):
                     T.ptx.mbarrier.arrive.shared.b64(wg_empty.ptr_to([(wg_it - wg_in_flight) % wg_stages]),
                                                      T.uint32(1))
             if wg_pp:  # (every stage of the tile waited for: the other warpgroup's next tile may begin)
-                T.ptx.mbarrier.arrive.shared.b64(wg_turn.ptr_to([0]), T.uint32(1))
+                T.ptx.mbarrier.arrive.shared.b64(wg_turn.ptr_to([1 - wg_g]), T.uint32(1))
             if wg_in_flight > 0:  # (the tile's last group, before its accumulators are read)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 for wg_i in T.unroll(wg_nacc * (1 + wg_pp)):
@@ -255,15 +258,15 @@ def fits(m: int, n: int, k: int) -> bool:
     return m % 16 == 0 and n % 16 == 0 and k % 16 == 0
 
 
-def tile_columns(n: int, b_kn: bool) -> int:
+def tile_columns(n: int, b_kn: bool, most: int = 256) -> int:
     """A tile's columns for N: 128 or 64 where they divide it (128 first);
     else the one that computes the fewest columns past N, the larger on a
-    tie (A read once a row of tiles), or with B [N, K] N itself up to 256
-    (wgmma's N is any multiple of 8 when B is K-major; with B [K, N] its
-    TMA boxes and swizzle are 64 columns wide)."""
+    tie (A read once a row of tiles), or with B [N, K] N itself up to
+    `most` (wgmma's N is any multiple of 8 when B is K-major; with B [K, N]
+    its TMA boxes and swizzle are 64 columns wide)."""
     if n % 128 == 0 or n % 64 == 0:
         return 128 if n % 128 == 0 else 64
-    if not b_kn and n <= 256 and n % 8 == 0:
+    if not b_kn and n <= most and n % 8 == 0:
         return n
     return min((128, 64), key=lambda bn: -(-n // bn) * bn)
 
@@ -446,11 +449,15 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
     them together, while no product runs), each computes whole tiles, the
     two taking the CTA's tiles in turn, as CUTLASS's "pingpong" kernel
     does: one's products run while the other applies its epilogue and
-    stores. Their products run one warpgroup at a time (a `turn`
-    mbarrier: a tile's products begin when the tile before it has waited
-    for all its stages), which also keeps each consumer's waits on the
-    ring's barriers in the order the producer fills them. Twice the
-    accumulators a thread: up to 128 columns.
+    stores. Their products run one warpgroup at a time: a tile's products
+    begin when the tile before it has waited for all its stages, which
+    also keeps each consumer's waits on the ring's barriers in the order
+    the producer fills them. As in CUTLASS's OrderedSequenceBarrier, each
+    warpgroup waits on a `turn` mbarrier of its own, which the other's 128
+    threads arrive on (one barrier for both would let a warp that ran a
+    whole epilogue ahead of its warpgroup's last one pass on the phase
+    before, of the same parity). Twice the accumulators a thread: up to
+    128 columns.
 
     Raises ValueError where `bn` is not a tile (a multiple of 8 up to 256;
     of 64 with B [K, N]; up to 128 with `pingpong`), the ring does not fit
@@ -458,12 +465,12 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
     left for the producer to fill)."""
     from ..tvm_compat import tvm
 
-    bn = bn or tile_columns(p.n, p.b_kn)
+    pingpong = PINGPONG if pingpong is None else pingpong
+    bn = bn or tile_columns(p.n, p.b_kn, most=128 if pingpong else 256)
     if bn % (64 if p.b_kn else 8) or bn > 256 or p.n % 8:
         raise ValueError(f"{bn} columns are not a tile (a multiple of {64 if p.b_kn else 8} up to 256) of "
                          f"N = {p.n} (a multiple of 8)")
     in_flight = IN_FLIGHT if in_flight is None else in_flight
-    pingpong = PINGPONG if pingpong is None else pingpong
     if pingpong and bn > 128:
         raise ValueError(f"{bn} columns with pingpong: a thread would hold {bn} accumulators (up to 128)")
     if in_flight not in (0, 1) or in_flight >= stages:

@@ -300,9 +300,8 @@ def test_columns_past_n_are_guarded_and_nvcc_compiles_the_kernel(n, b_kn, epilog
 def test_gpu_columns_past_n_read_as_zeros_and_are_not_written(n, b_kn, epilogue, bn, monkeypatch):
     """The kernels of the test above on the GPU, on two persistent CTAs,
     against the function lowered for the CPU: the product over the columns
-    that exist, the output's columns untouched past N (it is exactly N
-    wide: a write past it would land in the next row, which the comparison
-    sees)."""
+    that exist (a write past N would land in the next row, where the
+    comparison may or may not see it: the test above checks the guard)."""
     from deploy.tvm_compat import tvm
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
@@ -536,7 +535,9 @@ def test_pingpong_gives_each_consumer_whole_tiles_in_turn():
                                      pingpong=True)):
         src = _compiled(k).mod.imports[0].inspect_source()
         kernel = src[src.index("main_kernel("):]
-        assert "wg_turn" in kernel and "(uint)128)" in kernel  # (the turn barrier, and `empty`: one warpgroup)
+        # (`empty` counts one warpgroup's arrivals, as the two `turn` barriers do; each warpgroup waits on one)
+        assert kernel.count("(uint)128)") == wgmma_gemm.STAGES + 2 and "(uint)256)" not in kernel
+        assert "wg_turn_ptr[" in kernel[kernel.index("mbarrier_wait"):]
         with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
             assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
     stores = {}
@@ -546,21 +547,25 @@ def test_pingpong_gives_each_consumer_whole_tiles_in_turn():
     assert stores[True] == 2 * stores[False] == 64  # (both halves' stores: 16 column groups, 2 rows, 2 halves)
     with pytest.raises(ValueError, match="pingpong"):
         wgmma_gemm.kernel(plan, pingpong=True, bn=256)
+    ragged = wgmma_gemm.plan(_gemm(400, 240, 64, "bias", b_kn=False))  # (B [N, K]: a tile of N = 240 unless pingpong)
+    assert "m64n240k16" in wgmma_gemm.kernel(ragged).script()
+    assert "m64n128k16" in wgmma_gemm.kernel(ragged, pingpong=True).script()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("in_flight,pingpong", [(0, False), (1, False), (0, True), (1, True)])
-def test_gpu_the_kernels_compute_what_numpy_computes(in_flight, pingpong, monkeypatch):
+@pytest.mark.parametrize("in_flight,pingpong,sms", [(0, False, 2), (1, False, 2), (0, True, 2), (1, True, 3)])
+def test_gpu_the_kernels_compute_what_numpy_computes(in_flight, pingpong, sms, monkeypatch):
     """The module above on the GPU: 400 rows (the last tile ragged), K = 320
     (five K tiles through a four-stage ring), the GELU and residual
     epilogues, and a persistent grid of two CTAs, so that each takes four
     of the eight tiles (the ring and the accumulators carried across tiles);
     with one wgmma group left in flight, and each consumer warpgroup taking
-    whole tiles in turn (two each a CTA), too."""
+    whole tiles in turn (two each a CTA; on three CTAs, 3, 3 and 2 tiles:
+    the first warpgroup takes one more than the second), too."""
     from deploy.passes import schedule
     from deploy.tvm_compat import relax, tvm
 
-    monkeypatch.setattr(wgmma_gemm, "SMS", 2)
+    monkeypatch.setattr(wgmma_gemm, "SMS", sms)
     monkeypatch.setattr(wgmma_gemm, "IN_FLIGHT", in_flight)
     monkeypatch.setattr(wgmma_gemm, "PINGPONG", pingpong)
     mod = _module(m=400, k=320)
