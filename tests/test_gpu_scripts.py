@@ -89,28 +89,36 @@ def test_wgmma_script_refuses_an_unknown_pass(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_wgmma_bench_builds_both_packages_and_benches_the_flag_beside_torch(tmp_path):
-    """scripts/gpu_wgmma.sh bench with a python3 that records its arguments:
-    each model built with --no-wgmma-gemm and --wgmma-gemm (untuned, validated
-    runs), the flag's package benched beside torch.compile and eager, the
-    other alone, the logs and results tarred; a build that fails (BERT's
-    with the flag) is not benched, and the script exits 1."""
+def _fake_deploy(tmp_path, fails: str = "no-such-workdir"):
+    """A python3 first on PATH that records its arguments (the log) and
+    plays `deploy run` (validated, or failing where the call names
+    `fails`) and `deploy bench` (a results.md); the environment to run a
+    GPU script with it."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
     (bin_dir / "python3").write_text(f"""#!/bin/sh
 echo "$*" >> {log}
 case "$*" in
-  *"deploy run"*"ws-bert-on"*) echo "build failed"; exit 1;;
+  *"deploy run"*"{fails}"*) echo "build failed"; exit 1;;
   *"deploy run"*) echo "bucket   32  0/13 kernels tuned  1.4 ms"; echo "validation PASSED";;
   *"deploy bench"*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"
                     echo "| tvm | 1.0 |" > "$out/results.md";;
 esac
 """)
     (bin_dir / "python3").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-           "WORK": str(tmp_path / "work"), "DB_ROOT": str(tmp_path / "db"), "WORKDIR": str(tmp_path / "ws")}
     (tmp_path / "out").mkdir()
+    return log, {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+                 "WORK": str(tmp_path / "work"), "DB_ROOT": str(tmp_path / "db"), "WORKDIR": str(tmp_path / "ws")}
+
+
+def test_wgmma_bench_builds_both_packages_and_benches_the_flag_beside_torch(tmp_path):
+    """scripts/gpu_wgmma.sh bench with a python3 that records its arguments:
+    each model built with --no-wgmma-gemm and --wgmma-gemm (untuned, validated
+    runs), the flag's package benched beside torch.compile and eager, the
+    other alone, the logs and results tarred; a build that fails (BERT's
+    with the flag) is not benched, and the script exits 1."""
+    log, env = _fake_deploy(tmp_path, fails="ws-bert-on")
     r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "vit,bert"], cwd=ROOT,
                        env={**env, "EXTRA": "--implicit-gemm --flat-gemm"}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stderr  # (BERT's build with the flag failed)
@@ -139,21 +147,8 @@ def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
     """VARIANTS="off default on": a third package built with neither flag
     (the kernel's default: GEMMs, not gathers), benched alone; an unknown
     variant is refused in one line before anything runs."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "calls.log"
-    (bin_dir / "python3").write_text(f"""#!/bin/sh
-echo "$*" >> {log}
-case "$*" in
-  *"deploy run"*) echo "validation PASSED";;
-  *"deploy bench"*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"
-                    echo "| tvm | 1.0 |" > "$out/results.md";;
-esac
-""")
-    (bin_dir / "python3").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-           "WORK": str(tmp_path / "work"), "DB_ROOT": str(tmp_path / "db"), "EXTRA": "--implicit-gemm"}
-    (tmp_path / "out").mkdir()
+    log, env = _fake_deploy(tmp_path)
+    env["EXTRA"] = "--implicit-gemm"
     r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
                        env={**env, "VARIANTS": "off default on"}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
