@@ -392,12 +392,22 @@ def _gather(blk, names, rows: int, k: int):
     if not side_by_side or not np.array_equal(ok[:, base[0]], ok) or not inside or not aligned:
         return None
 
-    # (the kernel's row and K in the block's index type: TVMScript compares only equal types)
+    # The producer computes these for each 16-byte copy (8 a thread a stage), where 64-bit division by a
+    # constant costs several times 32-bit's: in int32 where every value fits (the parameter's elements,
+    # and each text evaluated in int32 on the rows and K above gives what it gives in int64), else in the
+    # block's index type, the kernel's row and K cast to it (TVMScript compares only equal types).
+    narrow = [re.sub(r"T\.int64\((-?\d+)\)", r"\1", t) for t in [*conds, *index]]
     dtype = str(blk.iter_vars[0].var.ty)
+    if int(np.prod(names[x][0])) < 2**31 and not any("int64" in t for t in narrow):
+        i32, j32 = i.astype(np.int32), j.astype(np.int32)
+        with np.errstate(over="ignore"):
+            if all(np.array_equal(ev(t, i32, j32), ev(t, i, j)) for t in narrow):
+                conds, index, dtype = narrow[:len(conds)], narrow[len(conds):], "int32"
 
     def kernel_vars(t):
-        t = re.sub(rf"\b{re.escape(v1)}\b", f'T.Cast("{dtype}", wg_ak)', t)
-        return re.sub(rf"\b{re.escape(v0)}\b", f'T.Cast("{dtype}", wg_arow)', t)
+        cast = (lambda v: v) if dtype == "int32" else (lambda v: f'T.Cast("{dtype}", {v})')
+        t = re.sub(rf"\b{re.escape(v1)}\b", cast("wg_ak"), t)
+        return re.sub(rf"\b{re.escape(v0)}\b", cast("wg_arow"), t)
 
     return " and ".join(f"({kernel_vars(c)})" for c in conds) or "T.bool(True)", [kernel_vars(t) for t in index]
 
@@ -504,8 +514,10 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
     else:
         cond, index = p.gather
         pieces = {"a_map": "", "producer": textwrap.indent(_PRODUCER_GATHER, " " * 8), "fence": _FENCE}
+        wide = any("int64" in t for t in index)  # (else in int32 throughout: `_gather`)
         gather = {"a_cond": cond, "x": p.a,
-                  "a_index": ", ".join(f'T.if_then_else(wg_ok, T.Cast("int64", {t}), T.int64(0))' for t in index)}
+                  "a_index": ", ".join(f'T.if_then_else(wg_ok, T.Cast("int64", {t}), T.int64(0))' if wide
+                                       else f"T.if_then_else(wg_ok, {t}, 0)" for t in index)}
     in_bounds = "wg_row < wg_m" if p.n % bn == 0 else "T.And(wg_row < wg_m, wg_col < wg_n)"  # (N even: col + 1 too)
     text = string.Template(_TEMPLATE.safe_substitute(pieces)).substitute(
         params=params, a=p.a, b=p.b, out=p.out, out_dtype=out_dtype, expr=p.expr, in_bounds=in_bounds, **gather)

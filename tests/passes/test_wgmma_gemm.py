@@ -185,6 +185,21 @@ def test_a_gather_whose_copies_would_not_lie_side_by_side_is_declined():
     assert wgmma_gemm.plan(tvm.script.from_source(shifted, extra_vars={"T": T}), gather=True) is None
 
 
+def test_a_gathers_index_is_computed_in_int32_where_it_fits():
+    """The producer computes the gather's index and condition for every
+    16-byte copy: in int32 (no 64-bit division in the kernel's copies)
+    where the activations' elements and each value fit, as for ResNet's
+    first 3x3 at batch 64; in the block's int64 where the activations have
+    2^32 elements (a strided 1x1 whose GEMM is within int32 all the same)."""
+    small = wgmma_gemm.plan(_conv(64, 56, 64, 64, 3, 1), gather=True).gather
+    assert not any("int64" in t or "T.Cast" in t for t in [small[0], *small[1]]), small
+    src = _compiled(wgmma_gemm.replacement(_conv(64, 56, 64, 64, 3, 1), gather=True)).mod.imports[0].inspect_source()
+    producer = src[src.index("if (((int)threadIdx.x) < 128) {"):src.index("cp_async_wait_all_async_wait_all();")]
+    assert "int64_t" not in producer and "x_ptr[" in producer
+    huge = wgmma_gemm.plan(_conv(64, 1024, 64, 64, 1, 2), gather=True).gather  # (x: 64 x 1024 x 1024 x 64)
+    assert all('T.Cast("int64", wg_arow)' in t for t in huge[1][:3]), huge
+
+
 def _compiled(kernel):
     """`kernel` compiled alone for its own target (sm_90a) by TVM's TIRx pipeline."""
     from deploy.tvm_compat import tvm
