@@ -39,8 +39,8 @@ Python IR mutator to rewrite the epilogue's expression onto the kernel's
 indices, so its printed form is rewritten (the GEMM's result becomes the
 accumulator, the block's indices the thread's row and column) and parsed
 with the model's parameters as the kernel's. What does not fit (other
-producers, shapes the tiles do not divide, a parse failure) keeps its
-schedule chain.
+producers, shapes `fits` declines, a parse failure) keeps its schedule
+chain.
 
 The kernel carries its own target (`sm_90a`, which `wgmma` needs) and
 MARK, by which our TIR pipeline (passes/tensor_core_smem.py) lowers it
