@@ -159,10 +159,14 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]] | None:
     return shapes
 
 
-def parse_ints(text: str, what: str) -> list[int] | None:
-    """`a,b,...` positive integers; None (after one line on stderr) where not."""
-    if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", text.strip()):
-        print(f"error: {what} must be positive integers separated by commas | got {text!r}", file=sys.stderr)
+def parse_ints(text: str, what: str, choices: tuple[int, ...] | None = None) -> list[int] | None:
+    """`a,b,...` positive integers (or, given `choices`, each one of them);
+    None (after one line on stderr) where not."""
+    number = r"\d+" if choices else r"[1-9]\d*"
+    if not re.fullmatch(rf"{number}(,{number})*", text.strip()) or \
+            (choices and any(int(x) not in choices for x in text.split(","))):
+        expected = "positive integers" if choices is None else " or ".join(map(str, choices))
+        print(f"error: {what} must be {expected} separated by commas | got {text!r}", file=sys.stderr)
         return None
     return [int(x) for x in text.split(",")]
 

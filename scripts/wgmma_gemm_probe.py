@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 import sys
 from pathlib import Path
 
@@ -261,11 +260,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     shapes = probe_common.parse_shapes(args.shapes)
     bns, stage_list = probe_common.parse_ints(args.bn, "--bn"), probe_common.parse_ints(args.stages, "--stages")
-    flights = [int(x) for x in args.in_flight.split(",")] if re.fullmatch(r"[01](,[01])*", args.in_flight) else None
-    pings = [int(x) for x in args.pingpong.split(",")] if re.fullmatch(r"[01](,[01])*", args.pingpong) else None
-    if flights is None or pings is None:
-        bad = ("--in-flight", args.in_flight) if flights is None else ("--pingpong", args.pingpong)
-        print(f"error: {bad[0]} must be 0 or 1, separated by commas | got {bad[1]!r}", file=sys.stderr)
+    flights = probe_common.parse_ints(args.in_flight, "--in-flight", choices=(0, 1))
+    pings = probe_common.parse_ints(args.pingpong, "--pingpong", choices=(0, 1))
     if shapes is None or bns is None or stage_list is None or flights is None or pings is None:
         return 2
     kernels = args.kernels.split(",")
