@@ -74,10 +74,10 @@ def gather(blk, names, rows: int, k: int):
             if all(np.array_equal(ev(t, i32, j32), ev(t, i, j)) for t in narrow):
                 conds, index, dtype = narrow[:len(conds)], narrow[len(conds):], "int32"
 
+    row, kk = ("wg_arow", "wg_ak") if dtype == "int32" else (f'T.Cast("{dtype}", {v})' for v in ("wg_arow", "wg_ak"))
+
     def kernel_vars(t):
-        cast = (lambda v: v) if dtype == "int32" else (lambda v: f'T.Cast("{dtype}", {v})')
-        t = re.sub(rf"\b{re.escape(v1)}\b", cast("wg_ak"), t)
-        return re.sub(rf"\b{re.escape(v0)}\b", cast("wg_arow"), t)
+        return re.sub(rf"\b{re.escape(v0)}\b", row, re.sub(rf"\b{re.escape(v1)}\b", kk, t))
 
     return " and ".join(f"({kernel_vars(c)})" for c in conds) or "T.bool(True)", [kernel_vars(t) for t in index]
 
