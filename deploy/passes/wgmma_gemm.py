@@ -137,12 +137,13 @@ $fence                for wg_i in T.unroll(wg_nacc * (1 + wg_pp)):
                 T.ptx.wgmma.fence.sync.aligned()
                 for wg_kk in T.unroll(wg_bk // 16):
                     wg_d_a = wg_desc_a + T.Cast("uint64", ((wg_it % wg_stages) * wg_a_tile * 2 + wg_kk * 32) // 16)
-                    wg_d_b = wg_desc_b + T.Cast("uint64", ((wg_it % wg_stages) * wg_b_tile * 2 + wg_kk * wg_b_step) // 16)
-                    T.ptx[wg_mma](*[wg_acc[wg_i] for wg_i in range(wg_nacc)], wg_d_a, wg_d_b, wg_kt * (wg_bk // 16) + wg_kk > 0,
-                                  1, 1, 0, wg_b_trans)
+                    wg_d_b = wg_desc_b + T.Cast("uint64",
+                                                ((wg_it % wg_stages) * wg_b_tile * 2 + wg_kk * wg_b_step) // 16)
+                    T.ptx[wg_mma](*[wg_acc[wg_i] for wg_i in range(wg_nacc)], wg_d_a, wg_d_b,
+                                  wg_kt * (wg_bk // 16) + wg_kk > 0, 1, 1, 0, wg_b_trans)
                     if wg_pp:  # (the tile's second 64 rows: 64 rows of 128 bytes further)
-                        T.ptx[wg_mma](*[wg_acc[wg_nacc + wg_i] for wg_i in range(wg_nacc)], wg_d_a + T.uint64(512), wg_d_b,
-                                      wg_kt * (wg_bk // 16) + wg_kk > 0, 1, 1, 0, wg_b_trans)
+                        T.ptx[wg_mma](*[wg_acc[wg_nacc + wg_i] for wg_i in range(wg_nacc)], wg_d_a + T.uint64(512),
+                                      wg_d_b, wg_kt * (wg_bk // 16) + wg_kk > 0, 1, 1, 0, wg_b_trans)
                 T.ptx.wgmma.commit_group.sync.aligned()
                 T.ptx.wgmma.wait_group.sync.aligned(wg_in_flight)
                 for wg_i in T.unroll(wg_nacc * (1 + wg_pp)):
@@ -400,7 +401,8 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
         "wg_a_tile": BM * BK, "wg_b_tile": bn * BK, "wg_b_stage": b_stage, "wg_nacc": bn // 2,
         "wg_k_tiles": k_tiles, "wg_grid_n": grid_n, "wg_stage_bytes": (BM + bn) * BK * 2, "wg_b_kn": p.b_kn,
         "wg_b_lbo": b_lbo, "wg_b_sbo": 64, "wg_b_step": b_step, "wg_b_trans": b_trans, "wg_b_origin": b_origin,
-        "wg_in_flight": in_flight, "wg_pp": bool(pingpong), "wg_regs": bn * (1 + pingpong) > 128, "wg_m": p.m, "wg_n": p.n, "wg_k": p.k, "wg_b_bytes": bn * BK * 2,
+        "wg_in_flight": in_flight, "wg_pp": bool(pingpong), "wg_regs": bn * (1 + pingpong) > 128,
+        "wg_m": p.m, "wg_n": p.n, "wg_k": p.k, "wg_b_bytes": bn * BK * 2,
         "wg_full_count": 1 if p.gather is None else 129,  # (the TMA thread's arrival, and each gathering thread's)
         "wg_mma": f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16",
         "wg_tma": TMA_LOAD,
