@@ -233,8 +233,10 @@ def test_the_gather_kernel_compiles_for_sm90a(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,pingpong", [((8, 16, 64, 128, 3, 1, False), False), ((24, 7, 64, 64, 3, 1, False), False),
-                                            ((2, 16, 64, 128, 3, 2, True), False), ((3, 8, 16, 64, 1, 2, False), False),
+@pytest.mark.parametrize("shape,pingpong", [((8, 16, 64, 128, 3, 1, False), False),
+                                            ((24, 7, 64, 64, 3, 1, False), False),
+                                            ((2, 16, 64, 128, 3, 2, True), False),
+                                            ((3, 8, 16, 64, 1, 2, False), False),
                                             ((8, 16, 64, 128, 3, 1, False), True)],
                          ids=["3x3-16-tiles", "3x3-rows-padded", "3x3-stride2-residual", "1x1-stride2",
                               "3x3-16-tiles-pingpong"])
