@@ -9,17 +9,39 @@ the fused function's printed blocks: TVM 0.27 has no Python IR mutator."""
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 
-def gather(blk, names, rows: int, k: int):
-    """(condition, index texts) over `wg_arow` and `wg_ak` where a producer
-    block gathers A [rows, k] from a 4-D fp16 parameter, as an implicit
-    GEMM's im2col does (`A[i, k] = if_then_else(cond, x[index], 0)`, the
-    conditions of pad_gemm's row padding around it), and each 8 elements
-    of A's row from a multiple of 8 lie side by side in the parameter's
-    last dimension from a multiple of 8 (one aligned 16-byte copy); else
-    None. That is checked by evaluating the block's own index and condition
-    (NumPy) on rows at both ends and between, over every k."""
+class Gather(NamedTuple):
+    """An implicit GEMM's A [`wg_arow`, `wg_ak`] as the kernel's producer
+    copies it, 8 elements at a time from a multiple of 8 of K: the
+    activations' element `row_offset + k_offset` (flat) where `row_cond`,
+    `k_cond` and, for each of `checks` (a row's part, a K's part, a size),
+    0 <= the two parts' sum < size hold; else zeros. The row's texts are
+    over `wg_arow`, the K's over `wg_ak`, in `dtype`: a thread computes a
+    row's once a tile for each of its rows, a K's once a stage."""
+
+    dtype: str
+    row_offset: str
+    k_offset: str
+    row_cond: str
+    k_cond: str
+    checks: tuple[tuple[str, str, int], ...]
+
+
+def gather(blk, names, rows: int, k: int) -> Gather | None:
+    """The Gather where a producer block gathers A [rows, k] from a 4-D fp16
+    parameter, as an implicit GEMM's im2col does (`A[i, k] =
+    if_then_else(cond, x[index], 0)`, the conditions of pad_gemm's row
+    padding around it), and each 8 elements of A's row from a multiple of 8
+    lie side by side in the parameter's last dimension from a multiple of 8
+    (one aligned 16-byte copy); else None. Each index must be a part of the
+    row plus a part of K (a convolution's input row is its output row times
+    the stride plus the filter's row, less the padding), and each condition
+    on the row alone, on K alone, or, all such together, that the indices
+    lie inside the parameter (the padding). All of it is checked by
+    evaluating the block's own texts (NumPy) on rows at both ends and
+    between, over every k."""
     import numpy as np
 
     if len(blk.iter_vars) != 2:
@@ -40,6 +62,7 @@ def gather(blk, names, rows: int, k: int):
     index = _split(found.group(1), ",") if found else None
     if index is None or len(index) != 4:
         return None
+    shape = names[x][0]
     try:  # (NumPy arrays for v0 and v1: the printed // and % are floor division and modulo, as NumPy's)
         def ev(t, i, j):
             plain = re.sub(r"T\.int(?:32|64)\((-?\d+)\)", r"\1", t)
@@ -47,39 +70,66 @@ def gather(blk, names, rows: int, k: int):
                 raise ValueError(t)
             return np.broadcast_to(eval(plain, {"__builtins__": {}}, {v0: i, v1: j}), np.broadcast(i, j).shape)
 
-        i = np.unique(np.r_[0:min(rows, 3), max(rows - 3, 0):rows, np.random.default_rng(0).integers(0, rows, 8)])
+        i = np.unique(np.r_[0:min(rows, 3), max(rows - 3, 0):rows, np.random.default_rng(0).integers(0, rows, 32)])
         i, j = i[:, None], np.arange(k)[None, :]
-        ok = np.logical_and.reduce([ev(c, i, j).astype(bool) for c in conds]) if conds else np.ones((i.size, k), bool)
+        held = [ev(t, i, j).astype(bool) for t in conds]
         idx = [ev(t, i, j) for t in index]
+        at_row = [ev(t, i, 0 * j[:, :1]) for t in index]  # (each index at K 0, and at row 0 less its value at (0, 0))
+        at_k = [ev(t, 0 * i[:1], j) - ev(t, 0, 0) for t in index]
     except Exception:  # noqa: BLE001 - a form not foreseen: declined
         return None
+    ok = np.logical_and.reduce([*held, np.ones((i.size, k), bool)])
     base = j - j % 8
     side_by_side = all(np.array_equal(d[:, base[0]] + (j[0] % 8 if n == 3 else 0), d) for n, d in enumerate(idx))
-    inside = all(np.all((d >= 0) & (d < size) | ~ok) for d, size in zip(idx, names[x][0]))
-    _, h, w, c = names[x][0]
+    outside = [(d < 0) | (d >= size) for d, size in zip(idx, shape)]
+    _, h, w, c = shape
     offset = ((idx[0] * h + idx[1]) * w + idx[2]) * c + idx[3]  # (a copy's first element: 16-byte aligned)
     aligned = np.all((offset[:, base[0]] % 8 == 0) | ~ok)
-    if not side_by_side or not np.array_equal(ok[:, base[0]], ok) or not inside or not aligned:
+    if not side_by_side or not np.array_equal(ok[:, base[0]], ok) or np.any(np.logical_or.reduce(outside) & ok) \
+            or not aligned or not all(np.array_equal(r + q, d) for r, q, d in zip(at_row, at_k, idx)):
+        return None
+    # the conditions: on the row alone (pad_gemm's), on K alone, or on both, which together must say that
+    # the indices that ever leave the parameter where the others hold lie inside it (checked by the copy)
+    kinds = ["k" if not re.search(rf"\b{v0}\b", t) else "row" if not re.search(rf"\b{v1}\b", t) else "both"
+             for t in conds]
+    alone = np.logical_and.reduce([np.ones_like(ok), *(v for v, kind in zip(held, kinds) if kind != "both")])
+    joint = np.logical_and.reduce([np.ones_like(ok), *(v for v, kind in zip(held, kinds) if kind == "both")])
+    checked = [n for n in range(4) if np.any(outside[n] & alone)]
+    inside = ~np.logical_or.reduce([np.zeros_like(ok), *(outside[n] for n in checked)])
+    if not np.array_equal(joint & alone, inside & alone):
         return None
 
-    # The producer computes these for each 16-byte copy (8 a thread a stage), where 64-bit division by a
-    # constant costs several times 32-bit's: in int32 where every value fits (the parameter's elements,
-    # and each text evaluated in int32 on the rows and K above gives what it gives in int64), else in the
-    # block's index type, the kernel's row and K cast to it (TVMScript compares only equal types).
-    narrow = [re.sub(r"T\.int64\((-?\d+)\)", r"\1", t) for t in [*conds, *index]]
+    # A thread computes the K's part once a stage and the conditions for each 16-byte copy (8 a stage), where
+    # 64-bit division by a constant costs several times 32-bit's: in int32 where every value fits (the
+    # parameter's elements, and each text evaluated in int32 on the rows and K above gives what it gives in
+    # int64), else in the block's index type, the kernel's row and K cast to it (TVMScript compares only
+    # equal types).
+    texts = [*conds, *index]
     dtype = str(blk.iter_vars[0].var.ty)
-    if int(np.prod(names[x][0])) < 2**31 and not any("int64" in t for t in narrow):
+    narrow = [re.sub(r"T\.int64\((-?\d+)\)", r"\1", t) for t in texts]
+    if int(np.prod(shape)) < 2**30 and not any("int64" in t for t in narrow):  # (2^30: rows past M's too)
         i32, j32 = i.astype(np.int32), j.astype(np.int32)
         with np.errstate(over="ignore"):
             if all(np.array_equal(ev(t, i32, j32), ev(t, i, j)) for t in narrow):
-                conds, index, dtype = narrow[:len(conds)], narrow[len(conds):], "int32"
+                texts, dtype = narrow, "int32"
+    conds, index = texts[:len(conds)], texts[len(conds):]
+    row, kk, zero, lit = (("wg_arow", "wg_ak", "0", str) if dtype == "int32" else
+                          (*(f'T.Cast("{dtype}", {v})' for v in ("wg_arow", "wg_ak")), f"T.{dtype}(0)",
+                           lambda n: f"T.{dtype}({n})"))
 
-    row, kk = ("wg_arow", "wg_ak") if dtype == "int32" else (f'T.Cast("{dtype}", {v})' for v in ("wg_arow", "wg_ak"))
+    def at(t, r, q):  # (`t` with the block's row and K replaced)
+        return re.sub(rf"\b{v0}\b", r, re.sub(rf"\b{v1}\b", q, t))
 
-    def kernel_vars(t):
-        return re.sub(rf"\b{re.escape(v0)}\b", row, re.sub(rf"\b{re.escape(v1)}\b", kk, t))
+    def flat(r, q):
+        i0, i1, i2, i3 = (f"({at(t, r, q)})" for t in index)
+        return f"(({i0} * {lit(h)} + {i1}) * {lit(w)} + {i2}) * {lit(c)} + {i3}"
 
-    return " and ".join(f"({kernel_vars(c)})" for c in conds) or "T.bool(True)", [kernel_vars(t) for t in index]
+    def holds(kind):
+        return " and ".join(f"({at(t, row, kk)})" for t, of in zip(conds, kinds) if of == kind) or "T.bool(True)"
+
+    return Gather(dtype, flat(row, zero), f"{flat(zero, kk)} - ({flat(zero, zero)})", holds("row"), holds("k"),
+                  tuple((at(index[n], row, zero), f"{at(index[n], zero, kk)} - ({at(index[n], zero, zero)})",
+                         shape[n]) for n in checked))
 
 
 def _split(text: str, sep: str) -> list[str] | None:

@@ -75,14 +75,19 @@ def _meaning(p):
     out_dtype = next(dtype for name, _, dtype in p.params if name == p.out)
     bload = f"{p.b}[wg_k, wg_colc]" if p.b_kn else f"{p.b}[wg_colc, wg_k]"
     aload = f"{p.a}[wg_row, wg_k]"
-    if p.gather is not None:  # (as the kernel copies it: 8 elements from the gather's index at k - k % 8)
-        cond, index = p.gather
+    if p.gather is not None:  # (as the kernel copies it: 8 elements from the gather's offset at k - k % 8)
+        g = p.gather
+        _, h, w, c = next(shape for name, shape, _ in p.params if name == p.a)
 
         def at_chunk(t):
-            return t.replace("wg_arow", "wg_row").replace("wg_ak", "(wg_k - wg_k % 8)")
-        index = [at_chunk(t) for t in index]
-        index[3] = f"{index[3]} + wg_k % 8"
-        aload = f"T.if_then_else({at_chunk(cond)}, {p.a}[{', '.join(index)}], T.float16(0))"
+            t = t.replace("wg_arow", "wg_row").replace("wg_ak", "(wg_k - wg_k % 8)")
+            return t if g.dtype == "int32" else t.replace("wg_row", 'T.Cast("int64", wg_row)')
+        off = f"({at_chunk(g.row_offset)}) + ({at_chunk(g.k_offset)}) + wg_k % 8"
+        holds = [at_chunk(g.row_cond), at_chunk(g.k_cond), *(f"0 <= ({at_chunk(r)}) + ({at_chunk(q)}) and "
+                                                              f"({at_chunk(r)}) + ({at_chunk(q)}) < {size}"
+                                                              for r, q, size in g.checks)]
+        index = f"({off}) // {h * w * c}, ({off}) // {w * c} % {h}, ({off}) // {c} % {w}, ({off}) % {c}"
+        aload = f"T.if_then_else({' and '.join(f'({t})' for t in holds)}, {p.a}[{index}], T.float16(0))"
     text = _MEANING.substitute(params=params, m=p.m, n=p.n, k=p.k, aload=aload, bload=bload, out=p.out,
                                out_dtype=out_dtype, expr=p.expr)
     return tvm.script.from_source(text, extra_vars={"T": T})
@@ -167,7 +172,9 @@ def test_a_gather_whose_copies_would_not_lie_side_by_side_is_declined():
     """A gather whose 8 elements from a multiple of 8 of K are not 8
     neighbouring channels (here each channel read twice: one 16-byte copy
     would read the wrong ones), or are but not from a multiple of 8 (the
-    copy misaligned), is declined: the chain keeps the kernel.
+    copy misaligned), whose index is not a part of the row plus a part of
+    K, or whose condition on both is not that the indices lie inside the
+    activations, is declined: the chain keeps the kernel.
     (Channels not a multiple of 8 never reach it: implicit_gemm.applies.)"""
     from tvm.script import tirx as T
 
@@ -183,6 +190,13 @@ def test_a_gather_whose_copies_would_not_lie_side_by_side_is_declined():
     shifted = shifted.replace("v_k % T.int64(64)]", "v_k % T.int64(64) + T.int64(4)]")
     assert shifted.count("T.int64(72)") == 1 and "+ T.int64(4)]" in shifted
     assert wgmma_gemm.plan(tvm.script.from_source(shifted, extra_vars={"T": T}), gather=True) is None
+    # the image index (row + the filter's row) // 64 % 2: side by side, inside and aligned, but not a part of
+    # the row plus a part of K, which the kernel computes apart (the row's once a tile, K's once a stage)
+    mixed = text.replace("x[v_i // T.int64(64),", "x[(v_i + v_k // T.int64(192)) // T.int64(64) % T.int64(2),")
+    assert mixed != text and wgmma_gemm.plan(tvm.script.from_source(mixed, extra_vars={"T": T}), gather=True) is None
+    # a condition on the row and K together that is not that the indices lie inside x (here one row short)
+    short = text.replace("+ v_i % T.int64(64) // T.int64(8) < T.int64(9)", "+ v_i % T.int64(64) // T.int64(8) < T.int64(8)")
+    assert short != text and wgmma_gemm.plan(tvm.script.from_source(short, extra_vars={"T": T}), gather=True) is None
 
 
 def test_a_gathers_index_is_computed_in_int32_where_it_fits():
@@ -192,12 +206,16 @@ def test_a_gathers_index_is_computed_in_int32_where_it_fits():
     first 3x3 at batch 64; in the block's int64 where the activations have
     2^32 elements (a strided 1x1 whose GEMM is within int32 all the same)."""
     small = wgmma_gemm.plan(_conv(64, 56, 64, 64, 3, 1), gather=True).gather
-    assert not any("int64" in t or "T.Cast" in t for t in [small[0], *small[1]]), small
+    assert small.dtype == "int32" and not any("int64" in t or "T.Cast" in t for t in _texts(small)), small
     src = _compiled(wgmma_gemm.replacement(_conv(64, 56, 64, 64, 3, 1), gather=True)).mod.imports[0].inspect_source()
     producer = src[src.index("if (((int)threadIdx.x) < 128) {"):src.index("cp_async_wait_all_async_wait_all();")]
-    assert "int64_t" not in producer and "x_ptr[" in producer
+    assert "int64_t" not in producer and "wg_xf_ptr[" in producer
     huge = wgmma_gemm.plan(_conv(64, 1024, 64, 64, 1, 2), gather=True).gather  # (x: 64 x 1024 x 1024 x 64)
-    assert all('T.Cast("int64", wg_arow)' in t for t in huge[1][:3]), huge
+    assert huge.dtype == "int64" and 'T.Cast("int64", wg_arow)' in huge.row_offset, huge
+
+
+def _texts(g):
+    return [g.row_offset, g.k_offset, g.row_cond, g.k_cond, *(t for r, q, _ in g.checks for t in (r, q))]
 
 
 def _compiled(kernel):
