@@ -255,16 +255,18 @@ def test_the_gather_kernel_compiles_for_sm90a(shape):
                                             ((24, 7, 64, 64, 3, 1, False), False),
                                             ((2, 16, 64, 128, 3, 2, True), False),
                                             ((3, 8, 16, 64, 1, 2, False), False),
-                                            ((8, 16, 64, 128, 3, 1, False), True)],
+                                            ((8, 16, 64, 128, 3, 1, False), True),
+                                            ((2, 8, 64, 160, 3, 1, False), False)],
                          ids=["3x3-16-tiles", "3x3-rows-padded", "3x3-stride2-residual", "1x1-stride2",
-                              "3x3-16-tiles-pingpong"])
+                              "3x3-16-tiles-pingpong", "3x3-160-columns"])
 def test_gpu_an_implicit_gemm_computes_the_convolution(shape, pingpong, monkeypatch):
     """The gathering kernel on the GPU against the function lowered for the
     CPU: a persistent grid of two CTAs (each takes half the tiles: the ring
     of four stages runs on across tiles, 9 K tiles each), pad_gemm's padded
     rows (1,176 rows: the last tile ragged), a stride and a residual, a
     strided 1x1; the 16 tiles with each consumer warpgroup taking whole
-    tiles in turn (four each)."""
+    tiles in turn (four each); 160 columns (one tile of 160: the producer's
+    registers cut to 40, its rows' parts held in them all the same)."""
     from deploy.tvm_compat import tvm
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
