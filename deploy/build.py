@@ -164,7 +164,7 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
                 mod, tuned_mod, tvm_target, target.kind,
                 compile_fn=lambda m: compile_module(m, target, profile),
                 kernel_builds=lambda name, f: build_kernel(name, f, target),
-                wgmma=profile.uses_wgmma_gemm, wgmma_gather=profile.wgmma_gathers,
+                wgmma=profile.uses_wgmma_gemm, wgmma_gather=profile.uses_wgmma_gemm,
             )
         except schedule.UnbuildableKernelError as e:
             raise BuildError(f"build: {e}") from e

@@ -128,8 +128,10 @@ class Profile:
     pad_gemm: bool = False
     # NHWC convolutions with a kernel larger than 1x1 as implicit GEMMs with
     # their epilogues (passes.implicit_gemm): the tensor-core GEMM schedules
-    # take them. Changes those kernels.
-    implicit_gemm: bool = False
+    # take them. Changes those kernels. None (the CUDA default): on sm_90 in
+    # fp16 with the wgmma kernel, from CONV_GEMM_BATCH images a bucket, with
+    # the 1x1 convolutions as 2-D GEMMs (`implicit_gemms`).
+    implicit_gemm: bool | None = False
     # Attention (matmul, softmax, matmul and the layout operators around them)
     # as one kernel of ours (passes.attention), fp16 on CUDA. None (the CUDA
     # default): on where it applies, in fp16 (`fuses_attention`); true with
@@ -140,9 +142,8 @@ class Profile:
     # warp-specialized, persistent), tried before the schedule chain and the
     # tuning records on sm_90, and not tuned; elsewhere the chain as before.
     # None (the CUDA default): on in fp16 (`uses_wgmma_gemm`), for GEMMs
-    # whose A is a tensor; true: also for implicit GEMMs, whose A the kernel
-    # gathers (`wgmma_gathers`; 3x slower than mma.sync's on an H100); true with another
-    # precision is refused.
+    # whose A is a tensor and implicit GEMMs, whose A the kernel gathers;
+    # true with another precision is refused.
     wgmma_gemm: bool | None = False
 
     @property
@@ -157,11 +158,20 @@ class Profile:
         (wgmma_gemm, or by default: in fp16)."""
         return self.precision == "fp16" if self.wgmma_gemm is None else self.wgmma_gemm
 
-    @property
-    def wgmma_gathers(self) -> bool:
-        """Whether the wgmma kernel also takes implicit GEMMs (their A
-        gathered): only where wgmma_gemm is set true, not by default."""
-        return self.wgmma_gemm is True
+    def implicit_gemms(self, batch: int | None, hopper: bool) -> bool:
+        """Whether a bucket of `batch` images has its convolutions as
+        implicit GEMMs (implicit_gemm, or by default: on sm_90 (`hopper`)
+        where the wgmma kernel is in use, in NHWC, from CONV_GEMM_BATCH
+        images; the kernel then takes them)."""
+        if self.implicit_gemm is not None:
+            return self.implicit_gemm
+        return hopper and self.uses_wgmma_gemm and self.layout == "NHWC" and (batch or 0) >= CONV_GEMM_BATCH
+
+
+# The smallest bucket whose convolutions become GEMMs by default on sm_90 (`Profile.implicit_gemms`): on
+# an H200, ResNet-50 b64 ran 2.512 ms so (3.760 with the tuned records of the default graph) and b1 0.489
+# (0.470), ResNet-18 b64 1.019 (1.492): results/h200/2026-12-06/gathers-row-k/.
+CONV_GEMM_BATCH = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +233,7 @@ CUDA_DEFAULTS = Profile(
     builder_timeout_s=120.0,
     runner_timeout_s=60.0,
     pad_gemm=True,
+    implicit_gemm=None,
     fused_attention=None,
     wgmma_gemm=None,
 )

@@ -21,8 +21,10 @@ relax/backend/cuda/pipeline.py):
   epilogues         otherwise: a 2-D matmul's elementwise epilogue carried in 2-D
                     where its output is reshaped to more dimensions, and on sm_90 with
                     the wgmma kernel in use the N-D matmuls it would take as 2-D GEMMs
-                    (passes.flat_gemm); named implicit_gemm where that is asked for
-                    without flat_gemm
+                    (passes.flat_gemm); named implicit_gemm where convolutions become
+                    GEMMs without flat_gemm: where asked for, or by default on sm_90
+                    with the wgmma kernel from 32 images a bucket, then the 1x1 ones
+                    as 2-D GEMMs too (config.Profile.implicit_gemms)
   fusion            legalize to TIR and fuse into kernels (an fp32 cast before a
                     mean inside the mean's kernel: passes.mean_cast), GEMM rows that
                     tile badly padded inside their kernels (passes.pad_gemm; CUDA): the
@@ -86,9 +88,9 @@ class OptimizeArtifact:
         return load_json(self.module_path(bucket).read_text())
 
 
-def phases(profile: Profile, target=None) -> list[tuple[str, list]]:
+def phases(profile: Profile, target=None, batch: int | None = None) -> list[tuple[str, list]]:
     """The phases for `profile` on `target` (a TVM target; what the
-    optimize stage runs under)."""
+    optimize stage runs under) for a bucket of `batch` images."""
     from .passes import wgmma_gemm
     from .tvm_compat import relax
 
@@ -124,12 +126,14 @@ def phases(profile: Profile, target=None) -> list[tuple[str, list]]:
     if profile.split_k > 1 and profile.layout == "NHWC":
         out.append(("split_k", [split_k_conv2d(profile.split_k), *fold()]))
     tf32 = profile.precision == "tf32"  # (flat and implicit GEMMs on: config.py)
+    hopper = target is not None and wgmma_gemm.available(target)
+    convs = profile.implicit_gemms(batch, hopper)
     if profile.flat_gemm:
-        out.append(("flat_gemm", [flat_gemm(convs=profile.implicit_gemm, tf32=tf32), *fold()]))
-    else:
-        wgmma = profile.uses_wgmma_gemm and target is not None and wgmma_gemm.available(target)
-        out.append(("implicit_gemm" if profile.implicit_gemm else "epilogues",
-                    [flat_epilogues(pad_rows=profile.pad_gemm, convs=profile.implicit_gemm, wgmma=wgmma),
+        out.append(("flat_gemm", [flat_gemm(convs=convs, tf32=tf32), *fold()]))
+    else:  # (by default, with the KxK convolutions as implicit GEMMs the 1x1 ones as 2-D GEMMs)
+        out.append(("implicit_gemm" if convs else "epilogues",
+                    [flat_epilogues(pad_rows=profile.pad_gemm, convs=convs, wgmma=profile.uses_wgmma_gemm and hopper,
+                                    conv1x1=convs and profile.implicit_gemm is None),
                      T.CanonicalizeBindings(), *fold()]))
     out.append(
         (
@@ -177,13 +181,14 @@ def op_counts(mod) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def optimize_module(mod, profile: Profile, target, dump_dir: Path | None = None):
-    """Run the phases on one module; returns (module, per-phase report)."""
+def optimize_module(mod, profile: Profile, target, dump_dir: Path | None = None, batch: int | None = None):
+    """Run the phases on one module (a bucket of `batch` images); returns
+    (module, per-phase report)."""
     from .tvm_compat import PassContext, Sequential, tirx
 
     report = [{"phase": "input", "ops": op_counts(mod)}]
     with target, PassContext(opt_level=3):
-        for name, passes in phases(profile, target):
+        for name, passes in phases(profile, target, batch):
             mod = Sequential(passes, name=name)(mod)
             entry = {"phase": name, "ops": op_counts(mod)}
             if name == "fusion":
@@ -199,11 +204,12 @@ def _optimize_bucket(job) -> list[dict]:
     process-pool entry as well)."""
     from .tvm_compat import load_json, save_json
 
-    module_path, profile, target_info, dump_dir, out = job
+    module_path, profile, target_info, dump_dir, out, batch = job
     if dump_dir is not None:
         Path(dump_dir).mkdir(parents=True)
     mod = load_json(Path(module_path).read_text())
-    mod, report = optimize_module(mod, profile, target_info.tvm_target(), None if dump_dir is None else Path(dump_dir))
+    mod, report = optimize_module(mod, profile, target_info.tvm_target(), None if dump_dir is None else Path(dump_dir),
+                                  batch)
     Path(out).write_text(save_json(mod))
     return report
 
@@ -233,7 +239,7 @@ def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, du
     with artifacts.staged_dir(folder) as tmp:
         files = {b: f"b{b.label}.relax.json" for b in buckets}
         jobs = [(str(front.modules[b]), profile, target_info, str(tmp / "ir" / f"b{b.label}") if dump_ir else None,
-                 str(tmp / files[b])) for b in buckets]
+                 str(tmp / files[b]), b.batch) for b in buckets]
         workers = parallel_workers(front.modules[buckets[0]], len(jobs), PARALLEL_MODULE_BYTES)
         if workers > 1:
             log.info("optimize: %d buckets in %d processes", len(jobs), workers)

@@ -293,7 +293,7 @@ def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:
         "default_chain": default_chain(target.kind),
         # (the GEMMs' kernels, where the pass can take them; absent: keys as before)
         **({"wgmma_gemm": True} if hopper and profile.uses_wgmma_gemm else {}),
-        **({"wgmma_gather": True} if hopper and profile.wgmma_gathers else {}),
+        **({"wgmma_gather": True} if hopper and profile.uses_wgmma_gemm else {}),
         "input_ranges": True,  # (a copy built before packages recorded them is built again, not loaded with a warning)
     }
 

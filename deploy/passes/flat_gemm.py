@@ -48,7 +48,7 @@ BINARY = frozenset({
 
 
 def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, tf32: bool = False,
-              wgmma: bool = False):
+              wgmma: bool = False, conv1x1: bool = False):
     """A pass: see the module's docstring. `gemms=False` (`flat_epilogues()`)
     rewrites no convolution or matmul, and only carries the epilogues of
     2-D results viewed in more dimensions; with `pad_rows`, it also rewrites
@@ -57,7 +57,9 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
     form passes.wgmma_gemm's kernel takes (which takes 2-D GEMMs only);
     with `convs`, the convolutions that passes.implicit_gemm takes become
     implicit GEMMs [N*Ho*Wo, O], their epilogues carried in 2-D as well
-    (fp32 ones too with `tf32`)."""
+    (fp32 ones too with `tf32`); with `conv1x1` (and `gemms=False`), the
+    1x1 convolutions are rewritten as `gemms` does, and the strided ones as
+    implicit GEMMs with `convs`, the matmuls as without it."""
     from ..tvm_compat import relax, tvm
 
     op = relax.op
@@ -110,9 +112,9 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
                 return call
             name = call.op.name
-            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call, tf32, strided_1x1=gemms):
+            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call, tf32, strided_1x1=gemms or conv1x1):
                 return self._implicit(call)
-            if name == "relax.nn.conv2d" and gemms:
+            if name == "relax.nn.conv2d" and (gemms or conv1x1):
                 return self._conv1x1(call)
             if name == "relax.matmul" and (gemms or pad_rows or wgmma):
                 return self._matmul(call, every=gemms)
@@ -216,7 +218,8 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
     return pruned("FlatGemm", relax_function_pass("FlatGemm", FlatGemm, emits_functions=convs))
 
 
-def flat_epilogues(pad_rows: bool = False, convs: bool = False, tf32: bool = False, wgmma: bool = False):
+def flat_epilogues(pad_rows: bool = False, convs: bool = False, tf32: bool = False, wgmma: bool = False,
+                   conv1x1: bool = False):
     """The elementwise epilogue of a 2-D matmul whose output is reshaped to
     more dimensions (a transformer's dense layer over batch x sequence rows,
     then GELU, a residual add) carried in 2-D, and the reshape back to 2-D
@@ -229,5 +232,8 @@ def flat_epilogues(pad_rows: bool = False, convs: bool = False, tf32: bool = Fal
     `implicit_gemm`), KxK convolutions become implicit GEMMs as well. With
     `wgmma` (passes.wgmma_gemm's kernel in use), N-D matmuls whose 2-D form
     the kernel takes become 2-D GEMMs (GPT's dense layers over batch x
-    sequence rows: the kernel takes 2-D GEMMs only)."""
-    return flat_gemm(gemms=False, pad_rows=pad_rows, convs=convs, tf32=tf32, wgmma=wgmma)
+    sequence rows: the kernel takes 2-D GEMMs only). With `conv1x1`, 1x1
+    convolutions become 2-D GEMMs (strided ones implicit GEMMs with `convs`),
+    as `flat_gemm()` makes them (the profile's default `implicit_gemm` on
+    sm_90: config.Profile.implicit_gemms)."""
+    return flat_gemm(gemms=False, pad_rows=pad_rows, convs=convs, tf32=tf32, wgmma=wgmma, conv1x1=conv1x1)

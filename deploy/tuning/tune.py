@@ -85,7 +85,7 @@ def tune_bucket(
     `store_root` seeds each task that another model tuned."""
     tvm_target = target.tvm_target()
     all_tasks = task_loop.extract_tasks(mod, tvm_target)
-    wgmma = task_loop.wgmma_tasks(all_tasks, tvm_target, profile.wgmma_gathers) if profile.uses_wgmma_gemm else []
+    wgmma = task_loop.wgmma_tasks(all_tasks, tvm_target, gather=True) if profile.uses_wgmma_gemm else []
     if wgmma:  # (the build gives them our wgmma kernel before any record: tuning them would be time lost)
         log.info("tune: %s: %d GEMM kernel(s) take the wgmma kernel (passes/wgmma_gemm.py), not tuned: %s",
                  db_dir.name, len(wgmma), ", ".join(wgmma))

@@ -288,3 +288,45 @@ def test_the_probe_builds_a_convolution_here_and_says_what_it_could_not(tmp_path
     assert built["config"] == "128x64x32-w2x2-s4" and built["predicated"] and "error" not in built
     assert stem["config"] == "none" and "input channels a multiple of 8" in stem["error"]
     assert "| 2x8x8x64-64-3-s1 | 128x64x32-w2x2-s4 |" in (tmp_path / "probe.md").read_text()
+
+
+@pytest.mark.parametrize("cuda, arch, batch, want", [
+    ({}, "sm_90", 32, True),  # the default: the wgmma kernel in use, 32 images or more
+    ({}, "sm_90", 64, True),
+    ({}, "sm_90", 8, False),  # (batch 1 measured slower so: config.CONV_GEMM_BATCH)
+    ({}, "sm_80", 64, False),  # no wgmma kernel there
+    ({"wgmma_gemm": False}, "sm_90", 64, False),
+    ({"precision": "fp32"}, "sm_90", 64, False),
+    ({"implicit_gemm": False}, "sm_90", 64, False),  # asked: as asked
+    ({"implicit_gemm": True}, "sm_80", 1, True),
+])
+def test_by_default_convolutions_become_gemms_on_sm90_from_32_images(cuda, arch, batch, want):
+    """By default the optimize stage makes a bucket's convolutions GEMMs
+    (KxK ones implicit GEMMs, 1x1 ones 2-D GEMMs) on sm_90 where the wgmma
+    kernel is in use, from 32 images; elsewhere, or where the profile says,
+    as it says."""
+    from deploy import optimize
+
+    cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": cuda})
+    target = targets.resolve(f"cuda:{arch}").tvm_target()
+    assert cfg.cuda.implicit_gemms(batch, arch == "sm_90") is want
+    assert ("implicit_gemm" in [n for n, _ in phases(cfg.cuda, target, batch)]) is want
+    if cuda:
+        return
+    mod, _ = optimize.optimize_module(_bottleneck(n=batch // 8, k=3, o=32), cfg.cuda, target, batch=batch)
+    assert any(n.startswith("fused_conv2d_gemm") for n in _kernels(mod)) is want, _kernels(mod).keys()
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_the_default_makes_1x1_convolutions_gemms_and_leaves_matmuls(stride):
+    """`flat_epilogues(convs=True, conv1x1=True)` (the default's phase):
+    a 1x1 convolution becomes a 2-D GEMM (strided, an implicit GEMM), as
+    flat_gemm makes it; a transformer's N-D dense layer stays as it was
+    (flat_gemm would make it 2-D)."""
+    from .test_flat_gemm import _dense
+
+    text = flat_epilogues(convs=True, conv1x1=True)(_bottleneck(k=1, c=64, o=32, stride=stride)).script()
+    assert ("R.matmul" in text) is (stride == 1) and ("conv2d_gemm" in text) is (stride == 2)
+    assert text.count("R.nn.conv2d(") == 1  # (the 3x3 one summed in fp16: left alone)
+    assert flat_epilogues(convs=True, conv1x1=True)(_dense()).script() == flat_epilogues()(_dense()).script()
+    assert flat_gemm()(_dense()).script() != flat_epilogues()(_dense()).script()
