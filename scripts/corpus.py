@@ -1,6 +1,6 @@
 """The model corpus through the whole pipeline, untuned: which models build and
 validate on a target, with what schedules and fallbacks, and how untuned TVM
-at batch 1 compares with what a user already has, measured in the same run
+at batch 1 (or --batch) compares with what a user already has, measured in the same run
 (CPU: ONNX Runtime and PyTorch eager; GPU: PyTorch eager and torch.compile).
 Beside each, whether plain TVM alone (from_onnx -> the "zero" pipeline ->
 DLight's default rules -> tvm.compile, fp32) builds the same graph.
@@ -13,6 +13,7 @@ in the folder's corpus.json are skipped unless --force.
     python scripts/corpus.py --target llvm --out results/cpu/DATE/corpus-llvm-full
     python scripts/corpus.py --target cuda --precision fp16,fp32 --baselines --out results/h200/DATE/corpus-cuda-full
     python scripts/corpus.py --target cuda:sm_90 --size small --models convnext,bert   # cross-compile only
+    python scripts/corpus.py --target cuda:sm_90 --batch 32 --out /tmp/c32   # the large-batch kernels
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def baselines(name: str, size: str, target, precision: str, inputs_np, onnx_path
 def build_one(job) -> dict:
     """Export, import, optimize, build and validate one (model, precision),
     untuned, in `work`/<model>-<precision> (a process-pool entry)."""
-    name, precision, size, exporter, target_name, work, plain, extra = job
+    name, precision, size, exporter, target_name, work, plain, extra, batch = job
     import models
     from deploy import artifacts, config, pipeline, targets
     from deploy.errors import DeployError
@@ -113,7 +114,7 @@ def build_one(job) -> dict:
              "size": size, "exporter": exporter}
     if precision != "fp16":  # (the wgmma kernel is fp16's; fp32 jobs of the same run build as before)
         extra = {k: v for k, v in extra.items() if k != "wgmma_gemm"}
-    profile = {"buckets": [1], "tune_buckets": [], "trials": 0, "precision": precision, **extra}
+    profile = {"buckets": [batch], "tune_buckets": [], "trials": 0, "precision": precision, **extra}
     cfg = config.from_dict({"model": {"source": name, "size": size, "exporter": exporter}, target.kind: profile})
     ws = work / f"{name}-{precision}"
     shutil.rmtree(ws, ignore_errors=True)
@@ -133,12 +134,12 @@ def build_one(job) -> dict:
     entry["workdir"] = str(ws)
     pkg = ws / "package"
     if (pkg / artifacts.MANIFEST).is_file():
-        b = json.loads((pkg / artifacts.MANIFEST).read_text())["buckets"]["1"]
+        b = json.loads((pkg / artifacts.MANIFEST).read_text())["buckets"][str(batch)]
         entry["kernels"], entry["schedules"], entry["fallbacks"] = b["kernels"], b["schedules"], b["fallbacks"]
         entry["build_seconds"] = b["compile_seconds"]
     if entry["outcome"] == "validated":
         v = json.loads((pkg / "validation.json").read_text())
-        entry["worst_rel_l2"] = max(r["rel_l2"] for refs in v["buckets"]["1"].values() for r in refs.values())
+        entry["worst_rel_l2"] = max(r["rel_l2"] for refs in v["buckets"][str(batch)].values() for r in refs.values())
     if plain and (ws / "export" / "model.onnx").is_file():
         from deploy import export
 
@@ -148,14 +149,14 @@ def build_one(job) -> dict:
 
 
 def time_one(entry: dict, args, target) -> None:
-    """TVM's p50 at batch 1 and, with --baselines, the alternatives', in this
-    process, one runner at a time."""
+    """TVM's p50 at the run's batch and, with --baselines, the
+    alternatives', in this process, one runner at a time."""
     from deploy import runtime
     from deploy.bench import runners as bench
 
     pkg = Path(entry["workdir"]) / "package"
     pred = runtime.load(pkg, warn_unvalidated=False)
-    inputs = pred.random_inputs(1, seed=0)
+    inputs = pred.random_inputs(args.batch, seed=0)
     r = bench.TVMRunner("tvm", pkg)
     r.activate(inputs)
     iters = bench.iterations_for(r, 3.0, args.iters)
@@ -172,7 +173,8 @@ def markdown(report: dict) -> str:
     ok = sum(1 for r in rows if r["outcome"] in ("validated", "built"))
     exp = sum(1 for r in rows if r["expect"] != "build" and r["outcome"] == "unsupported")
     plain = [r for r in rows if "plain_tvm" in r]
-    lines = [f"# Corpus, {report['target']} ({report['size']} size, {report['exporter']} exporter)", "",
+    lines = [f"# Corpus, {report['target']} ({report['size']} size, {report['exporter']} exporter"
+             + (f", batch {report['batch']}" if report.get("batch", 1) != 1 else "") + ")", "",
              f"Machine: {report['environment'].get('gpu') or report['environment'].get('cpu', '?')}; "
              f"{report['date']}; " + ("commands (one run, resumed): " if len(report.get("commands", [])) > 1 else "command: ")
              + "; ".join(f"`{c}`" for c in report.get("commands") or [report["command"]]), "",
@@ -217,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flat-gemm", action="store_true", help="the profile's flat_gemm (passes/flat_gemm.py)")
     ap.add_argument("--implicit-gemm", action="store_true",
                     help="the profile's implicit_gemm (passes/implicit_gemm.py; NHWC: on llvm with --layout NHWC)")
+    ap.add_argument("--batch", type=int, default=1, help="the images (or sequences) a model runs on at once")
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--baselines", action="store_true", help="time the alternatives in the same run")
@@ -238,6 +241,9 @@ def main(argv=None) -> int:
     from deploy import artifacts, targets
     from deploy.bench import report as bench_report
 
+    if args.batch < 1:
+        print(f"error: --batch {args.batch} is not a batch | expected a positive integer", file=sys.stderr)
+        return 2
     target = targets.resolve(args.target)
     if args.flat_gemm and target.kind == "llvm" and args.layout != "NHWC":
         print("error: --flat-gemm on llvm needs --layout NHWC (the CPU's default layout is NCHWc)", file=sys.stderr)
@@ -260,10 +266,10 @@ def main(argv=None) -> int:
     settings = {"target": target.key()["kind"] + " " + target.arch, "size": args.size, "exporter": args.exporter,
                 "layout": args.layout or "default", "flat_gemm": args.flat_gemm,
                 "implicit_gemm": args.implicit_gemm, "fused_attention": args.fused_attention,
-                "wgmma_gemm": args.wgmma_gemm}
+                "wgmma_gemm": args.wgmma_gemm, "batch": args.batch}
     # A resumed run adds rows to the saved ones: only under the same settings (a saved corpus from before
     # `wgmma_gemm` existed was built with it off, as `false` says now; CUDA's options mean nothing on llvm)
-    saved = {k: report.get(k, False if k == "wgmma_gemm" else v) for k, v in settings.items()}
+    saved = {k: report.get(k, {"wgmma_gemm": False, "batch": 1}.get(k, v)) for k, v in settings.items()}
     differ = [k for k in settings if saved[k] != settings[k]
               and not (target.kind != "cuda" and k in ("fused_attention", "wgmma_gemm"))]
     if report["results"] and not args.force and differ:
@@ -291,7 +297,7 @@ def main(argv=None) -> int:
              **({"implicit_gemm": True} if args.implicit_gemm else {}),
              **({"fused_attention": args.fused_attention} if args.fused_attention is not None else {}),
              **({"wgmma_gemm": args.wgmma_gemm} if args.wgmma_gemm is not None else {})}
-    jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, extra)
+    jobs = [(n, p, args.size, args.exporter, args.target, str(work), args.plain_tvm, extra, args.batch)
             for n in names for p in precisions if args.force or (n, p) not in results]
     try:
         if jobs:
