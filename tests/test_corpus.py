@@ -134,3 +134,29 @@ def test_a_resumed_run_with_other_settings_is_refused_in_one_line(tmp_path, caps
     report = json.loads((out / "corpus.json").read_text())
     assert [r["model"] for r in report["results"]] == ["tiny_mlp"] and report["layout"] == "default"
     assert report["results"][0]["outcome"] == "validated"
+    # a batch: a corpus saved before --batch (at batch 1) resumes at 1, not at 32; a batch of 0 is refused
+    (out / "corpus.json").write_text(json.dumps({**saved, "target": f"llvm {arch}", "results": [row]}))
+    assert corpus.main(["--target", "llvm", "--size", "small", "--models", "tiny_mlp", "--out", str(out)]) == 0
+    before = (out / "corpus.json").read_text()
+    for batch, why in (("32", "batch 32"), ("0", "not a batch")):
+        assert corpus.main(["--target", "llvm", "--size", "small", "--models", "tiny_mlp", "--batch", batch,
+                            "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err and (out / "corpus.json").read_text() == before
+
+
+# The convolutional models whose large-batch buckets on sm_90 get the implicit GEMMs by default
+# (config.CONV_GEMM_BATCH), the wgmma kernel taking their gathers: built here as on the H200.
+LARGE_BATCH = ["resnet50", "mobilenet_v3", "unet", "densenet"]
+
+
+@pytest.mark.parametrize("name", LARGE_BATCH)
+def test_cuda_sm90_builds_at_a_large_batch(name, tmp_path, sm90):
+    if sm90.has_device:
+        pytest.skip("this machine has a GPU: the gpu-marked corpus run covers it")
+    pipeline.run(_cfg(name, "cuda", buckets=[32], tune_buckets=[]), sm90, tmp_path / "ws", db_root=tmp_path / "db")
+    b = json.loads((tmp_path / "ws" / "package" / "manifest.json").read_text())["buckets"]["32"]
+    assert b["kernels"] > 0 and sum(b["schedules"].values()) == b["kernels"] and not b["fallbacks"], b
+    opt = json.loads((tmp_path / "ws" / "optimize" / "manifest.json").read_text())
+    assert "implicit_gemm" in [p["phase"] for p in opt["report"]["32"]]
+    assert b["schedules"].get("wgmma-gemm", 0) > 0, b["schedules"]
