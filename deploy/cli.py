@@ -505,15 +505,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "(candidates for the mma.sync tensor-core rule; changes the kernels to tune)")
     p.add_argument("--implicit-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC convolutions with kernels larger than 1x1 as implicit GEMMs with their epilogues "
-                        "(candidates for the mma.sync GEMM schedules; changes the kernels to tune)")
+                        "(candidates for the mma.sync GEMM schedules; changes the kernels to tune; by default on "
+                        "sm_90 in fp16 from batch 32, the 1x1 ones as 2-D GEMMs too, for the wgmma kernel)")
     p.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="attention (QK^T, softmax, PV and the layout operators around them) as one kernel "
                         "(CUDA, fp16; changes those kernels)")
     p.add_argument("--wgmma-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="fp16 GEMM kernels as our Hopper wgmma kernel (TMA, warp-specialized, persistent) before "
-                        "their schedules and tuning records, and not tuned (CUDA sm_90; on by default in fp16 for "
-                        "GEMMs whose A is a tensor; given, also for implicit GEMMs with --implicit-gemm, which "
-                        "it computes correctly and, on an H100, 3x slower than our mma.sync gather)")
+                        "their schedules and tuning records, and not tuned (CUDA sm_90; on by default in fp16, "
+                        "for GEMMs and implicit GEMMs, whose A it gathers)")
     p.add_argument("--pad-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="pad GEMM rows whose count tiles badly to a multiple of 128 inside the kernel "
                         "(on by default for CUDA; changes those kernels)")

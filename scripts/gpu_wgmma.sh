@@ -10,7 +10,8 @@
 #        results in $OUT/wgmma-bench.tgz after each model; exit 1 where any test, build, validation or bench failed;
 #        EXTRA= more flags for every build and bench (e.g. EXTRA="--implicit-gemm --flat-gemm": convolutions
 #        as GEMMs, which the kernel then takes too); VARIANTS="off default on" adds a third package built
-#        with neither flag (the default: the kernel takes GEMMs, not implicit GEMMs' gathers)
+#        with neither flag (the default: since ec66855 the same kernels as --wgmma-gemm in fp16; before, GEMMs
+#        only, not implicit GEMMs' gathers)
 #   bash scripts/gpu_wgmma.sh both vit,bert    tests, then bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
