@@ -37,9 +37,17 @@ accepts (0 of 60 draws on the CPU machine: blocks of 4 to 224 tiles, each
 caching its whole input tile in shared memory), and each such task spent its
 search finding none (21 trials per minute on the H200).
 
+A grouped convolution (ResNeXt's 32 groups of 4 to 32 channels) fell to
+`GeneralReduction` the same way: on the H200 at batch 64, 24 ms a call for
+ResNeXt-50's first 3x3 (78 GFLOP/s), 168 ms for the model against
+torch.compile's 3.8 (results/h200/2026-12-06/gathers-row-k/). It gets a
+thread an output too, its group's channels summed with the taps (up to
+MAX_GROUPED_TAPS steps), not the sliding window (whose registers would hold
+every channel of the group for each tap).
+
 It applies to a kernel with exactly one reduction block, whose loops are
 spatial axes then reduction axes, with at most MAX_TAPS reduction steps per
-output and at least MIN_OUTPUTS outputs, and injective blocks besides whose
+output (MAX_GROUPED_TAPS for a grouped convolution) and at least MIN_OUTPUTS outputs, and injective blocks besides whose
 last writes the reduction's shape; anything else is left to DLight. It
 comes after DLight's Matmul and GEMV in the chain (passes/schedule.py), so
 no contraction they schedule changes.
@@ -52,6 +60,7 @@ import math
 from .kernel_shape import reduction_loops, rule_kernel, static_int, vars_of
 
 MAX_TAPS = 64  # reduction steps per output: a 7x7 window is 49
+MAX_GROUPED_TAPS = 288  # a grouped convolution's: ResNeXt-50 32x4d's last stage, 3x3 x 32 channels a group
 MIN_OUTPUTS = 4096  # below this, too few threads: DLight's reduction rules split the reduction instead
 THREADS = 256
 THREAD_CHOICES = (64, 128, 256, 512, 1024)  # the block sizes tuning chooses among
@@ -69,22 +78,25 @@ class ShortReduction:
         if got is None:
             return None
         sch, (main, producers, consumers, n_s, extents) = got
-        if math.prod(extents[n_s:]) > MAX_TAPS or math.prod(extents[:n_s]) < MIN_OUTPUTS:
-            return None
         block = sch.get(main.block_rv)
         if len(block.writes) != 1:
             return None
+        reduce_vars = {v for v, _ in reduction_loops(main, n_s, extents)}
+        grouped = _grouped(block, main, n_s, reduce_vars)
+        if math.prod(extents[n_s:]) > (MAX_GROUPED_TAPS if grouped else MAX_TAPS) \
+                or math.prod(extents[:n_s]) < MIN_OUTPUTS:
+            return None
         # Each thread's reads walk the reduction: not along a buffer's
         # contiguous axis (a sum over the last axis stays with DLight, whose
-        # threads split it and read it coalesced).
-        reduce_vars = {v for v, _ in reduction_loops(main, n_s, extents)}
+        # threads split it and read it coalesced), but for a grouped
+        # convolution's channels of a group.
         for r in block.reads:
-            if r.region and vars_of(r.region[-1].min) & reduce_vars:
+            if r.region and vars_of(r.region[-1].min) & reduce_vars and not grouped:
                 return None
         shape = [static_int(d) for d in block.writes[0].source.shape]
         if consumers and [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
             return None  # a broadcast epilogue: not one output per thread
-        window = _window_read(block, main, n_s, reduce_vars)
+        window = None if grouped else _window_read(block, main, n_s, reduce_vars)
         if window is not None:
             try:
                 return _schedule_window(sch, main, producers, consumers, n_s, extents, window, tunable, self.window)
@@ -115,6 +127,18 @@ class ShortReduction:
 # divide the axis (1: a thread per output, the window still in registers).
 WINDOW_CHOICES = (1, 2, 4, 7, 8)
 WINDOW_DEFAULT = (4, 7, 2)  # the default: the first of these that divides the axis, else 1
+
+
+def _grouped(block, main, n_s: int, reduce_vars: set) -> bool:
+    """Whether the main block reads a 4-D buffer (NHWC) with reduction
+    variables along a spatial axis and along its channels, these together
+    with an output variable (the group's first channel): a grouped
+    convolution. (A depthwise one sums no channel; a dense one's channel is
+    the reduction's alone.)"""
+    outputs = {it.var for it in main.iters[:n_s]}
+    return n_s == 4 and any(
+        len(r.region) == 4 and vars_of(r.region[-1].min) & reduce_vars and vars_of(r.region[-1].min) & outputs
+        and any(vars_of(d.min) & reduce_vars for d in r.region[1:3]) for r in block.reads)
 
 
 def _window_read(block, main, n_s: int, reduce_vars: set) -> int | None:

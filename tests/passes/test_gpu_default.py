@@ -373,3 +373,70 @@ def test_the_window_is_the_padded_input_when_the_weight_has_a_producer_too(sm90)
         scheduled = ShortReduction().apply(func, sm90)
     text = build_kernel("dw", scheduled.mod["main"], targets.resolve("cuda:sm_90")).imports[0].inspect_source()
     assert "PaddedInput_local_ptr[6];" in text  # (4 - 1) + 3 inputs a window row
+
+
+def _grouped_conv(bb, x, channels=4, k=3, stride=1):
+    """A grouped NHWC convolution (ResNeXt's 3x3: `channels` a group), its bias and ReLU."""
+    rng = np.random.default_rng(3)
+    c = int(x.ty.shape[-1])
+    w = relax.const((rng.standard_normal((c, k, k, channels)) / (k * (channels ** 0.5))).astype("float16"))
+    b = relax.const(rng.standard_normal((1, 1, 1, c)).astype("float16"))
+    y = bb.emit(relax.op.nn.conv2d(x, w, strides=[stride] * 2, padding=[k // 2] * 4, groups=c // channels,
+                                   data_layout="NHWC", kernel_layout="OHWI", out_dtype="float32"))
+    return relax.op.nn.relu(relax.op.add(relax.op.astype(y, "float16"), b))
+
+
+@pytest.mark.parametrize("channels, stride", [(4, 1), (8, 2), (32, 1)])
+def test_a_grouped_convolution_gets_a_thread_an_output_and_builds(sm90, channels, stride):
+    """ResNeXt's grouped 3x3 (4 to 32 channels a group; 36 to 288 steps
+    of reduction): a thread an output, the group's channels summed with
+    the taps, unrolled, the epilogue applied as it writes; DLight gave each
+    output a block of its own. 64 channels a group (576 steps) stay with
+    DLight, as does a dense convolution of as many steps."""
+    (func,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride), sm90,
+                                      (8, 28, 28, 128)).items() if "conv2d" in n]
+    source, scheduled = _first_source(func, sm90)
+    assert source == schedule.SHORT_REDUCTION
+    text = scheduled.script()
+    outputs = 8 * (28 // stride) ** 2 * 128
+    assert f'T.thread_binding(T.int64({outputs // 256}), thread="blockIdx.x")' in text
+    assert "T.unroll" in text and "T.max" in text  # (the ReLU, as each thread writes)
+    build_kernel("grouped", scheduled, targets.resolve("cuda:sm_90"))  # compiled for sm_90 (raises if not)
+    (wide,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, 64), sm90, (8, 28, 28, 128)).items()
+               if "conv2d" in n]
+    assert ShortReduction().apply(wide, sm90) is None
+    # a dense 3x3 over 16 channels (144 steps, as a grouped one of 16 channels): no group, not this rule's
+    (dense,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, 16), sm90, (8, 28, 28, 16)).items()
+                if "conv2d" in n]
+    assert "T.max" in dense.script() and ShortReduction().apply(dense, sm90) is None
+
+
+@pytest.mark.parametrize("channels, stride, shape", [(4, 1, (2, 8, 8, 128)), (32, 2, (2, 8, 8, 128))])
+def test_the_grouped_schedule_computes_it_in_emulation(sm90, channels, stride, shape):
+    """Its CUDA run in tests/cuda_emu.py against the kernel unscheduled,
+    lowered for the CPU."""
+    from .. import emulation
+
+    (func,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride), sm90,
+                                      shape).items() if "conv2d" in n]
+    args, want = _reference(func)
+    with sm90:
+        sch = ShortReduction().apply(func, sm90)
+    got, problems = emulation.run(func, sch.mod["main"], sm90, args)
+    assert not problems, sorted(problems)[:5]
+    np.testing.assert_allclose(got.astype("float32"), want[-1].numpy().astype("float32"), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels, stride", [(4, 1), (8, 2), (32, 1)])
+def test_gpu_the_grouped_schedule_computes_what_tvms_plain_lowering_does(sm90, channels, stride):
+    (func,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride), sm90,
+                                      (8, 28, 28, 128)).items() if "conv2d" in n]
+    args, want = _reference(func)
+    with sm90:
+        sch = ShortReduction().apply(func, sm90)
+    lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
+    got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args]
+    lib["k"](*got)
+    np.testing.assert_allclose(got[-1].numpy().astype("float32"), want[-1].numpy().astype("float32"),
+                               rtol=2e-2, atol=2e-2)
