@@ -11,7 +11,8 @@
 #        EXTRA= more flags for every build and bench (e.g. EXTRA="--implicit-gemm --flat-gemm": convolutions
 #        as GEMMs, which the kernel then takes too); VARIANTS="off default on" adds a third package built
 #        with neither flag (the default: since ec66855 the same kernels as --wgmma-gemm in fp16; before, GEMMs
-#        only, not implicit GEMMs' gathers)
+#        only, not implicit GEMMs' gathers); "plain" one with --no-implicit-gemm (the kernel takes GEMMs, the
+#        convolutions stay convolutions: the graph the committed databases were tuned for)
 #   bash scripts/gpu_wgmma.sh both vit,bert    tests, then bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,11 +22,11 @@ case "$what" in tests|bench|both) ;; *)
   echo "error: unknown pass '$what' | expected: tests, bench or both" >&2; exit 2;; esac
 read -r -a variants <<< "${VARIANTS:-off on}"
 for v in "${variants[@]-}"; do
-  case "$v" in off|default|on) ;; *)
-    echo "error: unknown variant '$v' in VARIANTS | expected: off, default or on" >&2; exit 2;; esac
+  case "$v" in off|default|on|plain) ;; *)
+    echo "error: unknown variant '$v' in VARIANTS | expected: off, default, on or plain" >&2; exit 2;; esac
 done
 if [ "$(printf '%s\n' "${variants[@]}" | sort -u | wc -l)" != "${#variants[@]}" ]; then
-  echo "error: VARIANTS='${VARIANTS}' names a variant twice | each of off, default, on at most once" >&2; exit 2
+  echo "error: VARIANTS='${VARIANTS}' names a variant twice | each of off, default, on, plain at most once" >&2; exit 2
 fi
 source scripts/gpu_env.sh
 WORK=${WORK:-/tmp/wgmma}
@@ -39,8 +40,9 @@ fi
 [ "$what" = tests ] && exit "$rc"
 B=$WORK/bench
 mkdir -p "$B"
-flags() {  # the variant's flags: --no-wgmma-gemm, none (the default), --wgmma-gemm; then EXTRA
-  case "$1" in off) echo "--no-wgmma-gemm ${EXTRA-}";; on) echo "--wgmma-gemm ${EXTRA-}";; *) echo "${EXTRA-}";; esac
+flags() {  # the variant's flags: --no-wgmma-gemm, none (the default), --wgmma-gemm, --no-implicit-gemm; then EXTRA
+  case "$1" in off) echo "--no-wgmma-gemm ${EXTRA-}";; on) echo "--wgmma-gemm ${EXTRA-}";;
+    plain) echo "--no-implicit-gemm ${EXTRA-}";; *) echo "${EXTRA-}";; esac
 }
 for m in ${models//,/ }; do
   pids=()
@@ -62,7 +64,8 @@ for m in ${models//,/ }; do
     grep -E "wgmma-gemm|^validation|^rc=" "$B/$m-$v-run.log" | sed "s/^/$m $v: /" | cut -c1-220
   done
   # (the builds' own latency lines are not printed: the builds timed them side by side on one GPU)
-  for v in $(printf '%s\n' "${variants[@]}" | sort -r); do  # (on first: it benches the other runners too)
+  for v in on off default plain; do  # (on first: it benches the other runners too)
+    [[ " ${variants[*]} " == *" $v "* ]] || continue
     [[ " ${built[*]-} " == *" $v "* ]] || { echo "$m $v: not benched (its build failed)"; continue; }
     read -r -a flag <<< "$(flags "$v")"
     runners=tvm; [ "$v" = on ] && runners=${RUNNERS:-tvm,torch-compile,torch-eager-fp16}

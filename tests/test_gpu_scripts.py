@@ -145,8 +145,8 @@ def test_wgmma_bench_builds_both_packages_and_benches_the_flag_beside_torch(tmp_
 
 def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
     """VARIANTS="off default on": a third package built with neither flag
-    (the kernel's default: GEMMs, not gathers), benched alone; an unknown
-    variant is refused in one line before anything runs."""
+    (the default), benched alone; "plain": one with --no-implicit-gemm; an
+    unknown variant is refused in one line before anything runs."""
     log, env = _fake_deploy(tmp_path)
     env["EXTRA"] = "--implicit-gemm"
     r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
@@ -160,6 +160,16 @@ def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
         "--implicit-gemm")
     assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in benches] == \
         ["ws-resnet50-on", "ws-resnet50-off", "ws-resnet50-default"]
+    log.unlink()
+    # "plain": the convolutions left as convolutions (the graph the databases were tuned for), benched after on
+    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
+                       env={**env, "EXTRA": "", "VARIANTS": "plain on"}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    by_dir = {c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1]: c for c in calls if "deploy run" in c}
+    assert by_dir["ws-resnet50-plain"].endswith("--no-implicit-gemm") and "wgmma-gemm" not in by_dir["ws-resnet50-plain"]
+    assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in calls if "deploy bench" in c] == \
+        ["ws-resnet50-on", "ws-resnet50-plain"]
     log.unlink()
     for variants, why in [("off both", "unknown variant 'both'"), ("on on", "names a variant twice")]:
         r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
