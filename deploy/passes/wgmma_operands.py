@@ -39,9 +39,10 @@ def gather(blk, names, rows: int, k: int) -> Gather | None:
     row plus a part of K (a convolution's input row is its output row times
     the stride plus the filter's row, less the padding), and each condition
     on the row alone, on K alone, or, all such together, that the indices
-    lie inside the parameter (the padding). All of it is checked by
-    evaluating the block's own texts (NumPy) on rows at both ends and
-    between, over every k."""
+    lie inside the parameter (the padding). Which indices the copy checks is
+    found from every row's part and every K's; the rest is checked by
+    evaluating the block's own texts (NumPy) over every k on rows at both
+    ends, between, and where each index's row part is least and greatest."""
     import numpy as np
 
     if len(blk.iter_vars) != 2:
@@ -63,6 +64,9 @@ def gather(blk, names, rows: int, k: int) -> Gather | None:
     if index is None or len(index) != 4:
         return None
     shape = names[x][0]
+    # the conditions: on the row alone (pad_gemm's), on K alone, or on both (the convolution's padding)
+    kinds = ["k" if not re.search(rf"\b{v0}\b", t) else "row" if not re.search(rf"\b{v1}\b", t) else "both"
+             for t in conds]
     try:  # (NumPy arrays for v0 and v1: the printed // and % are floor division and modulo, as NumPy's)
         def ev(t, i, j):
             plain = re.sub(r"T\.int(?:32|64)\((-?\d+)\)", r"\1", t)
@@ -70,7 +74,22 @@ def gather(blk, names, rows: int, k: int) -> Gather | None:
                 raise ValueError(t)
             return np.broadcast_to(eval(plain, {"__builtins__": {}}, {v0: i, v1: j}), np.broadcast(i, j).shape)
 
-        i = np.unique(np.r_[0:min(rows, 3), max(rows - 3, 0):rows, np.random.default_rng(0).integers(0, rows, 32)])
+        # Every row's part of each index (at K 0) where the row's conditions hold, and every K's (less its
+        # value at row 0, K 0) where K's hold: where both parts are sums (checked below), an index leaves the
+        # parameter on some row and K exactly where the least or the greatest sum does. Those rows join the
+        # sampled ones (both ends, and between).
+        rows_all, ks_all = np.arange(rows)[:, None], np.arange(k)[None, :]
+        row_held = np.logical_and.reduce([np.ones(rows, bool)] + [ev(t, rows_all, 0)[:, 0].astype(bool)
+                                                                  for t, kind in zip(conds, kinds) if kind == "row"])
+        k_held = np.logical_and.reduce([np.ones(k, bool)] + [ev(t, 0, ks_all)[0].astype(bool)
+                                                             for t, kind in zip(conds, kinds) if kind == "k"])
+        row_part = [ev(t, rows_all, 0)[:, 0] for t in index]
+        k_part = [ev(t, 0, ks_all)[0] - ev(t, 0, 0) for t in index]
+        if not row_held.any() or not k_held.any():
+            return None
+        ends = [np.flatnonzero(row_held)[f(r[row_held])] for r in row_part for f in (np.argmin, np.argmax)]
+        sampled = np.random.default_rng(0).integers(0, rows, 32)
+        i = np.unique(np.r_[0:min(rows, 3), max(rows - 3, 0):rows, sampled, ends])
         i, j = i[:, None], np.arange(k)[None, :]
         held = [ev(t, i, j).astype(bool) for t in conds]
         idx = [ev(t, i, j) for t in index]
@@ -88,13 +107,12 @@ def gather(blk, names, rows: int, k: int) -> Gather | None:
     if not side_by_side or not np.array_equal(ok[:, base[0]], ok) or np.any(np.logical_or.reduce(outside) & ok) \
             or not aligned or not all(np.array_equal(r + q, d) for r, q, d in zip(at_row, at_k, idx)):
         return None
-    # the conditions: on the row alone (pad_gemm's), on K alone, or on both, which together must say that
-    # the indices that ever leave the parameter where the others hold lie inside it (checked by the copy)
-    kinds = ["k" if not re.search(rf"\b{v0}\b", t) else "row" if not re.search(rf"\b{v1}\b", t) else "both"
-             for t in conds]
+    # the conditions on both must say, where the row's and K's hold, that the indices that ever leave the
+    # parameter there lie inside it (what the copy checks)
     alone = np.logical_and.reduce([np.ones_like(ok), *(v for v, kind in zip(held, kinds) if kind != "both")])
     joint = np.logical_and.reduce([np.ones_like(ok), *(v for v, kind in zip(held, kinds) if kind == "both")])
-    checked = [n for n in range(4) if np.any(outside[n] & alone)]
+    checked = [n for n, (r, q, size) in enumerate(zip(row_part, k_part, shape))
+               if r[row_held].min() + q[k_held].min() < 0 or r[row_held].max() + q[k_held].max() >= size]
     inside = ~np.logical_or.reduce([np.zeros_like(ok), *(outside[n] for n in checked)])
     if not np.array_equal(joint & alone, inside & alone):
         return None

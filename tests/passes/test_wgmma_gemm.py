@@ -110,15 +110,17 @@ def test_the_plan_means_what_the_function_computes(epilogue, b_kn, pad, n):
     np.testing.assert_allclose(got[-1].astype("float32"), want[-1].astype("float32"), rtol=1e-3, atol=1e-3)
 
 
-def _conv(n, hw, c, o, k, stride, residual=False):
+def _conv(n, hw, c, o, k, stride, residual=False, pad=None):
     """A fused implicit GEMM as the optimize stage makes it with
     --implicit-gemm (passes/implicit_gemm.py): a k x k NHWC convolution
-    (padding k // 2) with ResNet's epilogue (bias, a residual, ReLU)."""
+    (padding k // 2, or `pad`: top, left, bottom, right) with ResNet's
+    epilogue (bias, a residual, ReLU)."""
     from deploy.passes.flat_gemm import flat_gemm
 
     from .test_flat_gemm import _fused, _kernels, _parse
 
-    ho = (hw + 2 * (k // 2) - k) // stride + 1
+    pad = list(pad or [k // 2] * 4)
+    ho = (hw + pad[0] + pad[2] - k) // stride + 1
     res = f", r: R.Tensor(({n}, {ho}, {ho}, {o}), \"float16\")" if residual else ""
     mod = _parse(f"""
 @I.ir_module
@@ -127,7 +129,7 @@ class Mod:
     def main(x: R.Tensor(({n}, {hw}, {hw}, {c}), "float16"), w: R.Tensor(({o}, {k}, {k}, {c}), "float16"),
              b: R.Tensor((1, 1, 1, {o}), "float16"){res}):
         with R.dataflow():
-            y = R.nn.conv2d(x, w, strides=[{stride}, {stride}], padding=[{k // 2}] * 4, data_layout="NHWC",
+            y = R.nn.conv2d(x, w, strides=[{stride}, {stride}], padding={pad}, data_layout="NHWC",
                             kernel_layout="OHWI", out_layout="NHWC", out_dtype="float32")
             z = R.add(R.astype(y, "float16"), b)
             z = R.nn.relu({"R.add(z, r)" if residual else "z"})
@@ -165,6 +167,25 @@ def test_an_implicit_gemms_gather_means_what_the_function_computes(shape):
     want = emulation.reference(func)
     got = emulation.reference(_meaning(p))
     assert all(np.array_equal(x, y) for x, y in zip(want[:-1], got[:-1]))
+    np.testing.assert_allclose(got[-1].astype("float32"), want[-1].astype("float32"), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("k, stride", [(2, 1), (3, 2)])
+def test_a_gather_with_padding_only_at_the_end_checks_it_where_rows_are_padded(k, stride):
+    """Padding only below and right (ONNX's SAME_UPPER, a 2x2 kernel's
+    'same'): the first rows never leave the image, the last ones do; with
+    pad_gemm's padded rows past them (whose row condition is false), a
+    sample of rows could miss the rows that leave it. Every index that
+    leaves the image on some row and K is checked, and the plan computes
+    what the function computes."""
+    from deploy.passes.pad_gemm import pad_prim_func
+
+    func = pad_prim_func(_conv(3, 56, 64, 64, k, stride, pad=(0, 0, 1, 1)))
+    assert func is not None
+    p = wgmma_gemm.plan(func, gather=True)
+    assert p is not None and sorted(size for _, _, size in p.gather.checks) == [56, 56], p.gather.checks
+    want = emulation.reference(func)
+    got = emulation.reference(_meaning(p))
     np.testing.assert_allclose(got[-1].astype("float32"), want[-1].astype("float32"), rtol=1e-3, atol=1e-3)
 
 
