@@ -34,15 +34,16 @@ sys.path.insert(0, str(REPO))
 log = logging.getLogger("corpus")
 
 
-def plain_tvm_builds(onnx_path: Path, inputs, target) -> str:
-    """'ok' or the error line: TVM alone, with none of the pipeline's code."""
+def plain_tvm_builds(onnx_path: Path, inputs, target, batch: int = 1) -> str:
+    """'ok' or the error line: TVM alone, with none of the pipeline's code,
+    at `batch`."""
     from deploy.errors import error_line
     from deploy.export import load_onnx
     from deploy.tvm_compat import PassContext, dlight, from_onnx, relax, tvm
 
     try:
         model = load_onnx(onnx_path)
-        mod = from_onnx(model, shape_dict={i.name: [1, *i.shape] for i in inputs},
+        mod = from_onnx(model, shape_dict={i.name: [batch, *i.shape] for i in inputs},
                         dtype_dict={i.name: i.dtype for i in inputs}, keep_params_in_input=False)
         tgt = target.tvm_target()
         with tgt, PassContext(opt_level=3):
@@ -144,7 +145,7 @@ def build_one(job) -> dict:
         from deploy import export
 
         ex = export.load(ws / "export")
-        entry["plain_tvm"] = plain_tvm_builds(ex.onnx_path, ex.inputs, target)
+        entry["plain_tvm"] = plain_tvm_builds(ex.onnx_path, ex.inputs, target, batch)
     return entry
 
 

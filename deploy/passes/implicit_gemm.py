@@ -1,7 +1,8 @@
 """KxK convolutions as implicit GEMMs: the tensor-core GEMM schedule for them.
 
-Our own rewrite (the profile's `implicit_gemm`, off by default; not a
-workaround). On ResNet-50 at batch 64 on the H200 the 3x3 convolutions are
+Our own rewrite (the profile's `implicit_gemm`; by default on sm_90 in fp16
+from batch 32, where our wgmma kernel takes them: config.Profile.implicit_gemms;
+not a workaround). On ResNet-50 at batch 64 on the H200 the 3x3 convolutions are
 where TVM loses to cuDNN: 1.4x to 2.5x its time each, 1.35 ms of the model's
 ~3.85 ms against cuDNN's 0.73 (results/h200/2026-12-04/conv-vs-cudnn/). Six
 of the seven run DLight's default; MetaSchedule's tensor-core rules give a
@@ -23,7 +24,8 @@ carries the epilogue (bias, residual, ReLU) in 2-D after it, so that the
 fused kernel is the 2-D GEMM that passes.mma_gemm and the `mma.sync` rule take.
 
 It changes those kernels' workloads, so a database tuned without it does not
-cover them; hence off by default until measured on the GPU.
+cover them; hence off by default elsewhere (at batch 1 the plain graph's
+tuned kernels are faster: results/h200/2026-12-06/gathers-row-k/).
 """
 
 from __future__ import annotations

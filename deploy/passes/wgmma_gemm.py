@@ -18,17 +18,19 @@ results/h100/2026-12-05/wgmma-ws-probe/), carrying the kernel's epilogue:
   never written, so the kernel reads A where it lies; so are B's columns
   past N where the tiles do not divide it (ConvNeXt's and Swin's first
   stage, N = 96: `tile_columns`);
-- or A gathered, an implicit GEMM's im2col (--implicit-gemm; a strided 1x1
-  convolution with --flat-gemm): the whole producer warpgroup copies the
-  rows' 16-byte chunks by `cp.async`, eight threads a row (a warp reads
-  four rows' contiguous 128 bytes), into TMA's swizzled layout, zero-filled
-  in the padding, the gather's own index and condition rewritten onto the
-  thread's row and K as the epilogue is (`wgmma_operands.gather` checks, by evaluating
-  them, that each chunk is 8 neighbouring channels). Taken only where
-  `wgmma_gemm` is set true (`gather`), not by default: as first written
-  (a thread a row) it computed correctly on a GPU and ran 3x slower than
-  our `mma.sync` gather (results/h100/2026-12-06/ragged-n-and-gathers/);
-  eight threads a row is the change after that run;
+- or A gathered, an implicit GEMM's im2col (by default on sm_90 from batch
+  32, or --implicit-gemm; a strided 1x1 convolution with it): the whole
+  producer warpgroup copies the rows' 16-byte chunks by `cp.async`, eight
+  threads a row (a warp reads four rows' contiguous 128 bytes), into TMA's
+  swizzled layout, zero-filled in the padding; the gather's index as a
+  part of the row plus a part of K, each thread computing its rows' parts
+  once a tile and K's once a stage (`wgmma_operands.Gather`, which checks,
+  by evaluating the gather's own texts, that this holds and that each
+  chunk is 8 neighbouring channels). Taken where `gather` is asked for
+  (the build does wherever the kernel is in use); as first written, the
+  index computed in full for each copy, it ran 3x slower than our
+  `mma.sync` gather (results/h100/2026-12-06/ragged-n-and-gathers/), so
+  split 1.5-1.9x faster than it (results/h200/2026-12-06/gathers-row-k/);
 - the epilogue: the kernel's element-wise blocks after the GEMM (cast, bias,
   GELU, a residual), inlined into one expression by TVM's own
   `compute_inline`, applied to each thread's accumulators, two adjacent
@@ -254,9 +256,9 @@ class Plan:
     shape, dtype), which are A, B and the output, the rows, N and K, whether
     B is [K, N], and the epilogue as TVMScript text over `wg_x` (the
     accumulator), `wg_row` and `wg_colc`. Where A is gathered (an implicit
-    GEMM: `a` is then the gathered parameter), `gather` is (the condition,
-    the index texts) of A's element [`wg_arow`, `wg_ak`], the first of 8
-    that lie side by side in `a`'s last dimension."""
+    GEMM: `a` is then the gathered parameter), `gather` is the
+    `wgmma_operands.Gather` of A's element [`wg_arow`, `wg_ak`], the first
+    of 8 that lie side by side in `a`'s last dimension."""
 
     def __init__(self, params, a, b, out, m, n, k, b_kn, expr, gather=None):
         self.params, self.a, self.b, self.out = params, a, b, out

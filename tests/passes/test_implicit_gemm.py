@@ -297,6 +297,7 @@ def test_the_probe_builds_a_convolution_here_and_says_what_it_could_not(tmp_path
     ({}, "sm_80", 64, False),  # no wgmma kernel there
     ({"wgmma_gemm": False}, "sm_90", 64, False),
     ({"precision": "fp32"}, "sm_90", 64, False),
+    ({"accumulate": "fp16"}, "sm_90", 64, False),  # (an fp16 sum: no GEMM the kernel takes)
     ({"implicit_gemm": False}, "sm_90", 64, False),  # asked: as asked
     ({"implicit_gemm": True}, "sm_80", 1, True),
 ])
