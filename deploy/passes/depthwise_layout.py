@@ -1,4 +1,5 @@
-"""Depthwise convolutions' weights with the channel innermost (HWOI).
+"""Depthwise convolutions' weights with the channel innermost (HWOI), and
+grouped convolutions' with the output channel innermost (HWIO).
 
 Our own Relax pass (not a workaround of a defect). After ConvertLayout an
 NHWC depthwise convolution keeps its weight in OHWI, [C, kh, kw, 1]: the
@@ -19,6 +20,15 @@ layout, and the weights are constants, so FoldConstant permutes them once at
 build time. Scope: 2-D NHWC/OHWI convolutions whose groups equal their input
 channels with one input channel per group; every other convolution is left
 as it is.
+
+A grouped convolution (ResNeXt's 32 groups of 4 to 32 channels) has the
+same trouble: our ShortReduction gives it a thread an output
+(passes/gpu_default.py), neighbouring threads neighbouring output channels,
+and its OHWI weight puts those kh*kw*I elements apart (ResNeXt-50's at
+batch 64 on an H100: 0-4% of their roofline, 87% of the kernels' time;
+results/h100/2026-12-06/grouped-and-b32/). It gets `permute_dims(w, [1,
+2, 3, 0])` and `kernel_layout="HWIO"`: a warp's 32 output channels read 64
+contiguous bytes of each tap. (Not yet timed on a GPU.)
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ from . import nhwc_ohwi, relax_function_pass
 
 
 def depthwise_channels_last():
-    """A pass: NHWC/OHWI depthwise conv2d -> NHWC/HWOI (see the module)."""
+    """A pass: NHWC/OHWI depthwise conv2d -> NHWC/HWOI, grouped -> NHWC/HWIO
+    (see the module)."""
     from ..tvm_compat import relax, tvm
 
     op = relax.op
@@ -47,11 +58,16 @@ def depthwise_channels_last():
                 c, i = int(x.ty.shape[3]), int(w.ty.shape[3])
             except (TypeError, ValueError, AttributeError, IndexError):
                 return call
-            if int(a.groups) != c or i != 1 or c == 1:
+            groups = int(a.groups)
+            if groups == c and i == 1 and c != 1:  # depthwise
+                axes, layout = [1, 2, 0, 3], "HWOI"
+            elif 1 < groups < c and groups * i == c:  # grouped
+                axes, layout = [1, 2, 3, 0], "HWIO"
+            else:
                 return call
-            w_hwoi = self.builder_.emit(op.permute_dims(w, [1, 2, 0, 3]))
-            return op.nn.conv2d(x, w_hwoi, strides=a.strides, padding=a.padding, dilation=a.dilation,
-                                groups=a.groups, data_layout="NHWC", kernel_layout="HWOI", out_layout="NHWC",
+            w_new = self.builder_.emit(op.permute_dims(w, axes))
+            return op.nn.conv2d(x, w_new, strides=a.strides, padding=a.padding, dilation=a.dilation,
+                                groups=a.groups, data_layout="NHWC", kernel_layout=layout, out_layout="NHWC",
                                 out_dtype=a.out_dtype)
 
     return relax_function_pass("DepthwiseChannelsLast", ChannelsLast)

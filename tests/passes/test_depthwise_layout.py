@@ -34,10 +34,27 @@ def test_the_rewritten_depthwise_convolution_computes_the_same(c, o, k, stride, 
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("c, o, groups", [(16, 32, 1), (16, 16, 4), (1, 1, 1)])
+@pytest.mark.parametrize("c, o, k, stride, hw, groups", [
+    (16, 16, 3, 1, 6, 4),  # 4 channels a group
+    (32, 64, 3, 2, 9, 8),  # 4 in, 8 out a group, strided
+    (64, 64, 3, 1, 7, 2),  # 32 channels a group
+])
+def test_the_rewritten_grouped_convolution_computes_the_same(c, o, k, stride, hw, groups):
+    """A grouped convolution gets its weight HWIO (the output channel
+    innermost) and computes the same."""
+    mod = _conv_module(c, o, k, stride, hw, groups=groups)
+    new = depthwise_channels_last()(mod)
+    assert 'kernel_layout="HWIO"' in new.script() and "permute_dims" in new.script()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal([int(d) for d in mod["main"].params[0].ty.shape]).astype("float32")
+    w = rng.standard_normal([int(d) for d in mod["main"].params[1].ty.shape]).astype("float32")
+    np.testing.assert_allclose(_run(new, x, w), _run(mod, x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("c, o, groups", [(16, 32, 1), (1, 1, 1)])
 def test_other_convolutions_are_left_alone(c, o, groups):
-    """A dense convolution, a grouped one with several channels per group,
-    and a one-channel convolution (dense and depthwise at once)."""
+    """A dense convolution, and a one-channel convolution (dense and
+    depthwise at once)."""
     mod = _conv_module(c, o, 3, 1, 6, groups=groups)
     assert depthwise_channels_last()(mod).script() == mod.script()
 

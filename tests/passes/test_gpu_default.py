@@ -375,14 +375,17 @@ def test_the_window_is_the_padded_input_when_the_weight_has_a_producer_too(sm90)
     assert "PaddedInput_local_ptr[6];" in text  # (4 - 1) + 3 inputs a window row
 
 
-def _grouped_conv(bb, x, channels=4, k=3, stride=1):
-    """A grouped NHWC convolution (ResNeXt's 3x3: `channels` a group), its bias and ReLU."""
+def _grouped_conv(bb, x, channels=4, k=3, stride=1, layout="HWIO"):
+    """A grouped NHWC convolution (ResNeXt's 3x3: `channels` a group), its
+    bias and ReLU; its weight HWIO, as passes/depthwise_layout.py gives it,
+    or OHWI."""
     rng = np.random.default_rng(3)
     c = int(x.ty.shape[-1])
-    w = relax.const((rng.standard_normal((c, k, k, channels)) / (k * (channels ** 0.5))).astype("float16"))
+    w = (rng.standard_normal((c, k, k, channels)) / (k * (channels ** 0.5))).astype("float16")
+    w = relax.const(w.transpose(1, 2, 3, 0).copy() if layout == "HWIO" else w)
     b = relax.const(rng.standard_normal((1, 1, 1, c)).astype("float16"))
     y = bb.emit(relax.op.nn.conv2d(x, w, strides=[stride] * 2, padding=[k // 2] * 4, groups=c // channels,
-                                   data_layout="NHWC", kernel_layout="OHWI", out_dtype="float32"))
+                                   data_layout="NHWC", kernel_layout=layout, out_dtype="float32"))
     return relax.op.nn.relu(relax.op.add(relax.op.astype(y, "float16"), b))
 
 
@@ -406,19 +409,20 @@ def test_a_grouped_convolution_gets_a_thread_an_output_and_builds(sm90, channels
                if "conv2d" in n]
     assert ShortReduction().apply(wide, sm90) is None
     # a dense 3x3 over 16 channels (144 steps, as a grouped one of 16 channels): no group, not this rule's
-    (dense,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, 16), sm90, (8, 28, 28, 16)).items()
-                if "conv2d" in n]
+    (dense,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, 16, layout="OHWI"), sm90,
+                                       (8, 28, 28, 16)).items() if "conv2d" in n]
     assert "T.max" in dense.script() and ShortReduction().apply(dense, sm90) is None
 
 
-@pytest.mark.parametrize("channels, stride, shape", [(4, 1, (2, 8, 8, 128)), (32, 2, (2, 8, 8, 128))])
-def test_the_grouped_schedule_computes_it_in_emulation(sm90, channels, stride, shape):
+@pytest.mark.parametrize("channels, stride, layout", [(4, 1, "HWIO"), (32, 2, "HWIO"), (4, 1, "OHWI")])
+def test_the_grouped_schedule_computes_it_in_emulation(sm90, channels, stride, layout):
     """Its CUDA run in tests/cuda_emu.py against the kernel unscheduled,
-    lowered for the CPU."""
+    lowered for the CPU (the weight as the optimize stage leaves it, and
+    OHWI)."""
     from .. import emulation
 
-    (func,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride), sm90,
-                                      shape).items() if "conv2d" in n]
+    (func,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride, layout=layout),
+                                      sm90, (2, 8, 8, 128)).items() if "conv2d" in n]
     args, want = _reference(func)
     with sm90:
         sch = ShortReduction().apply(func, sm90)
