@@ -167,7 +167,8 @@ def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
     assert r.returncode == 0, r.stderr
     calls = log.read_text().splitlines()
     by_dir = {c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1]: c for c in calls if "deploy run" in c}
-    assert by_dir["ws-resnet50-plain"].endswith("--no-implicit-gemm") and "wgmma-gemm" not in by_dir["ws-resnet50-plain"]
+    plain = by_dir["ws-resnet50-plain"]
+    assert plain.endswith("--no-implicit-gemm") and "wgmma-gemm" not in plain
     assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in calls if "deploy bench" in c] == \
         ["ws-resnet50-on", "ws-resnet50-plain"]
     log.unlink()

@@ -440,7 +440,8 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
         consts["wg_nchk"] = len(g.checks)
         unsigned = "uint32" if g.dtype == "int32" else "uint64"
         gather = {
-            "x": p.a, "x_elements": math.prod(next(d for name, d, _ in p.params if name == p.a)), "g_dtype": g.dtype, "g_row_offset": g.row_offset,
+            "x": p.a, "x_elements": math.prod(next(d for name, d, _ in p.params if name == p.a)),
+            "g_dtype": g.dtype, "g_row_offset": g.row_offset,
             "g_k_offset": g.k_offset, "g_row_cond": g.row_cond, "g_k_cond": g.k_cond, "g_zero": f"T.{g.dtype}(0)",
             "g_row_checks": ("\n" + " " * 16).join(f"wg_rchk[wg_j * wg_nchk + {c}] = {row}"
                                                    for c, (row, _, _) in enumerate(g.checks)),

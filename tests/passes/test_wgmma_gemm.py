@@ -216,7 +216,8 @@ def test_a_gather_whose_copies_would_not_lie_side_by_side_is_declined():
     mixed = text.replace("x[v_i // T.int64(64),", "x[(v_i + v_k // T.int64(192)) // T.int64(64) % T.int64(2),")
     assert mixed != text and wgmma_gemm.plan(tvm.script.from_source(mixed, extra_vars={"T": T}), gather=True) is None
     # a condition on the row and K together that is not that the indices lie inside x (here one row short)
-    short = text.replace("+ v_i % T.int64(64) // T.int64(8) < T.int64(9)", "+ v_i % T.int64(64) // T.int64(8) < T.int64(8)")
+    short = text.replace("+ v_i % T.int64(64) // T.int64(8) < T.int64(9)",
+                         "+ v_i % T.int64(64) // T.int64(8) < T.int64(8)")
     assert short != text and wgmma_gemm.plan(tvm.script.from_source(short, extra_vars={"T": T}), gather=True) is None
 
 
