@@ -61,7 +61,6 @@ fails once TVM no longer needs it.
 
 from __future__ import annotations
 
-import math
 import re
 import string
 import textwrap
@@ -202,50 +201,6 @@ _PRODUCER_TMA = '''if wg_tx == 0:
             T.ptx[wg_tma](wg_as.ptr_to([wg_it % wg_stages, 0, 0]), T.address_of(wg_a_map), wg_kt * wg_bk,
                           (wg_tile // wg_grid_n) * wg_bm, wg_full.ptr_to([wg_it % wg_stages]))
 ''' + textwrap.indent(_B_LOAD, " " * 12)
-
-# A gathered (an implicit GEMM's im2col): the producer warpgroup copies the stage's 128 rows of eight
-# 16-byte chunks by cp.async, eight neighbouring threads a row (chunk tx % 8 of rows tx // 8, + 16, ...:
-# a warp reads four rows' 128 contiguous bytes each at once), zero-filled where the gather reads padding,
-# rows past M or K past its end, to where TMA's 128-byte swizzle puts them (chunk c of row r at
-# c ^ r % 8); each thread then arrives on the stage's `full` barrier when its copies land (.noinc: the
-# barrier counts those 128 arrivals); the first thread loads B by TMA as above. The gather's index is a
-# part of the row plus a part of K (`wgmma_operands.Gather`): a thread computes its 8 rows' parts once a
-# tile (their offsets, the parts of the indices it checks, and which rows hold, as bits), and K's once a
-# stage, so that each copy adds, compares and selects (the division by the image's sizes for each copy
-# made the producer, not the tensor cores, the limit: results/h100/2026-12-06/ragged-n-and-gathers/).
-_PRODUCER_GATHER = '''wg_roff = T.alloc_local((wg_bm // 16,), "$g_dtype")
-wg_rchk = T.alloc_local((wg_bm // 16 * wg_nchk + 1,), "$g_dtype")
-wg_kv = T.alloc_local((wg_nchk + 1,), "$g_dtype")
-wg_bits = T.alloc_local((2,), "int32")
-for wg_t in T.serial(wg_my_tiles):
-    wg_tile = T.meta_var(wg_cta + wg_t * wg_ctas)
-    wg_bits[0] = 0
-    for wg_j in T.unroll(wg_bm // 16):
-        wg_arow = T.meta_var((wg_tile // wg_grid_n) * wg_bm + wg_j * 16 + wg_tx // 8)
-        wg_roff[wg_j] = $g_row_offset
-        $g_row_checks
-        if T.And(wg_arow < wg_m, $g_row_cond):
-            wg_bits[0] = T.bitwise_or(wg_bits[0], T.shift_left(1, wg_j))
-    for wg_kt in T.serial(wg_k_tiles):
-        wg_it = T.meta_var(wg_t * wg_k_tiles + wg_kt)
-        wg_ak = T.meta_var(wg_kt * wg_bk + wg_tx % 8 * 8)
-        wg_kv[0] = $g_k_offset
-        $g_k_checks
-        wg_bits[1] = T.Cast("int32", T.And(wg_ak < wg_k, $g_k_cond))
-        T.cuda.mbarrier_wait(wg_empty.ptr_to([wg_it % wg_stages]), (wg_it // wg_stages) % 2 ^ 1)
-        if wg_tx == 0:
-            T.ptx.mbarrier.arrive.expect_tx.shared.b64(wg_full.ptr_to([wg_it % wg_stages]), T.uint32(wg_b_bytes))
-''' + textwrap.indent(_B_LOAD, " " * 12) + '''
-        for wg_j in T.unroll(wg_bm // 16):
-            wg_r = T.meta_var(wg_j * 16 + wg_tx // 8)
-            wg_ok = T.meta_var(T.And(T.And(wg_bits[1] != 0, T.bitwise_and(T.shift_right(wg_bits[0], wg_j), 1) != 0),
-                                     $g_inside))
-            T.ptx["cp.async.cg.shared.global"](
-                wg_as.ptr_to([wg_it % wg_stages, wg_r, T.bitwise_xor(wg_tx % 8, wg_r % 8) * 8]),
-                wg_xf.ptr_to([T.if_then_else(wg_ok, wg_roff[wg_j] + wg_kv[0], $g_zero)]), 16,
-                T.if_then_else(wg_ok, T.uint32(16), T.uint32(0)))
-        T.ptx["cp.async.mbarrier.arrive.noinc.shared.b64"](wg_full.ptr_to([wg_it % wg_stages]))
-T.ptx["cp.async.wait_all"]()  # (no copy left in flight when the thread ends)'''
 
 # (cp.async writes A through the generic proxy, wgmma reads it through the async proxy)
 _FENCE = "                T.ptx.fence.proxy.async_.shared__cta()\n"
@@ -434,21 +389,10 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
     if p.gather is None:
         pieces, gather = {"a_map": _A_MAP, "producer": textwrap.indent(_PRODUCER_TMA, " " * 8), "fence": ""}, {}
     else:
-        g = p.gather
-        pieces = {"a_map": "    wg_xf = T.decl_buffer(($x_elements,), \"float16\", data=$x.data)",
-                  "producer": textwrap.indent(_PRODUCER_GATHER, " " * 8), "fence": _FENCE}
-        consts["wg_nchk"] = len(g.checks)
-        unsigned = "uint32" if g.dtype == "int32" else "uint64"
-        gather = {
-            "x": p.a, "x_elements": math.prod(next(d for name, d, _ in p.params if name == p.a)),
-            "g_dtype": g.dtype, "g_row_offset": g.row_offset,
-            "g_k_offset": g.k_offset, "g_row_cond": g.row_cond, "g_k_cond": g.k_cond, "g_zero": f"T.{g.dtype}(0)",
-            "g_row_checks": ("\n" + " " * 16).join(f"wg_rchk[wg_j * wg_nchk + {c}] = {row}"
-                                                   for c, (row, _, _) in enumerate(g.checks)),
-            "g_k_checks": ("\n" + " " * 16).join(f"wg_kv[{c + 1}] = {kk}" for c, (_, kk, _) in enumerate(g.checks)),
-            "g_inside": " and ".join(f'(T.Cast("{unsigned}", wg_rchk[wg_j * wg_nchk + {c}] + wg_kv[{c + 1}]) < '
-                                     f"T.{unsigned}({size}))" for c, (_, _, size) in enumerate(g.checks))
-            or "T.bool(True)"}
+        a_map, producer, gather = wgmma_operands.producer(p.gather, p.a, next(d for n, d, _ in p.params if n == p.a),
+                                                          _B_LOAD)
+        pieces = {"a_map": a_map, "producer": textwrap.indent(producer, " " * 8), "fence": _FENCE}
+        consts["wg_nchk"] = len(p.gather.checks)
     in_bounds = "wg_row < wg_m" if p.n % bn == 0 else "T.And(wg_row < wg_m, wg_col < wg_n)"  # (N even: col + 1 too)
     text = string.Template(_TEMPLATE.safe_substitute(pieces)).substitute(
         params=params, a=p.a, b=p.b, out=p.out, out_dtype=out_dtype, expr=p.expr, in_bounds=in_bounds, **gather)
