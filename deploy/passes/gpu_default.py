@@ -134,9 +134,10 @@ def _grouped(block, main, n_s: int, reduce_vars: set) -> bool:
     variables along a spatial axis and along its channels, these together
     with an output variable (the group's first channel): a grouped
     convolution. (A depthwise one sums no channel; a dense one's channel is
-    the reduction's alone.)"""
+    the reduction's alone. At batch 1 the image loop is gone: three
+    spatial loops, the read still 4-D.)"""
     outputs = {it.var for it in main.iters[:n_s]}
-    return n_s == 4 and any(
+    return any(
         len(r.region) == 4 and vars_of(r.region[-1].min) & reduce_vars and vars_of(r.region[-1].min) & outputs
         and any(vars_of(d.min) & reduce_vars for d in r.region[1:3]) for r in block.reads)
 

@@ -389,19 +389,20 @@ def _grouped_conv(bb, x, channels=4, k=3, stride=1, layout="HWIO"):
     return relax.op.nn.relu(relax.op.add(relax.op.astype(y, "float16"), b))
 
 
-@pytest.mark.parametrize("channels, stride", [(4, 1), (8, 2), (32, 1)])
-def test_a_grouped_convolution_gets_a_thread_an_output_and_builds(sm90, channels, stride):
+@pytest.mark.parametrize("channels, stride, n", [(4, 1, 8), (8, 2, 8), (32, 1, 8), (4, 1, 1)])
+def test_a_grouped_convolution_gets_a_thread_an_output_and_builds(sm90, channels, stride, n):
     """ResNeXt's grouped 3x3 (4 to 32 channels a group; 36 to 288 steps
-    of reduction): a thread an output, the group's channels summed with
-    the taps, unrolled, the epilogue applied as it writes; DLight gave each
+    of reduction; at batch 1 too, where the image loop is gone): a thread
+    an output, the group's channels summed with the taps, unrolled, the
+    epilogue applied as it writes; DLight gave each
     output a block of its own. 64 channels a group (576 steps) stay with
     DLight, as does a dense convolution of as many steps."""
-    (func,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride), sm90,
-                                      (8, 28, 28, 128)).items() if "conv2d" in n]
+    (func,) = [f for name, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride), sm90,
+                                         (n, 28, 28, 128)).items() if "conv2d" in name]
     source, scheduled = _first_source(func, sm90)
     assert source == schedule.SHORT_REDUCTION
     text = scheduled.script()
-    outputs = 8 * (28 // stride) ** 2 * 128
+    outputs = n * (28 // stride) ** 2 * 128
     assert f'T.thread_binding(T.int64({outputs // 256}), thread="blockIdx.x")' in text
     assert "T.unroll" in text and "T.max" in text  # (the ReLU, as each thread writes)
     build_kernel("grouped", scheduled, targets.resolve("cuda:sm_90"))  # compiled for sm_90 (raises if not)
@@ -414,15 +415,16 @@ def test_a_grouped_convolution_gets_a_thread_an_output_and_builds(sm90, channels
     assert "T.max" in dense.script() and ShortReduction().apply(dense, sm90) is None
 
 
-@pytest.mark.parametrize("channels, stride, layout", [(4, 1, "HWIO"), (32, 2, "HWIO"), (4, 1, "OHWI")])
-def test_the_grouped_schedule_computes_it_in_emulation(sm90, channels, stride, layout):
+@pytest.mark.parametrize("channels, stride, layout, n", [(4, 1, "HWIO", 2), (32, 2, "HWIO", 2), (4, 1, "OHWI", 2),
+                                                        (8, 1, "HWIO", 1)])
+def test_the_grouped_schedule_computes_it_in_emulation(sm90, channels, stride, layout, n):
     """Its CUDA run in tests/cuda_emu.py against the kernel unscheduled,
     lowered for the CPU (the weight as the optimize stage leaves it, and
     OHWI)."""
     from .. import emulation
 
-    (func,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride, layout=layout),
-                                      sm90, (2, 8, 8, 128)).items() if "conv2d" in n]
+    (func,) = [f for name, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride, layout=layout),
+                                         sm90, (n, 8, 8, 128)).items() if "conv2d" in name]
     args, want = _reference(func)
     with sm90:
         sch = ShortReduction().apply(func, sm90)
