@@ -40,9 +40,11 @@ fi
 [ "$what" = tests ] && exit "$rc"
 B=$WORK/bench
 mkdir -p "$B"
-flags() {  # the variant's flags: --no-wgmma-gemm, none (the default), --wgmma-gemm, --no-implicit-gemm; then EXTRA
+# the variant's flags: --no-wgmma-gemm, none (the default) or --wgmma-gemm, then EXTRA; plain: EXTRA, then
+# --no-implicit-gemm
+flags() {
   case "$1" in off) echo "--no-wgmma-gemm ${EXTRA-}";; on) echo "--wgmma-gemm ${EXTRA-}";;
-    plain) echo "--no-implicit-gemm ${EXTRA-}";; *) echo "${EXTRA-}";; esac
+    plain) echo "${EXTRA-} --no-implicit-gemm";; *) echo "${EXTRA-}";; esac  # (plain's last: it wins over EXTRA's)
 }
 for m in ${models//,/ }; do
   pids=()

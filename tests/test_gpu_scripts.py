@@ -172,6 +172,13 @@ def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
     assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in calls if "deploy bench" in c] == \
         ["ws-resnet50-on", "ws-resnet50-plain"]
     log.unlink()
+    # (with EXTRA="--implicit-gemm" plain's flag comes last, so that it wins: argparse keeps the last)
+    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
+                       env={**env, "EXTRA": "--implicit-gemm", "VARIANTS": "plain"}, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and all(c.endswith("--implicit-gemm --no-implicit-gemm")
+                                     for c in log.read_text().splitlines() if "deploy " in c), r.stderr
+    log.unlink()
     for variants, why in [("off both", "unknown variant 'both'"), ("on on", "names a variant twice")]:
         r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
                            env={**env, "VARIANTS": variants}, capture_output=True, text=True, timeout=60)

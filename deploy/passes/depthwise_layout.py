@@ -28,12 +28,14 @@ and its OHWI weight puts those kh*kw*I elements apart (ResNeXt-50's at
 batch 64 on an H100: 0-4% of their roofline, 87% of the kernels' time;
 results/h100/2026-12-06/grouped-and-b32/). It gets `permute_dims(w, [1,
 2, 3, 0])` and `kernel_layout="HWIO"`: a warp's 32 output channels read 64
-contiguous bytes of each tap. (Not yet timed on a GPU.)
+contiguous bytes of each tap (only those ShortReduction takes: a window
+larger than 1x1, up to MAX_GROUPED_TAPS steps; not yet timed on a GPU).
 """
 
 from __future__ import annotations
 
 from . import nhwc_ohwi, relax_function_pass
+from .gpu_default import MAX_GROUPED_TAPS
 
 
 def depthwise_channels_last():
@@ -55,13 +57,13 @@ def depthwise_channels_last():
                 return call
             x, w = call.args
             try:  # static channel counts only (TVM 0.27: struct info is `.ty`)
-                c, i = int(x.ty.shape[3]), int(w.ty.shape[3])
+                c, kh, kw, i = int(x.ty.shape[3]), int(w.ty.shape[1]), int(w.ty.shape[2]), int(w.ty.shape[3])
             except (TypeError, ValueError, AttributeError, IndexError):
                 return call
             groups = int(a.groups)
             if groups == c and i == 1 and c != 1:  # depthwise
                 axes, layout = [1, 2, 0, 3], "HWOI"
-            elif 1 < groups < c and groups * i == c:  # grouped
+            elif 1 < groups < c and groups * i == c and 1 < kh * kw and kh * kw * i <= MAX_GROUPED_TAPS:  # (grouped)
                 axes, layout = [1, 2, 3, 0], "HWIO"
             else:
                 return call

@@ -132,14 +132,22 @@ WINDOW_DEFAULT = (4, 7, 2)  # the default: the first of these that divides the a
 def _grouped(block, main, n_s: int, reduce_vars: set) -> bool:
     """Whether the main block reads a 4-D buffer (NHWC) with reduction
     variables along a spatial axis and along its channels, these together
-    with an output variable (the group's first channel): a grouped
-    convolution. (A depthwise one sums no channel; a dense one's channel is
-    the reduction's alone. At batch 1 the image loop is gone: three
-    spatial loops, the read still 4-D.)"""
+    with an output variable that another read holds too (the output
+    channel, which the weight carries: the group's first channel): a
+    grouped convolution. (A depthwise one sums no channel; a dense one's
+    channel is the reduction's alone; in NCHW the last axis is W, whose
+    output variable no weight holds, and a pool has no weight. At batch 1
+    the image loop is gone: three spatial loops, the read still 4-D.)"""
     outputs = {it.var for it in main.iters[:n_s]}
+    reads = list(block.reads)  # (by position: TVM gives a new wrapper object at each access)
+
+    def held_elsewhere(i) -> set:
+        return set().union(*(vars_of(d.min) for j, w in enumerate(reads) if j != i for d in w.region))
+
     return any(
-        len(r.region) == 4 and vars_of(r.region[-1].min) & reduce_vars and vars_of(r.region[-1].min) & outputs
-        and any(vars_of(d.min) & reduce_vars for d in r.region[1:3]) for r in block.reads)
+        len(r.region) == 4 and vars_of(r.region[-1].min) & reduce_vars
+        and vars_of(r.region[-1].min) & outputs & held_elsewhere(i)
+        and any(vars_of(d.min) & reduce_vars for d in r.region[1:3]) for i, r in enumerate(reads))
 
 
 def _window_read(block, main, n_s: int, reduce_vars: set) -> int | None:

@@ -415,6 +415,39 @@ def test_a_grouped_convolution_gets_a_thread_an_output_and_builds(sm90, channels
     assert "T.max" in dense.script() and ShortReduction().apply(dense, sm90) is None
 
 
+@pytest.mark.parametrize("what", ["dense", "depthwise", "max pool", "transposed"])
+def test_nchw_kernels_are_not_grouped_convolutions(sm90, what):
+    """In NCHW the last axis is W, whose index holds an output variable and
+    a reduction one as a grouped convolution's channel does; no weight
+    holds that output variable (a pool has no weight), so neither a dense
+    3x3 over 16 channels (144 steps), a depthwise one, a max pool nor a
+    transposed convolution (U-Net's, left in NCHW) is taken as grouped."""
+    rng = np.random.default_rng(4)
+
+    def make(bb, x):
+        if what == "max pool":
+            return relax.op.nn.max_pool2d(x, pool_size=[3, 3], padding=[1, 1, 1, 1], layout="NCHW")
+        if what == "transposed":
+            w = relax.const(rng.standard_normal((16, 16, 2, 2)).astype("float16"))
+            return relax.op.nn.conv2d_transpose(x, w, strides=[2, 2], out_dtype="float32")
+        groups = 16 if what == "depthwise" else 1
+        w = relax.const(rng.standard_normal((16, 16 // groups, 3, 3)).astype("float16"))
+        return relax.op.nn.conv2d(x, w, padding=[1] * 4, groups=groups, out_dtype="float32")
+
+    (func,) = [f for n, f in _kernels(make, sm90, (8, 16, 28, 28)).items() if "conv" in n or "pool" in n]
+    with sm90:
+        sch = ShortReduction().apply(func, sm90, tunable=True)
+    assert sch is None or not gpu_default._grouped(*_main_block(func, sm90)), what
+
+
+def _main_block(func, target):
+    """`gpu_default._grouped`'s arguments for `func`'s reduction block."""
+    from deploy.passes.kernel_shape import reduction_loops, rule_kernel
+
+    sch, (main, _, _, n_s, extents) = rule_kernel(func, target, "cuda")
+    return sch.get(main.block_rv), main, n_s, {v for v, _ in reduction_loops(main, n_s, extents)}
+
+
 @pytest.mark.parametrize("channels, stride, layout, n", [(4, 1, "HWIO", 2), (32, 2, "HWIO", 2), (4, 1, "OHWI", 2),
                                                         (8, 1, "HWIO", 1)])
 def test_the_grouped_schedule_computes_it_in_emulation(sm90, channels, stride, layout, n):
