@@ -12,7 +12,8 @@
 #        as GEMMs, which the kernel then takes too); VARIANTS="off default on" adds a third package built
 #        with neither flag (the default: since ec66855 the same kernels as --wgmma-gemm in fp16; before, GEMMs
 #        only, not implicit GEMMs' gathers); "plain" one with --no-implicit-gemm (the kernel takes GEMMs, the
-#        convolutions stay convolutions: the graph the committed databases were tuned for)
+#        convolutions stay convolutions: the graph the committed databases were tuned for); PROFILE=1: then
+#        `deploy profile` of each benched package (the per-kernel report: $B/<model>-<variant>-profile.log)
 #   bash scripts/gpu_wgmma.sh both vit,bert    tests, then bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +80,11 @@ for m in ${models//,/ }; do
       grep -E "^\| (tvm|torch)" "$B/$m-$v-bench/results.md" | sed "s/^/$m $v: /"
     else
       tail -n 3 "$B/$m-$v-bench.log"
+    fi
+    if [ "${PROFILE:-0}" = 1 ]; then  # (each kernel timed alone: its share, TFLOP/s and GB/s against the GPU's peaks)
+      python3 -m deploy profile -m "$m" --target cuda --precision fp16 --buckets "${BATCH:-32}" --bucket "${BATCH:-32}" \
+        --db-root "$DB_ROOT" --workdir "$WORK/ws-$m-$v" ${flag[@]+"${flag[@]}"} > "$B/$m-$v-profile.log" 2>&1 || rc=1
+      head -n 1 "$B/$m-$v-profile.log" | cut -c1-160 | sed "s/^/$m $v: /"
     fi
   done
   tar czf "$OUT/wgmma-bench.tgz" -C "$WORK" bench

@@ -104,6 +104,7 @@ case "$*" in
   *"deploy run"*) echo "bucket   32  0/13 kernels tuned  1.4 ms"; echo "validation PASSED";;
   *"deploy bench"*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"
                     echo "| tvm | 1.0 |" > "$out/results.md";;
+  *"deploy profile"*) echo "bucket 32: 1.2 ms in kernels per run";;
 esac
 """)
     (bin_dir / "python3").chmod(0o755)
@@ -171,6 +172,15 @@ def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
     assert plain.endswith("--no-implicit-gemm") and "wgmma-gemm" not in plain
     assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in calls if "deploy bench" in c] == \
         ["ws-resnet50-on", "ws-resnet50-plain"]
+    log.unlink()
+    # PROFILE=1: each benched package's per-kernel report too, with its flags
+    r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
+                       env={**env, "EXTRA": "", "VARIANTS": "plain on", "PROFILE": "1"}, capture_output=True,
+                       text=True, timeout=60)
+    profiles = [c for c in log.read_text().splitlines() if "deploy profile" in c]
+    assert r.returncode == 0 and len(profiles) == 2, r.stderr
+    assert profiles[0].endswith("ws-resnet50-on --wgmma-gemm") and profiles[1].endswith("--no-implicit-gemm")
+    assert "--bucket 32" in profiles[0] and "resnet50 on: bucket 32: 1.2 ms in kernels" in r.stdout
     log.unlink()
     # (with EXTRA="--implicit-gemm" plain's flag comes last, so that it wins: argparse keeps the last)
     r = subprocess.run(["bash", "scripts/gpu_wgmma.sh", "bench", "resnet50"], cwd=ROOT,
