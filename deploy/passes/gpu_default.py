@@ -47,8 +47,9 @@ every channel of the group for each tap).
 
 It applies to a kernel with exactly one reduction block, whose loops are
 spatial axes then reduction axes, with at most MAX_TAPS reduction steps per
-output (MAX_GROUPED_TAPS for a grouped convolution) and at least MIN_OUTPUTS outputs, and injective blocks besides whose
-last writes the reduction's shape; anything else is left to DLight. It
+output (MAX_GROUPED_TAPS for a grouped convolution) and at least
+MIN_OUTPUTS outputs, and injective blocks besides whose last writes the
+reduction's shape; anything else is left to DLight. It
 comes after DLight's Matmul and GEMV in the chain (passes/schedule.py), so
 no contraction they schedule changes.
 """

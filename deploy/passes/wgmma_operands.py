@@ -97,8 +97,6 @@ def gather(blk, names, rows: int, k: int) -> Gather | None:
         i, j = i[:, None], np.arange(k)[None, :]
         held = [ev(t, i, j).astype(bool) for t in conds]
         idx = [ev(t, i, j) for t in index]
-        at_row = [ev(t, i, 0 * j[:, :1]) for t in index]  # (each index at K 0, and at row 0 less its value at (0, 0))
-        at_k = [ev(t, 0 * i[:1], j) - ev(t, 0, 0) for t in index]
     except Exception:  # noqa: BLE001 - a form not foreseen: declined
         return None
     ok = np.logical_and.reduce([*held, np.ones((i.size, k), bool)])
@@ -109,7 +107,7 @@ def gather(blk, names, rows: int, k: int) -> Gather | None:
     offset = ((idx[0] * h + idx[1]) * w + idx[2]) * c + idx[3]  # (a copy's first element: 16-byte aligned)
     aligned = np.all((offset[:, base[0]] % 8 == 0) | ~ok)
     if not side_by_side or not np.array_equal(ok[:, base[0]], ok) or np.any(np.logical_or.reduce(outside) & ok) \
-            or not aligned or not all(np.array_equal(r + q, d) for r, q, d in zip(at_row, at_k, idx)):
+            or not aligned or not all(np.array_equal(r[i] + q[None, :], d) for r, q, d in zip(row_part, k_part, idx)):
         return None
     # the conditions on both must say, where the row's and K's hold, that the indices that ever leave the
     # parameter there lie inside it (what the copy checks)
