@@ -58,8 +58,9 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
     with `convs`, the convolutions that passes.implicit_gemm takes become
     implicit GEMMs [N*Ho*Wo, O], their epilogues carried in 2-D as well
     (fp32 ones too with `tf32`); with `conv1x1` (and `gemms=False`), the
-    1x1 convolutions are rewritten as `gemms` does, and the strided ones as
-    implicit GEMMs with `convs`, the matmuls as without it."""
+    1x1 convolutions are rewritten as `gemms` does (but those of a 1x1 map:
+    `_conv1x1`), and the strided ones as implicit GEMMs with `convs`, the
+    matmuls as without it."""
     from ..tvm_compat import relax, tvm
 
     op = relax.op
@@ -115,7 +116,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call, tf32, strided_1x1=gemms or conv1x1):
                 return self._implicit(call)
             if name == "relax.nn.conv2d" and (gemms or conv1x1):
-                return self._conv1x1(call)
+                return self._conv1x1(call, per_image=gemms)
             if name == "relax.matmul" and (gemms or pad_rows or wgmma):
                 return self._matmul(call, every=gemms)
             if name == "relax.reshape":
@@ -144,13 +145,20 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
                 self.flat.add(x)
             return call
 
-        def _conv1x1(self, call):
+        def _conv1x1(self, call, per_image: bool):
+            """A 1x1 convolution as a 2-D GEMM; one of a 1x1 map (a GEMM of a
+            row an image: squeeze-excitation's) only with `per_image` (the
+            `gemms` of the profile's flat_gemm). As a convolution its
+            consumer's gating multiply, which broadcasts over the feature map,
+            fuses into its kernel (rule broadcast-epilogue); as a GEMM it did
+            not, and EfficientNet-B0 at batch 32 ran 16% slower than without
+            the default's GEMMs (results/h100/2026-12-06/depthwise-b32/)."""
             a = call.attrs
             if not implicit_gemm.dense_nhwc(a) or not implicit_gemm.stride_1_unpadded(a):
                 return call
             x, w = call.args
             xs, ws, ys = static_shape(x), static_shape(w), static_shape(call)
-            if xs is None or ws is None or ys is None or ws[1:3] != [1, 1]:
+            if xs is None or ws is None or ys is None or ws[1:3] != [1, 1] or (ys[1:3] == [1, 1] and not per_image):
                 return call
             n, h, wd, c = xs
             o = ws[0]

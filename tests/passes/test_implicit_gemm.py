@@ -331,3 +331,33 @@ def test_the_default_makes_1x1_convolutions_gemms_and_leaves_matmuls(stride):
     assert text.count("R.nn.conv2d(") == 1  # (the 3x3 one summed in fp16: left alone)
     assert flat_epilogues(convs=True, conv1x1=True)(_dense()).script() == flat_epilogues()(_dense()).script()
     assert flat_gemm()(_dense()).script() != flat_epilogues()(_dense()).script()
+
+
+def test_the_default_leaves_squeeze_excitations_convolutions_of_a_1x1_map():
+    """Squeeze-excitation's two 1x1 convolutions of a 1x1 map (a row an
+    image), then the sigmoid gating the feature map: under the default's
+    phase they stay convolutions, the second fused with its sigmoid and the
+    multiply that broadcasts it over the map (one kernel, as the rule
+    broadcast-epilogue takes it); flat_gemm() still makes them GEMMs."""
+    mod = _parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((4, 6, 6, 16), "float16"), w1: R.Tensor((8, 1, 1, 16), "float16"),
+             w2: R.Tensor((16, 1, 1, 8), "float16")):
+        with R.dataflow():
+            s = R.mean(x, axis=[1, 2], keepdims=True)
+            e = R.nn.conv2d(s, w1, data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC", out_dtype="float16")
+            r = R.nn.relu(e)
+            f = R.nn.conv2d(r, w2, data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC", out_dtype="float16")
+            g = R.sigmoid(f)
+            z = R.multiply(x, g)
+            R.output(z)
+        return z
+""")
+    new = flat_epilogues(convs=True, conv1x1=True)(mod)
+    assert "R.matmul" not in new.script() and new.script().count("R.nn.conv2d(") == 2
+    assert any("conv2d" in name and "multiply" in name for name in _kernels(_fused(new)))
+    assert flat_gemm()(mod).script().count("R.matmul") == 2
+    args = _args(mod)
+    np.testing.assert_allclose(_run(new, args)[0], _run(mod, args)[0], rtol=1e-3, atol=1e-3)
