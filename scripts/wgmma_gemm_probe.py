@@ -29,9 +29,12 @@ cuBLAS's Hopper kernels are built: warp-specialized (a producer warpgroup
 issues the TMA loads, two consumer warpgroups multiply, `full` and `empty`
 mbarriers a stage) on a persistent grid (a CTA an SM takes tiles in turn,
 the ring running on across them), each thread's two adjacent outputs one
-`half2` store (results/h100/2026-12-05/wgmma-ws-probe/: 640 TFLOP/s at
-4096^3, and faster than our `mma.sync` schedule on the models' short-K
-GEMMs, which `single` is not).
+`half2` store at first (results/h100/2026-12-05/wgmma-ws-probe/: 640
+TFLOP/s at 4096^3, and faster than our `mma.sync` schedule on the models'
+short-K GEMMs, which `single` is not); `--store staged` (the default) puts
+the result through shared memory, 16-byte loads and stores a thread
+(passes/wgmma_epilogue.py), `--store registers` is the first; `--epilogue
+residual` is ResNet's (bias, an fp16 residual, ReLU).
 
 It is built with TVM's `tirx` TIR pipeline for `sm_90a` (`wgmma` needs the
 `a` target). On a GPU the probe checks the result against PyTorch and times
@@ -43,6 +46,8 @@ registers and spills.
     python scripts/wgmma_gemm_probe.py --kernels persistent --bn 128,256 --shapes 4096x4096x4096 --out DIR
     python scripts/wgmma_gemm_probe.py --kernels persistent --b-layout kn --shapes 6272x1536x384 --out DIR
     python scripts/wgmma_gemm_probe.py --kernels persistent --in-flight 0,1 --shapes 6272x1536x384 --out DIR
+    python scripts/wgmma_gemm_probe.py --kernels persistent --b-layout kn --epilogue residual \
+        --store staged,registers --shapes 200704x256x64 --out DIR
     python scripts/wgmma_gemm_probe.py --kernels persistent --pingpong 0,1 --shapes 100352x384x96 --out DIR
 
 Writes DIR/probe.json and DIR/probe.md.
@@ -69,7 +74,8 @@ from deploy.passes import wgmma_gemm  # noqa: E402 - after the path (no TVM impo
 # (the pass's: its TMA load, a CTA's rows (two m64 wgmmas), the shared memory a block may take, its target)
 TMA_LOAD, BM, SHARED_MEMORY, target = wgmma_gemm.TMA_LOAD, wgmma_gemm.BM, wgmma_gemm.SHARED_MEMORY, wgmma_gemm.target
 SWIZZLE_BYTES = 128  # a stage's K extent in bytes: the TMA swizzle's width (64 fp16 or 32 fp32 columns)
-EPILOGUES = ("bias", "gelu")
+EPILOGUES = ("bias", "gelu", "residual")  # (residual: ResNet's, the persistent kernel only)
+STORES = ("staged", "registers")  # the persistent kernel's epilogue (passes/wgmma_epilogue.py)
 KERNELS = {"single": "wgmma", "persistent": "wgmma-ws"}  # --kernels: the name its rows carry
 # dtype: (element type in memory, bytes, wgmma's K per instruction, its input type, its transpose immediates)
 DTYPES = {"fp16": ("float16", 2, 16, "f16", (0, 0)), "tf32": ("float32", 4, 8, "tf32", ())}
@@ -94,8 +100,8 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
     if smem > SHARED_MEMORY:
         raise ValueError(f"{stages} stages of 128x{bn} tiles need {smem // 1024} KB of shared memory; "
                          f"a block has {SHARED_MEMORY // 1024} KB on sm_90")
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES)}")
+    if epilogue not in EPILOGUES[:2]:
+        raise ValueError(f"unknown epilogue {epilogue!r}: one of {', '.join(EPILOGUES[:2])}")
     gelu = epilogue == "gelu"
     # (rows past M and columns past K: TMA reads zeros, which add nothing)
     k_tiles, grid_m, grid_n = (k + bk - 1) // bk, (m + BM - 1) // BM, n // bn
@@ -196,7 +202,8 @@ def make_gemm(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: 
 
 
 def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogue: str = "bias",
-                 sms: int = 132, b_kn: bool = False, in_flight: int = 0, pingpong: bool = False):
+                 sms: int = 132, b_kn: bool = False, in_flight: int = 0, pingpong: bool = False,
+                 store: str = "staged"):
     """`make_gemm`'s GEMM (fp16) as the package builds it with --wgmma-gemm
     (deploy/passes/wgmma_gemm.py): warp-specialized on a persistent grid, as
     cuBLAS's Hopper kernels are. `sms` CTAs take the 128 x bn tiles in turn;
@@ -209,7 +216,10 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     of `bn` (the last tile's columns past N read as zeros, not written).
     The epilogue is made as the
     model's would be, a fused function's blocks (bias: fp16(C + bias); gelu:
-    GELU of it in fp32), and carried into the kernel by the pass."""
+    GELU of it in fp32; residual: ResNet's, relu(fp16(C) + bias + R) with R
+    an fp16 [M, N] input), and carried into the kernel by the pass, which
+    stores it as `store` says (staged through shared memory or as the
+    registers hold it: the pass's `kernel`)."""
     from tvm import te, tirx
 
     if epilogue not in EPILOGUES:
@@ -220,6 +230,15 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     r = te.reduce_axis((0, k), "r")
     c = te.compute((m, n), lambda i, j: te.sum(
         a[i, r].astype("float32") * (b[r, j] if b_kn else b[j, r]).astype("float32"), axis=r), name="C")
+    if epilogue == "residual":
+        res = te.placeholder((m, n), "float16", name="R")
+        out = te.compute((m, n), lambda i, j: te.max(c[i, j].astype("float16") + bias[j] + res[i, j],
+                                                     tirx.const(0, "float16")), name="D")
+        plan = wgmma_gemm.plan(te.create_prim_func([a, b, bias, res, out]))
+        if plan is None:
+            raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M, N and K multiples of 16)")
+        return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn, in_flight=in_flight, pingpong=pingpong,
+                                 epilogue=store).with_attr("global_symbol", "main")
     h = te.compute((m, n), lambda i, j: c[i, j] + bias[j].astype("float32"), name="H")
     if epilogue == "gelu":
         h = te.compute((m, n), lambda i, j: tirx.const(0.5, "float32") * h[i, j] * (
@@ -229,7 +248,7 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     if plan is None:
         raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M, N and K multiples of 16)")
     return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn, in_flight=in_flight,
-                             pingpong=pingpong).with_attr("global_symbol", "main")
+                             pingpong=pingpong, epilogue=store).with_attr("global_symbol", "main")
 
 
 def build(func):
@@ -254,6 +273,9 @@ def main(argv=None) -> int:
     p.add_argument("--pingpong", default="0",
                    help="0: the two consumer warpgroups share each tile; 1: each takes whole tiles in turn; "
                         "0,1 both (persistent kernel only)")
+    p.add_argument("--store", default="staged",
+                   help="the persistent kernel's epilogue: staged (through shared memory, 16-byte stores) or "
+                        "registers (two columns a store); staged,registers both")
     p.add_argument("--b-layout", default="nk", choices=("nk", "kn"),
                    help="B stored [N, K] (a dense layer's weight) or [K, N] (ONNX MatMul's; persistent kernel only)")
     p.add_argument("--out", required=True)
@@ -275,6 +297,14 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         kernels = ["single"]
+    stores = args.store.split(",")
+    if not stores or any(x not in STORES for x in stores):
+        print(f"error: unknown epilogue in --store {args.store!r} | expected any of {', '.join(STORES)}",
+              file=sys.stderr)
+        return 2
+    if args.epilogue == "residual" and kernels != ["persistent"]:
+        print("error: --epilogue residual is the persistent kernel's only | add --kernels persistent", file=sys.stderr)
+        return 2
     b_kn = args.b_layout == "kn"
     if b_kn and kernels != ["persistent"]:
         print("error: --b-layout kn is the persistent kernel's only | add --kernels persistent", file=sys.stderr)
@@ -302,31 +332,39 @@ def main(argv=None) -> int:
             a_np = (rng.standard_normal((m, k)) / 8).astype(elem)
             b_np = (rng.standard_normal((k, n) if b_kn else (n, k)) / 8).astype(elem)
             bias_np = (rng.standard_normal(n) / 8).astype(elem)
-            ta, tb, tbias = (torch.from_numpy(x).cuda() for x in (a_np, b_np, bias_np))
+            r_np = (rng.standard_normal((m, n)) / 8).astype(elem)  # (the residual's: read where asked)
+            ta, tb, tbias, tr = (torch.from_numpy(x).cuda() for x in (a_np, b_np, bias_np, r_np))
             torch.backends.cuda.matmul.allow_tf32 = False  # the reference: strict fp32
             tb_t = tb if b_kn else tb.T  # (B^T, as the product takes it)
             ref = ta.float() @ tb_t.float() + tbias.float()
+            if args.epilogue == "residual":
+                ref = torch.relu(ref + tr.float())
             ref = (torch.nn.functional.gelu(ref) if args.epilogue == "gelu" else ref).cpu().numpy()
             torch.backends.cuda.matmul.allow_tf32 = args.dtype == "tf32"  # cuBLAS on TF32 tensor cores
 
-            def cublas(ta=ta, tb_t=tb_t, tbias=tbias):
+            def cublas(ta=ta, tb_t=tb_t, tbias=tbias, tr=tr):
                 y = torch.addmm(tbias, ta, tb_t)
+                if args.epilogue == "residual":
+                    return torch.relu(y + tr)
                 return torch.nn.functional.gelu(y) if args.epilogue == "gelu" else y
 
             rows.append(probe_common.torch_row(shape, f"torch (cuBLAS, {args.dtype})", cublas, flop))
-            run_args = ([a_np, b_np, bias_np], (m, n), elem, ref, flop)
-        configs = [(kernel, bn, stages, fl, pp) for kernel in kernels for bn in bns for stages in stage_list
+            inputs = [a_np, b_np, bias_np] + ([r_np] if args.epilogue == "residual" else [])
+            run_args = (inputs, (m, n), elem, ref, flop)
+        configs = [(kernel, bn, stages, fl, pp, st) for kernel in kernels for bn in bns for stages in stage_list
                    for fl in (flights if kernel == "persistent" else [0])
-                   for pp in (pings if kernel == "persistent" else [0])]
-        for kernel, bn, stages, fl, pp in configs:
+                   for pp in (pings if kernel == "persistent" else [0])
+                   for st in (stores if kernel == "persistent" else ["registers"])]
+        for kernel, bn, stages, fl, pp, st in configs:
             make = (functools.partial(make_gemm, m, n, k, bn, stages, args.epilogue, args.dtype)
                     if kernel == "single" else functools.partial(make_gemm_ws, m, n, k, bn, stages,
                                                                  args.epilogue, b_kn=b_kn, in_flight=fl,
-                                                                 pingpong=bool(pp)))
+                                                                 pingpong=bool(pp), store=st))
             rows.append(probe_common.measure(
                 {"shape": shape, "config": f"{KERNELS[kernel]} {args.dtype} 128x{bn}x{bk}-s{stages}"
                                            + ("-kn" if b_kn else "") + (f"-f{fl}" if fl else "")
-                                           + ("-pp" if pp else "")},
+                                           + ("-pp" if pp else "") + ("-reg" if st == "registers" and
+                                                                      kernel == "persistent" else "")},
                 lambda make=make: build(make()), {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor"},
                 run_args, "sm_90a"))
     dev_name = torch.cuda.get_device_name() if gpu else "none (built only)"

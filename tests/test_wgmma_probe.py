@@ -98,19 +98,38 @@ def test_it_computes_what_pytorch_computes(tmp_path, dtype, epilogue):
     assert all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
 
 
+@pytest.mark.gpu
+def test_the_residual_epilogue_staged_and_not_computes_what_pytorch_computes(tmp_path):
+    """ResNet's epilogue (bias, an fp16 residual, ReLU) in the persistent
+    kernel, its result staged through shared memory and stored as the
+    registers hold it; the residual's loads issued before the products
+    (tiles of 64 and 96 columns) or at each chunk (pingpong: twice the rows);
+    ragged rows and columns (N = 192 in tiles of 128: 64 past N)."""
+    probe = _script()
+    assert probe.main(["--shapes", "400x192x96,400x192x592", "--bn", "64,96,128", "--kernels", "persistent",
+                       "--epilogue", "residual", "--store", "staged,registers", "--pingpong", "0,1",
+                       "--out", str(tmp_path)]) == 0
+    rows = [r for r in json.loads((tmp_path / "probe.json").read_text())["rows"] if r["config"].startswith("wgmma")]
+    assert len(rows) == 2 * 3 * 2 * 2, rows
+    assert all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
+
+
 @pytest.mark.parametrize("epilogue", ["bias", "gelu"])
 def test_the_persistent_kernel_specializes_warpgroups_and_stores_pairs(epilogue):
     """make_gemm_ws: a producer warpgroup's TMA and two consumers' wgmma on
-    a persistent grid, each thread's two adjacent outputs one half2 store
-    (the scalar stores cost the short-K shapes half their time); at 256
-    columns setmaxnreg moves registers to the consumers."""
+    a persistent grid, each thread's 8 adjacent outputs one 16-byte store
+    (staged through shared memory), or with `store="registers"` its two
+    adjacent ones one half2 store (the scalar stores cost the short-K shapes
+    half their time); at 256 columns setmaxnreg moves registers to the
+    consumers."""
     probe = _script()
-    src = probe.build(probe.make_gemm_ws(400, 256, 592, bn=128, stages=2, epilogue=epilogue,
-                                         sms=2)).mod.imports[0].inspect_source()
-    kernel = src[src.index("main_kernel("):]
-    assert "__launch_bounds__(384)" in src and "m64n128k16" in kernel
-    assert "mbarrier_arrive_expect_tx" in kernel and "cp_async_bulk_tensor" in kernel  # (helpers' names)
-    assert "*(half2*)(D_ptr" in kernel and " D_ptr[" not in kernel  # (D: the output)
+    for store, vector in (("staged", "uint4"), ("registers", "half2")):
+        src = probe.build(probe.make_gemm_ws(400, 256, 592, bn=128, stages=2, epilogue=epilogue,
+                                             sms=2, store=store)).mod.imports[0].inspect_source()
+        kernel = src[src.index("main_kernel("):]
+        assert "__launch_bounds__(384)" in src and "m64n128k16" in kernel
+        assert "mbarrier_arrive_expect_tx" in kernel and "cp_async_bulk_tensor" in kernel  # (helpers' names)
+        assert f"*({vector}*)(D_ptr" in kernel and " D_ptr[" not in kernel  # (D: the output)
     assert "setmaxnreg" not in kernel
     wide = probe.build(probe.make_gemm_ws(256, 256, 64, bn=256, stages=2)).mod.imports[0].inspect_source()
     assert "setmaxnreg.inc.sync.aligned.u32" in wide and "setmaxnreg.dec.sync.aligned.u32" in wide
@@ -163,7 +182,7 @@ def test_b_stored_k_by_n_computes_what_pytorch_computes(tmp_path, epilogue):
                        "--out", str(tmp_path)]) == 0
     rows = [r for r in json.loads((tmp_path / "probe.json").read_text())["rows"] if r["config"].startswith("wgmma")]
     assert len(rows) == 16 and all("error" not in r and float(r["rel_l2"]) < 1e-2 for r in rows), rows
-    assert probe.main(["--shapes", "400x192x96,1000x192x592", "--bn", "64", "--stages", "2,4", "--kernels",
+    assert probe.main(["--shapes", "400x192x96,1008x192x592", "--bn", "64", "--stages", "2,4", "--kernels",
                        "persistent", "--b-layout", "kn", "--in-flight", "0,1", "--pingpong", "1",
                        "--epilogue", epilogue, "--out", str(tmp_path / "pp")]) == 0
     rows = [r for r in json.loads((tmp_path / "pp" / "probe.json").read_text())["rows"]

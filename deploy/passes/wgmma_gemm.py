@@ -33,8 +33,10 @@ results/h100/2026-12-05/wgmma-ws-probe/), carrying the kernel's epilogue:
   split 1.5-1.9x faster than it (results/h200/2026-12-06/gathers-row-k/);
 - the epilogue: the kernel's element-wise blocks after the GEMM (cast, bias,
   GELU, a residual), inlined into one expression by TVM's own
-  `compute_inline`, applied to each thread's accumulators, two adjacent
-  columns stored at once.
+  `compute_inline`, applied to the accumulators after each warp has put
+  them through shared memory, 8 adjacent columns of a row a thread, its
+  loads and stores 16 bytes each (passes/wgmma_epilogue.py; 1.34-1.44x on
+  ResNet-50's 1x1 GEMMs over storing them as the registers hold them).
 
 The kernel is made from TVMScript text (`_TEMPLATE`): TVM 0.27 has no
 Python IR mutator to rewrite the epilogue's expression onto the kernel's
@@ -65,7 +67,7 @@ import re
 import string
 import textwrap
 
-from . import wgmma_operands
+from . import wgmma_epilogue, wgmma_operands
 from .mma_gemm import OPT_IN_SHARED_MEMORY
 
 MARK = "deploy.tirx"  # PrimFunc attribute: lowered by TVM's TIRx pipeline (passes/tensor_core_smem.py)
@@ -77,6 +79,7 @@ IN_FLIGHT = 0  # wgmma groups a consumer leaves running while it waits for the n
 PINGPONG = False  # each consumer warpgroup a whole tile, the two in turn (`kernel`)
 SHARED_MEMORY = OPT_IN_SHARED_MEMORY["sm_90"] - 1024  # a block's dynamic shared memory, less the barriers' and alignment's
 TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+EPILOGUE = "staged"  # how the consumers store a tile (`kernel`; passes/wgmma_epilogue.py)
 SMS = 132  # persistent CTAs: the H100's and H200's SMs (more CTAs than SMs is correct, and slower)
 
 _TEMPLATE = string.Template('''
@@ -99,6 +102,7 @@ $a_map
     wg_turn = T.alloc_shared((2,), "uint64")
     wg_acc = T.alloc_local((wg_nacc * (1 + wg_pp),), "float32")
     wg_pair = T.alloc_local((2,), "$out_dtype")
+$decls
     wg_desc_a: T.uint64
     wg_desc_b: T.uint64
     wg_d_a: T.uint64
@@ -128,6 +132,7 @@ $producer
         for wg_tt in T.serial((wg_my_tiles - wg_g * wg_pp + wg_pp) // (1 + wg_pp)):
             wg_t = T.meta_var(wg_tt * (1 + wg_pp) + wg_g * wg_pp)
             wg_tile = T.meta_var(wg_cta + wg_t * wg_ctas)
+$prefetch
             if wg_pp:  # (the tile's products begin when the other warpgroup's last tile's have been issued)
                 if wg_t > 0:
                     T.cuda.mbarrier_wait(wg_turn.ptr_to([wg_g]), (wg_tt - 1 + wg_g) % 2)
@@ -161,21 +166,7 @@ $fence                for wg_i in T.unroll(wg_nacc * (1 + wg_pp)):
                     T.cuda.wgmma.noop_barrier(wg_acc[wg_i])
                 T.ptx.mbarrier.arrive.shared.b64(wg_empty.ptr_to([(wg_t * wg_k_tiles + wg_k_tiles - 1) % wg_stages]),
                                                  T.uint32(1))
-            for wg_hi in T.unroll((1 + wg_pp) * (wg_nacc // 4)):  # (h: the 64-row halves a warpgroup computes)
-                wg_h = T.meta_var(wg_hi // (wg_nacc // 4))
-                wg_i = T.meta_var(wg_hi % (wg_nacc // 4))
-                for wg_r in T.unroll(2):
-                    wg_row = T.meta_var((wg_tile // wg_grid_n) * wg_bm + (wg_h + wg_g * (1 - wg_pp)) * 64
-                                        + (wg_tx % 128) // 32 * 16 + (wg_tx % 32) // 4 + wg_r * 8)
-                    wg_col = T.meta_var((wg_tile % wg_grid_n) * wg_bn + wg_i * 8 + (wg_tx % 4) * 2)
-                    if $in_bounds:  # (the epilogue reads per-row and per-column parameters: only what exists)
-                        for wg_c in T.unroll(2):
-                            wg_x = T.meta_var(wg_acc[wg_h * wg_nacc + wg_i * 4 + wg_r * 2 + wg_c])
-                            wg_colc = T.meta_var(wg_col + wg_c)
-                            wg_pair[wg_c] = T.Cast("$out_dtype", $expr)
-                        for wg_c in T.vectorized(2):
-                            $out[wg_row, wg_col + wg_c] = wg_pair[wg_c]
-''')
+$epilogue''')
 
 # A by TMA: one tensor map over the 2-D parameter (or its rows padded: TMA fills past the end with zeros)
 _A_MAP = '''    wg_a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -321,7 +312,7 @@ def plan(func, gather: bool = False) -> Plan | None:
 
 
 def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None, in_flight: int | None = None,
-           pingpong: bool | None = None):
+           pingpong: bool | None = None, epilogue: str | None = None):
     """The TIRx PrimFunc of a Plan: the model function's parameters, the
     kernel of the module docstring, with tiles of `bn` columns (by default
     `tile_columns`; the last tile's columns past N read as zeros and not
@@ -345,6 +336,10 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
     before, of the same parity). Twice the accumulators a thread: up to
     128 columns.
 
+    `epilogue` (by default EPILOGUE): "staged", the accumulators through
+    shared memory and stored 16 bytes a thread, or "registers", stored as
+    they lie, two columns a thread (wgmma_epilogue's docstring).
+
     Raises ValueError where `bn` is not a tile (a multiple of 8 up to 256;
     of 64 with B [K, N]; up to 128 with `pingpong`), the ring does not fit
     in shared memory, or `in_flight` is neither 0 nor 1 (a stage must be
@@ -361,9 +356,19 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
         raise ValueError(f"{bn} columns with pingpong: a thread would hold {bn} accumulators (up to 128)")
     if in_flight not in (0, 1) or in_flight >= stages:
         raise ValueError(f"{in_flight} wgmma groups in flight: 0 or 1, fewer than the {stages} stages")
-    if stages * (BM + bn) * BK * 2 > SHARED_MEMORY:
-        raise ValueError(f"{stages} stages of 128x{bn} tiles need {stages * (BM + bn) * BK * 2 // 1024} KB of "
-                         f"shared memory; a block has {SHARED_MEMORY // 1024} KB on sm_90")
+    epilogue = EPILOGUE if epilogue is None else epilogue
+    if epilogue not in ("staged", "registers"):
+        raise ValueError(f"unknown epilogue {epilogue!r}: staged or registers")
+    out_dtype = next(dtype for name, _, dtype in p.params if name == p.out)
+    in_bounds = "wg_row < wg_m" if p.n % bn == 0 else "T.And(wg_row < wg_m, wg_col < wg_n)"  # (N even: col + 1 too)
+    if epilogue == "staged":
+        epi, prefetch, decls, epi_consts, staging = wgmma_epilogue.staged(p, bn, bool(pingpong), out_dtype, in_bounds)
+    else:
+        epi, prefetch, decls, epi_consts, staging = wgmma_epilogue.REGISTERS, "", "", {}, 0
+    if stages * (BM + bn) * BK * 2 + staging > SHARED_MEMORY:
+        raise ValueError(f"{stages} stages of 128x{bn} tiles (and the epilogue's {staging // 1024} KB) need "
+                         f"{(stages * (BM + bn) * BK * 2 + staging) // 1024} KB of shared memory; a block has "
+                         f"{SHARED_MEMORY // 1024} KB on sm_90")
     k_tiles, grid_m, grid_n = (p.k + BK - 1) // BK, (p.m + BM - 1) // BM, (p.n + bn - 1) // bn
     tiles = grid_m * grid_n
     if p.b_kn:
@@ -384,16 +389,18 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
         "wg_mma": f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16",
         "wg_tma": TMA_LOAD,
     }
+    consts.update(epi_consts)
     params = ", ".join(f'{name}: T.Buffer({tuple(shape)}, "{dtype}")' for name, shape, dtype in p.params)
-    out_dtype = next(dtype for name, _, dtype in p.params if name == p.out)
+    pieces = {"epilogue": textwrap.indent(epi, " " * 12), "prefetch": textwrap.indent(prefetch, " " * 12),
+              "decls": textwrap.indent(decls, " " * 4)}
     if p.gather is None:
-        pieces, gather = {"a_map": _A_MAP, "producer": textwrap.indent(_PRODUCER_TMA, " " * 8), "fence": ""}, {}
+        pieces, gather = {**pieces, "a_map": _A_MAP, "producer": textwrap.indent(_PRODUCER_TMA, " " * 8),
+                          "fence": ""}, {}
     else:
         a_map, producer, gather = wgmma_operands.producer(p.gather, p.a, next(d for n, d, _ in p.params if n == p.a),
                                                           _B_LOAD)
-        pieces = {"a_map": a_map, "producer": textwrap.indent(producer, " " * 8), "fence": _FENCE}
+        pieces = {**pieces, "a_map": a_map, "producer": textwrap.indent(producer, " " * 8), "fence": _FENCE}
         consts["wg_nchk"] = len(p.gather.checks)
-    in_bounds = "wg_row < wg_m" if p.n % bn == 0 else "T.And(wg_row < wg_m, wg_col < wg_n)"  # (N even: col + 1 too)
     text = string.Template(_TEMPLATE.safe_substitute(pieces)).substitute(
         params=params, a=p.a, b=p.b, out=p.out, out_dtype=out_dtype, expr=p.expr, in_bounds=in_bounds, **gather)
     from tvm.script import tirx as T
