@@ -108,10 +108,11 @@ class Gemm:
         self.b_transposed, self.producers, self.epilogue, self.dtype = b_transposed, producers, epilogue, dtype
 
 
-def match(func, tf32: bool = False) -> Gemm | None:
+def match(func, tf32: bool = False, multiple: int = 16) -> Gemm | None:
     """The GEMM this schedule takes in `func` (a PrimFunc), else None. An
     fp32 GEMM only where TF32 is allowed: `func` has passes/tf32.py's
-    attribute, or `tf32` is set (what tf32.mark asks)."""
+    attribute, or `tf32` is set (what tf32.mark asks). M, N and K each a
+    multiple of `multiple` (this schedule's 16; the wgmma kernel asks 8)."""
     from ..tvm_compat import s_tir, tirx, tvm
     from .kernel_shape import static_int
     from .tf32 import allowed
@@ -134,7 +135,7 @@ def match(func, tf32: bool = False) -> Gemm | None:
         return None
     vi, vj, vk = (v.var for v in main.iter_vars)
     extents = [static_int(v.dom.extent) for v in main.iter_vars]
-    if None in extents or any(e % 16 for e in extents):
+    if None in extents or any(e % multiple for e in extents):
         return None
     c = main.writes[0]
 

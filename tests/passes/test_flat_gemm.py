@@ -344,8 +344,8 @@ def _gemm_kernel(mod):
 
 def test_the_nd_matmuls_the_wgmma_kernel_takes_become_2d_gemms():
     """flat_epilogues(wgmma=True) (sm_90, the kernel in use): an N-D matmul
-    whose 2-D form the kernel takes (fp16 summed in fp32, rows, N and K
-    multiples of 16) becomes one 2-D GEMM kernel with its epilogue,
+    whose 2-D form the kernel takes (fp16 summed in fp32, rows multiples
+    of 16, N and K of 8) becomes one 2-D GEMM kernel with its epilogue,
     computing the same, that the kernel's plan takes (N = 48 too: tiles of
     64 columns, the last 16 past N); the rest is left as it was."""
     from deploy.passes import wgmma_gemm
@@ -364,11 +364,13 @@ def test_the_nd_matmuls_the_wgmma_kernel_takes_become_2d_gemms():
     assert wgmma_gemm.plan(kernels[gemms[0]]) is not None
     assert wgmma_gemm.plan(_gemm_kernel(mod)) is None  # (what it was: 3-D, not the kernel's)
     assert wgmma_gemm.plan(_gemm_kernel(flat_epilogues(wgmma=True)(_dense_nd(n=48)))).n == 48
-    for why, other in [("rows 10", _dense_nd(seq=5)), ("N 40", _dense_nd(n=40)), ("K 40", _dense_nd(k=40)),
+    assert "R.matmul(x" not in flat_epilogues(wgmma=True)(_dense_nd(n=40, k=40)).script()
+    for why, other in [("rows 10", _dense_nd(seq=5)), ("N 36", _dense_nd(n=36)), ("K 36", _dense_nd(k=36)),
                        ("fp32", _dense_nd("float32", acc="float32")), ("summed in fp16", _dense_nd(acc="float16"))]:
         assert "R.matmul(x" in flat_epilogues(wgmma=True)(other).script(), why
     assert "R.matmul(x" in flat_epilogues()(mod).script()  # (not asked: as before)
-    assert wgmma_gemm.fits(16, 48, 64) and not any(wgmma_gemm.fits(*s) for s in [(10, 64, 64), (16, 40, 64), (16, 64, 40)])
+    assert wgmma_gemm.fits(16, 48, 64) and wgmma_gemm.fits(16, 40, 24)
+    assert not any(wgmma_gemm.fits(*s) for s in [(10, 64, 64), (16, 36, 64), (16, 64, 36)])
 
 
 @pytest.mark.parametrize("arch, cuda, flat", [

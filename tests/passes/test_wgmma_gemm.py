@@ -251,8 +251,8 @@ def _compiled(kernel):
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 64, 128, 3, 2, True), (1, 16, 64, 64, 3, 1, False),
-                                   (24, 7, 64, 64, 3, 1, False)],
-                         ids=["stride2-residual", "batch-1", "rows-padded"])
+                                   (24, 7, 64, 64, 3, 1, False), (2, 8, 24, 32, 3, 1, False)],
+                         ids=["stride2-residual", "batch-1", "rows-padded", "24-channels"])
 def test_the_gather_kernel_compiles_for_sm90a(shape):
     """The gathering producer: 16-byte `cp.async` copies zero-filled by
     their source size, each thread's arrival on the stage's barrier when
@@ -279,9 +279,10 @@ def test_the_gather_kernel_compiles_for_sm90a(shape):
                                             ((2, 16, 64, 128, 3, 2, True), False),
                                             ((3, 8, 16, 64, 1, 2, False), False),
                                             ((8, 16, 64, 128, 3, 1, False), True),
-                                            ((2, 8, 64, 160, 3, 1, False), False)],
+                                            ((2, 8, 64, 160, 3, 1, False), False),
+                                            ((2, 8, 24, 32, 3, 1, False), False)],
                          ids=["3x3-16-tiles", "3x3-rows-padded", "3x3-stride2-residual", "1x1-stride2",
-                              "3x3-16-tiles-pingpong", "3x3-160-columns"])
+                              "3x3-16-tiles-pingpong", "3x3-160-columns", "3x3-24-channels"])
 def test_gpu_an_implicit_gemm_computes_the_convolution(shape, pingpong, monkeypatch):
     """The gathering kernel on the GPU against the function lowered for the
     CPU: a persistent grid of two CTAs (each takes half the tiles: the ring
@@ -289,7 +290,8 @@ def test_gpu_an_implicit_gemm_computes_the_convolution(shape, pingpong, monkeypa
     rows (1,176 rows: the last tile ragged), a stride and a residual, a
     strided 1x1; the 16 tiles with each consumer warpgroup taking whole
     tiles in turn (four each); 160 columns (one tile of 160: the producer's
-    registers cut to 40, its rows' parts held in them all the same)."""
+    registers cut to 40, its rows' parts held in them all the same); 24
+    channels (K = 216: the last stage's 3 chunks of 8 in K, the rest zeros)."""
     from deploy.tvm_compat import tvm
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
@@ -378,14 +380,51 @@ def test_gpu_columns_past_n_read_as_zeros_and_are_not_written(n, b_kn, epilogue,
     assert float(np.linalg.norm(out - want) / np.linalg.norm(want)) < 2e-3
 
 
+# N and K multiples of 8, not 16: a classifier's 1,000 columns; 24 and 40 channels (B [N, K]: a tile of 24
+# columns; K within one stage)
+_EIGHTS = [(1000, 192, True, "bias"), (24, 40, False, "residual"), (40, 24, True, "gelu")]
+
+
+@pytest.mark.parametrize("n,k,b_kn,epilogue", _EIGHTS, ids=["n1000", "n24-k40", "n40-k24"])
+def test_n_and_k_multiples_of_8_are_planned_and_nvcc_compiles_the_kernel(n, k, b_kn, epilogue):
+    from tvm.support import nvcc
+
+    from deploy.tvm_compat import tvm
+
+    p = wgmma_gemm.plan(_gemm(400, n, k, epilogue, b_kn=b_kn))
+    assert p is not None and (p.n, p.k) == (n, k)
+    src = _compiled(wgmma_gemm.kernel(p)).mod.imports[0].inspect_source()
+    assert f"m64n{wgmma_gemm.tile_columns(n, b_kn)}k16" in src
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        assert nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,b_kn,epilogue", _EIGHTS, ids=["n1000", "n24-k40", "n40-k24"])
+def test_gpu_n_and_k_multiples_of_8_compute_what_the_cpu_computes(n, k, b_kn, epilogue, monkeypatch):
+    """The kernels above on two persistent CTAs against the function lowered
+    for the CPU (K past its end and N past its end read as zeros)."""
+    from deploy.tvm_compat import tvm
+
+    monkeypatch.setattr(wgmma_gemm, "SMS", 2)
+    func = _gemm(400, n, k, epilogue, b_kn=b_kn)
+    args = emulation.reference(func)
+    lib = _compiled(wgmma_gemm.replacement(func))
+    dev = tvm.cuda(0)
+    got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
+    lib["main"](*got)
+    out, want = got[-1].numpy().astype("float32"), args[-1].astype("float32")
+    assert float(np.linalg.norm(out - want) / np.linalg.norm(want)) < 2e-3
+
+
 def test_what_it_leaves_to_the_schedule_chain():
-    """Declined, never raised: N not a multiple of 16, producers other than
+    """Declined, never raised: N or K not a multiple of 8, producers other than
     row padding or an implicit GEMM's gather (even with gathers on: an
     element-wise producer, a gather of a 3-D input, a column mask), an
     epilogue whose intermediate is an output too, an fp32 GEMM."""
     from tvm import te, tirx
 
-    assert wgmma_gemm.plan(_gemm(112, 104, 48, "bias")) is None
+    assert wgmma_gemm.plan(_gemm(112, 100, 48, "bias")) is None and wgmma_gemm.plan(_gemm(112, 96, 36, "bias")) is None
     a = te.placeholder((64, 32), "float16", name="a")
     w = te.placeholder((32, 64), "float16", name="w")
     r = te.reduce_axis((0, 32), "r")
