@@ -6,6 +6,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -33,8 +35,6 @@ def test_cpu_halves_keep_smt_siblings_together(tmp_path):
 
 def test_gpu_halves_runs_two_jobs_on_their_own_gpu_and_cpus(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
-        import pytest
-
         pytest.skip("needs 2 CPUs")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -194,3 +194,73 @@ def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
                            env={**env, "VARIANTS": variants}, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
         assert not log.exists()
+
+
+def test_with_settings_sets_our_passes_constants_and_refuses_the_rest():
+    """scripts/with_settings.py: `module.NAME=value` under deploy.passes,
+    Python literals; a name the module lacks, a module that is not there, a
+    value that is not a literal, or no `=` refused; empty sets nothing."""
+    import with_settings
+
+    from deploy.passes import implicit_gemm, wgmma_gemm
+
+    before = (implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE)
+    try:
+        done = with_settings.apply("implicit_gemm.FEW_CHANNELS=0, wgmma_gemm.EPILOGUE='registers'")
+        assert done == [("implicit_gemm.FEW_CHANNELS", 0), ("wgmma_gemm.EPILOGUE", "registers")]
+        assert (implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE) == (0, "registers")
+    finally:
+        implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE = before
+    assert with_settings.apply("") == []
+    for bad, why in [("wgmma_gemm.NOPE=1", "has no NOPE"), ("nope.X=1", "no module"), ("wgmma_gemm.SMS=os.sep", "literal"),
+                     ("wgmma_gemm.SMS", "not module.NAME=value"), ("SMS=1", "not module.NAME=value")]:
+        with pytest.raises(ValueError, match=why):
+            with_settings.apply(bad)
+    r = subprocess.run([sys.executable, "scripts/with_settings.py", "wgmma_gemm.NOPE=1", "run"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "has no NOPE" in r.stderr
+
+
+def test_ab_builds_each_variant_with_its_settings_then_benches_and_profiles_them(tmp_path):
+    """scripts/gpu_ab.sh with a python3 that records its arguments: each
+    variant built at once through with_settings.py with its settings, then
+    benched and profiled one after the other, the benches tarred; a variant
+    whose build fails is not benched (exit 1); bad arguments are refused in
+    one line before anything runs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    (bin_dir / "python3").write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$*" in
+  *"FEW_CHANNELS=0 run"*) echo "build failed"; exit 1;;
+  *" run "*) echo "build: bucket 64: 0 of 30 kernels tuned (schedules: wgmma-gemm 24)"; echo "validation PASSED";;
+  *" bench "*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"; echo "| tvm | 1.0 |" > "$out/results.md";;
+  *" profile "*) echo "bucket 64: 1.2 ms in kernels per run";;
+esac
+""")
+    (bin_dir / "python3").chmod(0o755)
+    (tmp_path / "out").mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "WORK": str(tmp_path / "work"), "DB_ROOT": str(tmp_path / "db")}
+    r = subprocess.run(["bash", "scripts/gpu_ab.sh", "resnet50", "64", "new:", "reg:wgmma_gemm.EPILOGUE='registers'",
+                        "nostem:implicit_gemm.FEW_CHANNELS=0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "new: | tvm | 1.0 |" in r.stdout and "reg: | tvm | 1.0 |" in r.stdout and "nostem: not benched" in r.stdout
+    calls = log.read_text().splitlines()
+    assert all(c.startswith("scripts/with_settings.py ") for c in calls)
+    runs = [c for c in calls if " run " in c]
+    assert sorted(c.split()[1] for c in runs) == ["implicit_gemm.FEW_CHANNELS=0", "run", "wgmma_gemm.EPILOGUE='registers'"]
+    assert all("--buckets 64" in c and "--trials 0" in c for c in runs)
+    assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in calls if " bench " in c] == ["new", "reg"]
+    assert len([c for c in calls if " profile " in c]) == 2
+    with tarfile.open(tmp_path / "out" / "ab.tgz") as t:
+        assert sorted(n for n in t.getnames() if n.endswith("results.md")) == \
+            ["ab-new-bench/results.md", "ab-reg-bench/results.md"]
+    for args, why in [(["resnet50", "64"], "expected MODEL BATCH"), (["resnet50", "64", "a b:x"], "is not LABEL"),
+                      (["resnet50", "64", "a:", "a:x=1"], "given twice")]:
+        log.unlink(missing_ok=True)
+        r = subprocess.run(["bash", "scripts/gpu_ab.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr and not log.exists()

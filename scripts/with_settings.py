@@ -1,0 +1,62 @@
+"""deploy's command line with some of our passes' module constants set
+first, for A/B measurements of one change in the same code
+(scripts/gpu_ab.sh): the build runs in this process, so the passes read
+the values set here.
+
+    python3 scripts/with_settings.py "wgmma_gemm.EPILOGUE='registers',implicit_gemm.FEW_CHANNELS=0" run ...
+
+SETTINGS: comma-separated `module.NAME=value` under deploy.passes, each
+value a Python literal; empty: the code as it is. A name the module does
+not have is refused (exit 2, one line)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def apply(settings: str) -> list[tuple[str, object]]:
+    """Sets each `module.NAME=value` of `settings`; returns what was set.
+    Raises ValueError on a setting that is not one."""
+    done = []
+    for item in filter(None, (s.strip() for s in settings.split(","))):
+        key, eq, text = item.partition("=")
+        module, dot, name = key.rpartition(".")
+        if not eq or not dot:
+            raise ValueError(f"{item!r} is not module.NAME=value")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{item!r}: {text!r} is not a Python literal") from None
+        try:
+            m = importlib.import_module(f"deploy.passes.{module}")
+        except ImportError:
+            raise ValueError(f"{item!r}: no module deploy.passes.{module}") from None
+        if not hasattr(m, name):
+            raise ValueError(f"{item!r}: deploy.passes.{module} has no {name}")
+        setattr(m, name, value)
+        done.append((key, value))
+    return done
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("error: expected SETTINGS then deploy's arguments | e.g. \"implicit_gemm.FEW_CHANNELS=0\" run ...",
+              file=sys.stderr)
+        return 2
+    try:
+        apply(argv[0])
+    except ValueError as e:
+        print(f"error: {e} | settings are comma-separated module.NAME=value under deploy.passes", file=sys.stderr)
+        return 2
+    from deploy.cli import main as deploy
+
+    return deploy(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
