@@ -57,7 +57,8 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
     form passes.wgmma_gemm's kernel takes (which takes 2-D GEMMs only);
     with `convs`, the convolutions that passes.implicit_gemm takes become
     implicit GEMMs [N*Ho*Wo, O], their epilogues carried in 2-D as well
-    (fp32 ones too with `tf32`); with `conv1x1` (and `gemms=False`), the
+    (fp32 ones too with `tf32`; with `wgmma` too, those of fewer than 8
+    channels, padded: implicit_gemm.padded_channels); with `conv1x1` (and `gemms=False`), the
     1x1 convolutions are rewritten as `gemms` does (but those of a 1x1 map:
     `_conv1x1`), and the strided ones as implicit GEMMs with `convs`, the
     matmuls as without it."""
@@ -113,7 +114,8 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
                 return call
             name = call.op.name
-            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call, tf32, strided_1x1=gemms or conv1x1):
+            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call, tf32, strided_1x1=gemms or conv1x1,
+                                                                              pad=wgmma and not tf32):
                 return self._implicit(call)
             if name == "relax.nn.conv2d" and (gemms or conv1x1):
                 return self._conv1x1(call, per_image=gemms)
@@ -170,6 +172,10 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             a = call.attrs
             x, w = call.args
             o, r, s, c = static_shape(w)
+            if c % implicit_gemm.VECTOR:  # (too few channels: both padded with zeros, the data's fused with its producer)
+                pad = [0] * 7 + [implicit_gemm.padded_channels(c) - c]
+                x, w = self.builder_.emit(op.nn.pad(x, pad)), self.builder_.emit(op.nn.pad(w, pad))
+                c = implicit_gemm.padded_channels(c)
             ys = static_shape(call)
             w2 = self.builder_.emit(op.reshape(w, [o, r * s * c]))  # (folded for constant weights)
             gemm = self.builder_.call_te(implicit_gemm.conv_as_gemm, x, w2, kernel=(r, s), strides=a.strides,

@@ -33,6 +33,9 @@ from __future__ import annotations
 from . import nhwc_ohwi, static_shape, tensor_dtype
 
 VECTOR = 8  # channels per 16-byte fp16 copy: C must be a multiple
+# Fewer channels than VECTOR (an RGB stem's 3) padded with zeros up to it where the wgmma kernel takes
+# the GEMM (`applies`' `pad`); 0: left alone
+FEW_CHANNELS = VECTOR
 IM2COL = "im2col"  # the producer block's name (passes/pad_gemm.py finds it by it)
 
 
@@ -47,7 +50,7 @@ def stride_1_unpadded(attrs) -> bool:
     return [int(s) for s in attrs.strides] == [1, 1] and not any(int(p) for p in attrs.padding)
 
 
-def applies(call, tf32: bool = False, strided_1x1: bool = False) -> bool:
+def applies(call, tf32: bool = False, strided_1x1: bool = False, pad: bool = False) -> bool:
     """Whether this Relax conv2d call becomes an implicit GEMM: NHWC/OHWI,
     one group, no dilation, static shapes, a kernel larger than 1x1 (a 1x1
     convolution is a plain GEMM: flat_gemm's) or, with `strided_1x1`, a
@@ -57,8 +60,9 @@ def applies(call, tf32: bool = False, strided_1x1: bool = False) -> bool:
     neither, which made ResNet-50 b64 five kernels more), fp16 data and weights with an
     fp32 sum (an fp16 sum is no GEMM our mma.sync schedule takes) or, with
     `tf32`, fp32 throughout (passes/tf32.py), and
-    channels a multiple of 8 (a ResNet stem's 3 input channels are left
-    alone) with 16 dividing the output channels."""
+    channels a multiple of 8 with 16 dividing the output channels. With
+    `pad` (where the wgmma kernel takes it), fewer channels than
+    FEW_CHANNELS too (an RGB stem's 3: `padded_channels`)."""
     if not dense_nhwc(call.attrs):
         return False
     x, w = call.args
@@ -71,7 +75,18 @@ def applies(call, tf32: bool = False, strided_1x1: bool = False) -> bool:
     o, r, s, c = ws
     if r * s == 1 and not (strided_1x1 and not stride_1_unpadded(call.attrs)):
         return False
-    return c % VECTOR == 0 and o % 16 == 0
+    return (c % VECTOR == 0 or (pad and c < FEW_CHANNELS)) and o % 16 == 0
+
+
+def padded_channels(c: int) -> int:
+    """The channels a convolution of `c` input channels gathers: `c` padded
+    with zeros to a multiple of VECTOR (its data and weights both: the
+    gather copies 8 neighbouring channels at a time). The 7x7 stem of
+    ResNet-50 (3 channels) at batch 64 was DLight's, 0.75 ms on an H100
+    untuned, a fifth of the model's kernel time
+    (results/h100/2026-12-06/epilogue-staged/); as an implicit GEMM of
+    K = 7 x 7 x 8 on the wgmma kernel its padded products are 40 GFLOP."""
+    return -(-c // VECTOR) * VECTOR
 
 
 def conv_as_gemm(x, w2, kernel: tuple[int, int], strides, padding, out_shape, out_dtype: str):

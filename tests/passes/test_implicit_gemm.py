@@ -361,3 +361,70 @@ class Mod:
     assert flat_gemm()(mod).script().count("R.matmul") == 2
     args = _args(mod)
     np.testing.assert_allclose(_run(new, args)[0], _run(mod, args)[0], rtol=1e-3, atol=1e-3)
+
+
+def _stem(n=2, hw=16, c=3, o=64, k=7, stride=2):
+    """An RGB stem: a k x k convolution of `c` channels, stride 2, padding
+    k // 2, with its bias and ReLU (fp16 data, fp32 sum)."""
+    p = k // 2
+    return _parse(f"""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor(({n}, {hw}, {hw}, {c}), "float16"), w: R.Tensor(({o}, {k}, {k}, {c}), "float16"),
+             b: R.Tensor((1, 1, 1, {o}), "float16")):
+        with R.dataflow():
+            y = R.nn.conv2d(x, w, strides=[{stride}, {stride}], padding=[{p}, {p}, {p}, {p}], data_layout="NHWC",
+                            kernel_layout="OHWI", out_layout="NHWC", out_dtype="float32")
+            z = R.nn.relu(R.add(R.astype(y, "float16"), b))
+            R.output(z)
+        return z
+""")
+
+
+@pytest.mark.parametrize("c,k", [(3, 7), (4, 3), (1, 3)])
+def test_a_stems_few_channels_are_padded_to_8_where_the_wgmma_kernel_takes_it(c, k):
+    """With the wgmma kernel in use (`wgmma`), a convolution of fewer than 8
+    channels (RGB, RGBA, grey) becomes an implicit GEMM of its data and
+    weights padded with zero channels to 8: the same result, a gather the
+    kernel plans (K = k x k x 8), the data's padding a kernel of its own
+    here (in a model, fused with its producer: the input's transpose).
+    Without the kernel, or with FEW_CHANNELS 0, it stays a convolution."""
+    from deploy.passes import wgmma_gemm
+
+    mod = _stem(c=c, k=k)
+    new = flat_epilogues(convs=True, wgmma=True, conv1x1=True)(mod)
+    assert "conv2d_gemm" in new.script() and new.script().count("R.nn.pad(") == 2
+    args = _args(mod)
+    np.testing.assert_allclose(_run(new, args)[0], _run(mod, args)[0], rtol=2e-3, atol=2e-3)
+    kernels = _kernels(_fused(new))
+    (gemm,) = [f for name, f in kernels.items() if "conv2d_gemm" in name]
+    p = wgmma_gemm.plan(gemm, gather=True)
+    assert p is not None and p.gather is not None and p.k == k * k * 8
+    assert "conv2d_gemm" not in flat_epilogues(convs=True, conv1x1=True)(mod).script()
+
+
+def test_few_channels_off_leaves_the_stem_alone(monkeypatch):
+    monkeypatch.setattr(implicit_gemm, "FEW_CHANNELS", 0)
+    assert "conv2d_gemm" not in flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem()).script()
+
+
+@pytest.mark.gpu
+def test_gpu_a_padded_stems_gemm_computes_the_convolution(monkeypatch):
+    """The 7x7 stem of 3 channels padded to 8, on the wgmma kernel (two
+    persistent CTAs), against its function lowered for the CPU."""
+    from deploy.passes import wgmma_gemm
+
+    from .. import emulation
+    from .test_wgmma_gemm import _compiled
+
+    monkeypatch.setattr(wgmma_gemm, "SMS", 2)
+    kernels = _kernels(_fused(flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem(n=4, hw=32))))
+    (gemm,) = [f.with_attr("global_symbol", "main") for name, f in kernels.items() if "conv2d_gemm" in name]
+    args = emulation.reference(gemm)
+    lib = _compiled(wgmma_gemm.replacement(gemm, gather=True))
+    dev = tvm.cuda(0)
+    got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
+    lib["main"](*got)
+    out, want = got[-1].numpy().astype("float32"), args[-1].astype("float32")
+    assert float(np.linalg.norm(out - want) / np.linalg.norm(want)) < 2e-3
