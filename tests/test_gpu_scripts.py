@@ -100,11 +100,11 @@ def _fake_deploy(tmp_path, fails: str = "no-such-workdir"):
     (bin_dir / "python3").write_text(f"""#!/bin/sh
 echo "$*" >> {log}
 case "$*" in
-  *"deploy run"*"{fails}"*) echo "build failed"; exit 1;;
-  *"deploy run"*) echo "bucket   32  0/13 kernels tuned  1.4 ms"; echo "validation PASSED";;
-  *"deploy bench"*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"
-                    echo "| tvm | 1.0 |" > "$out/results.md";;
-  *"deploy profile"*) echo "bucket 32: 1.2 ms in kernels per run";;
+  *" run "*"{fails}"*) echo "build failed"; exit 1;;
+  *" run "*) echo "build: bucket 32: 0 of 13 kernels tuned (schedules: wgmma-gemm 4)"; echo "validation PASSED";;
+  *" bench "*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"
+               echo "| tvm | 1.0 |" > "$out/results.md";;
+  *" profile "*) echo "bucket 32: 1.2 ms in kernels per run";;
 esac
 """)
     (bin_dir / "python3").chmod(0o755)
@@ -227,22 +227,7 @@ def test_ab_builds_each_variant_with_its_settings_then_benches_and_profiles_them
     benched and profiled one after the other, the benches tarred; a variant
     whose build fails is not benched (exit 1); bad arguments are refused in
     one line before anything runs."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "calls.log"
-    (bin_dir / "python3").write_text(f"""#!/bin/sh
-echo "$*" >> {log}
-case "$*" in
-  *"FEW_CHANNELS=0 run"*) echo "build failed"; exit 1;;
-  *" run "*) echo "build: bucket 64: 0 of 30 kernels tuned (schedules: wgmma-gemm 24)"; echo "validation PASSED";;
-  *" bench "*) out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); mkdir -p "$out"; echo "| tvm | 1.0 |" > "$out/results.md";;
-  *" profile "*) echo "bucket 64: 1.2 ms in kernels per run";;
-esac
-""")
-    (bin_dir / "python3").chmod(0o755)
-    (tmp_path / "out").mkdir()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-           "WORK": str(tmp_path / "work"), "DB_ROOT": str(tmp_path / "db")}
+    log, env = _fake_deploy(tmp_path, fails="/nostem")
     r = subprocess.run(["bash", "scripts/gpu_ab.sh", "resnet50", "64", "new:", "reg:wgmma_gemm.EPILOGUE='registers'",
                         "nostem:implicit_gemm.FEW_CHANNELS=0"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)

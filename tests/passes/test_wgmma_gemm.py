@@ -250,6 +250,21 @@ def _compiled(kernel):
                        tir_pipeline="tirx")
 
 
+def _gpu_error(func, kernel) -> float:
+    """`kernel` (our kernel for `func`) run on the GPU on `func`'s reference
+    inputs: its output's relative L2 error against `func` lowered for the
+    CPU (tests/emulation.py)."""
+    from deploy.tvm_compat import tvm
+
+    args = emulation.reference(func)
+    lib = _compiled(kernel)
+    dev = tvm.cuda(0)
+    got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
+    lib["main"](*got)
+    out, want = got[-1].numpy().astype("float32"), args[-1].astype("float32")
+    return float(np.linalg.norm(out - want) / np.linalg.norm(want))
+
+
 @pytest.mark.parametrize("shape", [(2, 16, 64, 128, 3, 2, True), (1, 16, 64, 64, 3, 1, False),
                                    (24, 7, 64, 64, 3, 1, False), (2, 8, 24, 32, 3, 1, False)],
                          ids=["stride2-residual", "batch-1", "rows-padded", "24-channels"])
@@ -292,20 +307,13 @@ def test_gpu_an_implicit_gemm_computes_the_convolution(shape, pingpong, monkeypa
     tiles in turn (four each); 160 columns (one tile of 160: the producer's
     registers cut to 40, its rows' parts held in them all the same); 24
     channels (K = 216: the last stage's 3 chunks of 8 in K, the rest zeros)."""
-    from deploy.tvm_compat import tvm
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
     monkeypatch.setattr(wgmma_gemm, "PINGPONG", pingpong)
     func = _implicit(shape)
-    args = emulation.reference(func)
     kernel = wgmma_gemm.replacement(func, gather=True)
     assert kernel is not None and wgmma_gemm.plan(func, gather=True).gather is not None
-    lib = _compiled(kernel)
-    dev = tvm.cuda(0)
-    got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
-    lib["main"](*got)
-    out, want = got[-1].numpy().astype("float32"), args[-1].astype("float32")
-    assert float(np.linalg.norm(out - want) / np.linalg.norm(want)) < 2e-3
+    assert _gpu_error(func, kernel) < 2e-3
 
 
 def test_the_kernel_builds_for_sm90a_with_the_epilogue_in_it():
@@ -367,17 +375,10 @@ def test_gpu_columns_past_n_read_as_zeros_and_are_not_written(n, b_kn, epilogue,
     against the function lowered for the CPU: the product over the columns
     that exist (a write past N would land in the next row, where the
     comparison may or may not see it: the test above checks the guard)."""
-    from deploy.tvm_compat import tvm
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
     func = _gemm(400, n, 192, epilogue, b_kn=b_kn)
-    args = emulation.reference(func)
-    lib = _compiled(wgmma_gemm.replacement(func))
-    dev = tvm.cuda(0)
-    got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
-    lib["main"](*got)
-    out, want = got[-1].numpy().astype("float32"), args[-1].astype("float32")
-    assert float(np.linalg.norm(out - want) / np.linalg.norm(want)) < 2e-3
+    assert _gpu_error(func, wgmma_gemm.replacement(func)) < 2e-3
 
 
 # N and K multiples of 8, not 16: a classifier's 1,000 columns; 24 and 40 channels (B [N, K]: a tile of 24
@@ -404,17 +405,10 @@ def test_n_and_k_multiples_of_8_are_planned_and_nvcc_compiles_the_kernel(n, k, b
 def test_gpu_n_and_k_multiples_of_8_compute_what_the_cpu_computes(n, k, b_kn, epilogue, monkeypatch):
     """The kernels above on two persistent CTAs against the function lowered
     for the CPU (K past its end and N past its end read as zeros)."""
-    from deploy.tvm_compat import tvm
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
     func = _gemm(400, n, k, epilogue, b_kn=b_kn)
-    args = emulation.reference(func)
-    lib = _compiled(wgmma_gemm.replacement(func))
-    dev = tvm.cuda(0)
-    got = [tvm.runtime.tensor(a, dev) for a in args[:-1]] + [tvm.runtime.empty(args[-1].shape, args[-1].dtype, dev)]
-    lib["main"](*got)
-    out, want = got[-1].numpy().astype("float32"), args[-1].astype("float32")
-    assert float(np.linalg.norm(out - want) / np.linalg.norm(want)) < 2e-3
+    assert _gpu_error(func, wgmma_gemm.replacement(func)) < 2e-3
 
 
 def test_what_it_leaves_to_the_schedule_chain():
