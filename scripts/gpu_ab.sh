@@ -9,8 +9,10 @@
 #
 # SETTINGS: comma-separated module.NAME=value (a Python literal; empty: the code as it is; scripts/
 # with_settings.py sets them). The packages are
-# built at once (`deploy run --trials 0`, validated; each build mostly one thread), then benched (`deploy
-# bench`, TVM alone, 50 iterations x 3 rounds) and profiled (`deploy profile`) one after the other:
+# built one after the other (`deploy run --trials 0`, validated: where the databases hold records the build
+# times them against the default schedules on the GPU and keeps its choices in DB_ROOT, so builds at once
+# would disturb each other's timings and choices; PARALLEL=1 builds them at once, each mostly one thread),
+# then benched (`deploy bench`, TVM alone, 50 iterations x 3 rounds) and profiled (`deploy profile`):
 # $OUT/ab-<label>-{run,bench,profile}.log, the benches' folders in $OUT/ab.tgz (the device tool brings back
 # a few files only). Exit 1 where a build, validation, bench or profile failed; 2 on a bad argument.
 set -uo pipefail
@@ -43,6 +45,7 @@ for v in "$@"; do
   with "${v#*:}" run --model "$model" "${common[@]}" --trials 0 --workdir "$W/$label" --alternatives none \
     > "$OUT/ab-$label-run.log" 2>&1 &
   pids+=($!)
+  [ "${PARALLEL:-0}" = 1 ] || { wait "$!" || rc=1; pids=(); }
 done
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 for v in "$@"; do

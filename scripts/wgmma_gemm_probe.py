@@ -236,7 +236,7 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
                                                      tirx.const(0, "float16")), name="D")
         plan = wgmma_gemm.plan(te.create_prim_func([a, b, bias, res, out]))
         if plan is None:
-            raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M, N and K multiples of 16)")
+            raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M a multiple of 16, N and K of 8)")
         return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn, in_flight=in_flight, pingpong=pingpong,
                                  epilogue=store).with_attr("global_symbol", "main")
     h = te.compute((m, n), lambda i, j: c[i, j] + bias[j].astype("float32"), name="H")
@@ -246,7 +246,7 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
     out = te.compute((m, n), lambda i, j: h[i, j].astype("float16"), name="D")
     plan = wgmma_gemm.plan(te.create_prim_func([a, b, bias, out]))
     if plan is None:
-        raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M, N and K multiples of 16)")
+        raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M a multiple of 16, N and K of 8)")
     return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn, in_flight=in_flight,
                              pingpong=pingpong, epilogue=store).with_attr("global_symbol", "main")
 

@@ -6,8 +6,12 @@ the values set here.
     python3 scripts/with_settings.py "wgmma_gemm.EPILOGUE='registers',implicit_gemm.FEW_CHANNELS=0" run ...
 
 SETTINGS: comma-separated `module.NAME=value` under deploy.passes, each
-value a Python literal; empty: the code as it is. A name the module does
-not have is refused (exit 2, one line)."""
+value a Python literal without a comma; empty: the code as it is. A name
+the module does not have is refused (exit 2, one line). Only what the
+passes read when they run is reached: a constant another module copied
+at import (`wgmma_gemm.SHARED_MEMORY` from mma_gemm's table) or a
+function took as a default argument keeps its value, and so do processes
+the build starts (several buckets optimized at once)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def test_the_persistent_kernel_specializes_warpgroups_and_stores_pairs(epilogue)
     assert "setmaxnreg" not in kernel
     wide = probe.build(probe.make_gemm_ws(256, 256, 64, bn=256, stages=2)).mod.imports[0].inspect_source()
     assert "setmaxnreg.inc.sync.aligned.u32" in wide and "setmaxnreg.dec.sync.aligned.u32" in wide
-    with pytest.raises(ValueError, match="not a GEMM the pass takes"):  # (N = 100: not a multiple of 16)
+    with pytest.raises(ValueError, match="not a GEMM the pass takes"):  # (N = 100: not a multiple of 8)
         probe.make_gemm_ws(128, 100, 128)
     with pytest.raises(ValueError, match="shared memory"):
         probe.make_gemm_ws(128, 256, 128, bn=256, stages=6)

@@ -114,8 +114,8 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
                 return call
             name = call.op.name
-            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(call, tf32, strided_1x1=gemms or conv1x1,
-                                                                              pad=wgmma and not tf32):
+            if name == "relax.nn.conv2d" and convs and implicit_gemm.applies(
+                    call, tf32, strided_1x1=gemms or conv1x1, pad=wgmma and not tf32 and _kernel_takes_padded(call)):
                 return self._implicit(call)
             if name == "relax.nn.conv2d" and (gemms or conv1x1):
                 return self._conv1x1(call, per_image=gemms)
@@ -226,6 +226,17 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             args = [x if how == "as is" else self.builder_.emit(
                 op.reshape(x, [rows, cols] if how == "rows" else [1, static_shape(x)[-1]])) for how, x in plan]
             return self._emit_flat(relax.Call(call.op, args, call.attrs), ys)
+
+    def _kernel_takes_padded(call) -> bool:
+        """Whether the wgmma kernel takes this convolution's implicit GEMM
+        with its channels padded to 8 (elsewhere, K = 7 x 7 x 8 being no
+        multiple of 16, it would fall to DLight with 2.7 times the
+        products)."""
+        xs, ws, ys = static_shape(call.args[0]), static_shape(call.args[1]), static_shape(call)
+        if xs is None or ws is None or ys is None or len(ys) != 4 or len(ws) != 4:
+            return False
+        o, r, s, c = ws
+        return wgmma_gemm.takes(ys[0] * ys[1] * ys[2], o, r * s * implicit_gemm.padded_channels(c))
 
     # The 4-D views nothing reads any more go: a dead consumer of the GEMM
     # would keep FuseOps from fusing its epilogue (no single post-dominator).

@@ -131,8 +131,12 @@ def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[
     """The staged epilogue for a Plan `p` and tiles of `bn` columns: (the
     epilogue's text, the text issued at a tile's start before its products,
     the local and shared buffers' declarations, the constants, the shared
-    memory bytes)."""
-    cb = next(c for c in (CHUNK_BLOCKS, 2, 1) if (bn // 8) % c == 0)
+    memory bytes). Raises ValueError where CHUNK_BLOCKS is not 1, 2, 4 or
+    8 (a warp's 32 lanes take whole rows of a chunk, or a chunk's 16 rows
+    fit in one pass)."""
+    if CHUNK_BLOCKS not in (1, 2, 4, 8):
+        raise ValueError(f"CHUNK_BLOCKS = {CHUNK_BLOCKS}: 1, 2, 4 or 8")
+    cb = next(c for c in (CHUNK_BLOCKS, 4, 2, 1) if (bn // 8) % c == 0)
     chunks, passes = bn // 8 // cb, max(1, 16 * cb // 32)
     stride = next(s for s in range(8 * cb, 8 * cb + 33) if s % 32 == 8)  # (writes' half-warps on distinct banks)
     loads = vector_loads(p.expr, p.params, p.n)
@@ -142,7 +146,7 @@ def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[
     decls = ['wg_stage = T.alloc_shared((8, 16, wg_stride), "float32")',
              'wg_two = T.alloc_local((2,), "float32")', 'wg_f = T.alloc_local((8,), "float32")',
              f'wg_vals = T.alloc_local((8,), "{out_dtype}")']
-    tile, chunk = [], []
+    tile, chunk, columns = [], [], []
     for ld in loads:
         if ld.rows:
             slot = "((wg_h * wg_chunks + wg_j) * wg_passes + wg_p)" if prefetch else "wg_p"
@@ -150,7 +154,7 @@ def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[
         else:  # (the column alone: the same for every pass of a chunk, 32 being a multiple of wg_cb)
             slot, slots = "0", 1
         decls.append(f'{ld.local} = T.alloc_local(({slots * 8},), "{ld.dtype}")')
-        expr = expr.replace(ld.text, f"{ld.local}[{slot} * 8 + wg_e]")
+        expr = re.sub(rf"(?<![\w.]){re.escape(ld.text)}", f"{ld.local}[{slot} * 8 + wg_e]", expr)
         vec = 16 // _bytes(ld.dtype)
         index = ", ".join(ld.index[:-1] + [f"{'wg_col' if ld.rows else 'wg_col0'} + wg_u * {vec} + wg_c"])
         load = (f"for wg_u in T.unroll(8 // {vec}):\n"
@@ -165,9 +169,11 @@ def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[
                             + textwrap.indent(guarded, " " * 8))
             else:
                 chunk.append(guarded)
-        else:  # (the first pass's columns are every pass's)
-            col = _COL.replace("wg_q", "(wg_tx % 32)")
-            chunk.append(f"wg_col0 = T.meta_var({col})\nif wg_col0 < wg_n:\n" + textwrap.indent(load, " " * 4))
+        else:
+            columns.append(load)
+    if columns:  # (the first pass's columns are every pass's)
+        col = _COL.replace("wg_q", "(wg_tx % 32)")
+        chunk.append(f"wg_col0 = T.meta_var({col})\nif wg_col0 < wg_n:\n" + textwrap.indent("".join(columns), " " * 4))
     text = STAGED.replace("$chunk_loads", textwrap.indent("".join(chunk), " " * 4).rstrip("\n")) \
         .replace("$row", _ROW).replace("$col", _COL).replace("$expr", expr) \
         .replace("$out_vec", str(16 // _bytes(out_dtype))).replace("$out_dtype", out_dtype) \

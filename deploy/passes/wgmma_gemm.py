@@ -232,6 +232,13 @@ def fits(m: int, n: int, k: int) -> bool:
     return m % 16 == 0 and n % MULTIPLE == 0 and k % MULTIPLE == 0
 
 
+def takes(m: int, n: int, k: int) -> bool:
+    """`fits`, and the sizes within the int32 the kernel indexes in: a GEMM
+    of this shape the kernel takes where its operands and epilogue are
+    ones `plan` takes."""
+    return fits(m, n, k) and max(m * k, m * n, k * n) < 2**31
+
+
 def tile_columns(n: int, b_kn: bool, most: int = 256) -> int:
     """A tile's columns for N: 128 or 64 where they divide it (128 first);
     else the one that computes the fewest columns past N, the larger on a
@@ -298,7 +305,7 @@ def plan(func, gather: bool = False) -> Plan | None:
     else:
         (m, k), a_dtype = names[a_src]
     b_shape, b_dtype = names[b_src]
-    if max(m * k, m * gemm.n, gemm.k * gemm.n) >= 2**31:  # (the kernel indexes in int32)
+    if not takes(m, gemm.n, k):  # (the kernel indexes in int32)
         return None
     b_kn = not gemm.b_transposed
     if (a_dtype, b_dtype) != ("float16", "float16") or k != gemm.k or m > gemm.m or padded not in (None, m):
@@ -315,10 +322,11 @@ def plan(func, gather: bool = False) -> Plan | None:
     return Plan(params, a_src, b_src, out, m, gemm.n, k, b_kn, expr, gathered)
 
 
-def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None, in_flight: int | None = None,
-           pingpong: bool | None = None, epilogue: str | None = None):
+def kernel(p: Plan, stages: int | None = None, sms: int | None = None, bn: int | None = None,
+           in_flight: int | None = None, pingpong: bool | None = None, epilogue: str | None = None):
     """The TIRx PrimFunc of a Plan: the model function's parameters, the
-    kernel of the module docstring, with tiles of `bn` columns (by default
+    kernel of the module docstring, a ring of `stages` stages on `sms`
+    CTAs (by default STAGES, SMS), with tiles of `bn` columns (by default
     `tile_columns`; the last tile's columns past N read as zeros and not
     written), each consumer leaving `in_flight` (0 or 1; by default
     IN_FLIGHT) groups of `wgmma` running while it waits for the next stage
@@ -350,6 +358,7 @@ def kernel(p: Plan, stages: int = STAGES, sms: int = SMS, bn: int | None = None,
     left for the producer to fill)."""
     from ..tvm_compat import tvm
 
+    stages, sms = stages or STAGES, sms or SMS  # (read when called: scripts/with_settings.py sets them)
     pingpong = PINGPONG if pingpong is None else pingpong
     bn = bn or tile_columns(p.n, p.b_kn, most=128 if pingpong else 256)
     if bn % (64 if p.b_kn else 8) or bn > 256 or p.n % 8:

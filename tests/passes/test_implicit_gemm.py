@@ -421,3 +421,14 @@ def test_gpu_a_padded_stems_gemm_computes_the_convolution(monkeypatch):
     kernels = _kernels(_fused(flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem(n=4, hw=32))))
     (gemm,) = [f.with_attr("global_symbol", "main") for name, f in kernels.items() if "conv2d_gemm" in name]
     assert _gpu_error(gemm, wgmma_gemm.replacement(gemm, gather=True)) < 2e-3
+
+
+def test_a_stem_the_kernel_would_not_take_is_not_padded():
+    """At 440 images of 224 x 224 the padded stem's A (802,816 x 440 / 64
+    rows x 392) passes int32: the wgmma kernel would decline it and DLight
+    would get 2.7 times the products, so it stays a convolution."""
+    from deploy.passes import wgmma_gemm
+
+    assert not wgmma_gemm.takes(440 * 112 * 112, 64, 7 * 7 * 8) and wgmma_gemm.takes(64 * 112 * 112, 64, 7 * 7 * 8)
+    assert "conv2d_gemm" not in flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem(n=440, hw=224)).script()
+    assert "conv2d_gemm" in flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem(n=64, hw=224)).script()

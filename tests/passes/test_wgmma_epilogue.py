@@ -83,3 +83,35 @@ def test_the_first_epilogue_is_still_there_and_an_unknown_one_refused():
     assert "wg_stage" in wgmma_gemm.kernel(plan).script()
     with pytest.raises(ValueError, match="unknown epilogue"):
         wgmma_gemm.kernel(plan, epilogue="tma")
+
+
+def test_several_per_column_loads_and_names_ending_in_anothers():
+    """An epilogue reading three per-column parameters, [N] and [1, N], one
+    named as another's suffix (`b`, `lv_b`), and a residual: each its own
+    vector load, the kernel parses, lowers and compiles."""
+    from tvm import te
+
+    m, n, k = 256, 128, 64
+    a = te.placeholder((m, k), "float16", name="a")
+    w = te.placeholder((k, n), "float16", name="w")
+    b = te.placeholder((n,), "float16", name="b")
+    lv_b = te.placeholder((n,), "float16", name="lv_b")
+    scale = te.placeholder((1, n), "float16", name="scale")
+    res = te.placeholder((m, n), "float16", name="res")
+    r = te.reduce_axis((0, k), "r")
+    c = te.compute((m, n), lambda i, j: te.sum(a[i, r].astype("float32") * w[r, j].astype("float32"), axis=r),
+                   name="c")
+    out = te.compute((m, n), lambda i, j: (c[i, j].astype("float16") + b[j] + lv_b[j]) * scale[0, j] + res[i, j],
+                     name="out")
+    p = wgmma_gemm.plan(te.create_prim_func([a, w, b, lv_b, scale, res, out]))
+    assert p is not None
+    loads = wgmma_epilogue.vector_loads(p.expr, p.params, n)
+    assert sorted(ld.name for ld in loads) == ["b", "lv_b", "res", "scale"]
+    _, kernel = _source(te.create_prim_func([a, w, b, lv_b, scale, res, out]))
+    assert kernel.count("= *(uint4*)(") >= 4 + 2  # (the four loads, at least; the stores)
+
+
+def test_a_chunk_of_blocks_other_than_1_2_4_or_8_is_refused(monkeypatch):
+    monkeypatch.setattr(wgmma_epilogue, "CHUNK_BLOCKS", 3)
+    with pytest.raises(ValueError, match="CHUNK_BLOCKS"):
+        wgmma_gemm.kernel(wgmma_gemm.plan(_gemm(400, 96, 64, "bias")))
