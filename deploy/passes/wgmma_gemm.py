@@ -235,7 +235,9 @@ def fits(m: int, n: int, k: int) -> bool:
 def takes(m: int, n: int, k: int) -> bool:
     """`fits`, and the sizes within the int32 the kernel indexes in: a GEMM
     of this shape the kernel takes where its operands and epilogue are
-    ones `plan` takes."""
+    ones `plan` takes. (`plan` asks 16 of the GEMM's rows, which pad_gemm
+    may have padded: M here is the rows before, so this may say no to a
+    GEMM of rows padded later.)"""
     return fits(m, n, k) and max(m * k, m * n, k * n) < 2**31
 
 
@@ -305,7 +307,7 @@ def plan(func, gather: bool = False) -> Plan | None:
     else:
         (m, k), a_dtype = names[a_src]
     b_shape, b_dtype = names[b_src]
-    if not takes(m, gemm.n, k):  # (the kernel indexes in int32)
+    if max(m * k, m * gemm.n, gemm.k * gemm.n) >= 2**31:  # (the kernel indexes in int32; m: the output's rows)
         return None
     b_kn = not gemm.b_transposed
     if (a_dtype, b_dtype) != ("float16", "float16") or k != gemm.k or m > gemm.m or padded not in (None, m):
