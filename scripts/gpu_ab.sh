@@ -30,7 +30,9 @@ for v in "$@"; do
   if [[ "$v" != *:* || ! "$label" =~ ^[A-Za-z0-9_-]+$ ]]; then
     echo "error: variant '$v' is not LABEL:SETTINGS | a label of letters, digits, - and _, then ':'" >&2; exit 2
   fi
-  if [[ " ${labels[*]-} " == *" $label "* ]]; then echo "error: label '$label' given twice | one variant a label" >&2; exit 2; fi
+  if [[ " ${labels[*]-} " == *" $label "* ]]; then
+    echo "error: label '$label' given twice | one variant a label" >&2; exit 2
+  fi
   labels+=("$label")
 done
 source scripts/gpu_env.sh

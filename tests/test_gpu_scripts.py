@@ -212,7 +212,8 @@ def test_with_settings_sets_our_passes_constants_and_refuses_the_rest():
     finally:
         implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE = before
     assert with_settings.apply("") == []
-    for bad, why in [("wgmma_gemm.NOPE=1", "has no NOPE"), ("nope.X=1", "no module"), ("wgmma_gemm.SMS=os.sep", "literal"),
+    for bad, why in [("wgmma_gemm.NOPE=1", "has no NOPE"), ("nope.X=1", "no module"),
+                     ("wgmma_gemm.SMS=os.sep", "literal"),
                      ("wgmma_gemm.SMS", "not module.NAME=value"), ("SMS=1", "not module.NAME=value")]:
         with pytest.raises(ValueError, match=why):
             with_settings.apply(bad)
@@ -236,7 +237,8 @@ def test_ab_builds_each_variant_with_its_settings_then_benches_and_profiles_them
     calls = log.read_text().splitlines()
     assert all(c.startswith("scripts/with_settings.py ") for c in calls)
     runs = [c for c in calls if " run " in c]
-    assert sorted(c.split()[1] for c in runs) == ["implicit_gemm.FEW_CHANNELS=0", "run", "wgmma_gemm.EPILOGUE='registers'"]
+    assert sorted(c.split()[1] for c in runs) == ["implicit_gemm.FEW_CHANNELS=0", "run",
+                                                  "wgmma_gemm.EPILOGUE='registers'"]
     assert all("--buckets 64" in c and "--trials 0" in c for c in runs)
     assert [c.split("--workdir ")[1].split()[0].rsplit("/", 1)[1] for c in calls if " bench " in c] == ["new", "reg"]
     assert len([c for c in calls if " profile " in c]) == 2

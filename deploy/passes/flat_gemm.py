@@ -58,10 +58,10 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
     with `convs`, the convolutions that passes.implicit_gemm takes become
     implicit GEMMs [N*Ho*Wo, O], their epilogues carried in 2-D as well
     (fp32 ones too with `tf32`; with `wgmma` too, those of fewer than 8
-    channels, padded: implicit_gemm.padded_channels); with `conv1x1` (and `gemms=False`), the
-    1x1 convolutions are rewritten as `gemms` does (but those of a 1x1 map:
-    `_conv1x1`), and the strided ones as implicit GEMMs with `convs`, the
-    matmuls as without it."""
+    channels, padded: implicit_gemm.padded_channels); with `conv1x1` (and
+    `gemms=False`), the 1x1 convolutions are rewritten as `gemms` does (but
+    those of a 1x1 map: `_conv1x1`), and the strided ones as implicit GEMMs
+    with `convs`, the matmuls as without it."""
     from ..tvm_compat import relax, tvm
 
     op = relax.op
@@ -172,7 +172,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             a = call.attrs
             x, w = call.args
             o, r, s, c = static_shape(w)
-            if c % implicit_gemm.VECTOR:  # (too few channels: both padded with zeros, the data's fused with its producer)
+            if c % implicit_gemm.VECTOR:  # (too few channels: both padded with zeros, the data's pad fused upstream)
                 pad = [0] * 7 + [implicit_gemm.padded_channels(c) - c]
                 x, w = self.builder_.emit(op.nn.pad(x, pad)), self.builder_.emit(op.nn.pad(w, pad))
                 c = implicit_gemm.padded_channels(c)

@@ -4,27 +4,31 @@ products, as TVMScript text over the template's names.
 
 `wgmma` leaves a thread two adjacent columns of a row in each 8-column
 block, the rows 8 apart: stored as they lie (`registers`, the first
-epilogue), a warp's store writes 16 bytes of each of 8 rows (a 32-byte sector half used), and its 2-byte loads of a
-residual a quarter. Nsight Compute on ResNet-50's first 1x1 convolution as
-a GEMM at batch 64 (an H100, results/h100/2026-12-06/depthwise-b32/): 64%
-of its sectors excessive, 1.5 TB/s, its warps stalled 73% of their cycles
-on those loads. So by default (`staged`),
-as CUTLASS's epilogues do, each warp writes its accumulators (fp32) a chunk
-of columns at a time to shared memory of its own, reads back 8 adjacent
-columns of a row a thread, applies the epilogue there, and stores them in
-16 bytes; a warp's store writes whole rows of the chunk (64 bytes each).
-The epilogue's loads of a [rows, N] parameter (a residual) or of an [N]
-one (a bias) at the thread's row and column become 16-byte loads into
-registers, the rows' issued before the tile's products begin where they
-fit in `PREFETCH_BYTES` a thread (the loads' latency under the products
-and the TMA waits: a warp otherwise waits on them once a chunk), else at
-the chunk's start. On that GEMM with its bias, residual and ReLU, 126 ->
+epilogue), a warp's store writes 16 bytes of each of 8 rows (a 32-byte
+sector half used), and its 2-byte loads of a residual a quarter. Nsight
+Compute on ResNet-50's first 1x1 convolution as a GEMM at batch 64 (an
+H100, results/h100/2026-12-06/depthwise-b32/): 64% of its sectors
+excessive, 1.5 TB/s, its warps stalled 73% of their cycles on those loads.
+So by default (`staged`), as CUTLASS's epilogues do, each warp writes its
+accumulators (fp32) a chunk of columns at a time to shared memory of its
+own, reads back 8 adjacent columns of a row a thread, applies the epilogue
+there, and stores them in 16 bytes; a warp's store writes whole rows of
+the chunk (64 bytes each). The epilogue's loads of a [rows, N] parameter
+(a residual) or of an [N] one (a bias) at the thread's row and column
+become 16-byte loads into registers, the rows' issued before the tile's
+products begin where they fit in `PREFETCH_BYTES` a thread (the loads'
+latency under the products and the TMA waits: a warp otherwise waits on
+them once a chunk), else at the chunk's start. On that GEMM with its bias, residual and ReLU, 126 ->
 87 us (2.65 TB/s), and ResNet-50 b64 3.296 -> 2.843 ms, ViT-S/16 b32
 1.260 -> 1.134 (an H100, untuned: results/h100/2026-12-06/epilogue-staged/).
 
 Shared memory a warp: 16 rows of a chunk of `CHUNK_BLOCKS` 8-column blocks,
 rows `stride` floats apart (32 + 8: the writes, 4 rows of 8 columns each
-half-warp, fall in distinct banks)."""
+half-warp, fall in distinct banks; the reads of two rows a quarter-warp
+conflict two ways, which a swizzle would avoid: not measured). Where the
+tile's 8-column blocks are not a multiple of 4 (tiles of 24, 40, 120
+columns: B [N, K] with N itself as the tile), a chunk is 2 or 1 of them,
+and with 1 half a warp's lanes idle."""
 
 from __future__ import annotations
 
