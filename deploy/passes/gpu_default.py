@@ -41,9 +41,14 @@ A grouped convolution (ResNeXt's 32 groups of 4 to 32 channels) fell to
 `GeneralReduction` the same way: on the H200 at batch 64, 24 ms a call for
 ResNeXt-50's first 3x3 (78 GFLOP/s), 168 ms for the model against
 torch.compile's 3.8 (results/h200/2026-12-06/gathers-row-k/). It gets a
-thread an output too, its group's channels summed with the taps (up to
-MAX_GROUPED_TAPS steps), not the sliding window (whose registers would hold
-every channel of the group for each tap).
+thread GROUPED_OUTPUTS adjacent output channels (`_schedule_grouped`),
+its group's channels summed with the taps (up to MAX_GROUPED_TAPS steps),
+not the sliding window (whose registers would hold every channel of the
+group for each tap). A thread an output, with the weights HWIO, ran it
+at 0.28-0.36 ms a call on an H100 at batch 64, 3-12% of its roofline
+(results/h100/2026-12-06/depthwise-b32/): two loads for each
+multiply-add. Four outputs of a group share each input: 1.25 loads each,
+and the four weights of a tap lie side by side (not yet timed).
 
 It applies to a kernel with exactly one reduction block, whose loops are
 spatial axes then reduction axes, with at most MAX_TAPS reduction steps per
@@ -65,6 +70,8 @@ MAX_GROUPED_TAPS = 288  # a grouped convolution's: ResNeXt-50 32x4d's last stage
 MIN_OUTPUTS = 4096  # below this, too few threads: DLight's reduction rules split the reduction instead
 THREADS = 256
 THREAD_CHOICES = (64, 128, 256, 512, 1024)  # the block sizes tuning chooses among
+GROUPED_OUTPUTS = 4  # a grouped convolution's adjacent output channels a thread computes (1: one)
+GROUPED_CHOICES = (1, 2, 4)  # ... which tuning chooses among (those that divide the channels)
 
 
 class ShortReduction:
@@ -97,7 +104,12 @@ class ShortReduction:
         shape = [static_int(d) for d in block.writes[0].source.shape]
         if consumers and [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
             return None  # a broadcast epilogue: not one output per thread
-        window = None if grouped else _window_read(block, main, n_s, reduce_vars)
+        if grouped:
+            try:
+                return _schedule_grouped(sch, main, producers, consumers, n_s, extents, tunable)
+            except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
+                return None
+        window = _window_read(block, main, n_s, reduce_vars)
         if window is not None:
             try:
                 return _schedule_window(sch, main, producers, consumers, n_s, extents, window, tunable, self.window)
@@ -205,6 +217,60 @@ def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, 
     for loop in sch.get_loops(window)[3:]:  # (below blockIdx, threadIdx and the window's row)
         sch.unroll(loop)
     for loop in [*reduce[1:], wi]:
+        sch.unroll(loop)
+    sch.decompose_reduction(main.block_rv, reduce[0])
+    return sch
+
+
+def _schedule_grouped(sch, main, producers, consumers, n_s, extents, tunable):
+    """ShortReduction on a grouped convolution: each thread computes `vo`
+    adjacent output channels of one pixel (GROUPED_OUTPUTS, or fewer where
+    it does not divide the channels; tuning: a decision among
+    GROUPED_CHOICES), the taps and the group's channels outside its outputs'
+    loop. At each tap and channel the input (the padding computed as it is
+    loaded), the same for the `vo` outputs of a group, is loaded once into a
+    register, and their `vo` weights, side by side in HWIO, in one vector;
+    the sums in registers, the epilogue applied as it writes them."""
+    block = sch.get(main.block_rv)
+    reads = list(block.reads)
+    outputs = {it.var for it in main.iters[:n_s]}
+    x_read = next(i for i, r in enumerate(reads) if len(r.region) == 4 and any(
+        vars_of(d.min) & {it.var for it in main.iters[n_s:]} for d in r.region[1:3]))
+    w_read = next(i for i, r in enumerate(reads) if i != x_read and any(vars_of(d.min) & outputs for d in r.region))
+    side_by_side = bool(vars_of(reads[w_read].region[-1].min) & outputs)  # (HWIO: a tap's outputs adjacent)
+    source = reads[x_read].source
+    padding = next((p for p in producers if sch.get(p.block_rv).writes[0].source.same_as(source)), None)
+    for c in consumers[:-1]:
+        sch.compute_inline(c.block_rv)
+    for p in reversed(producers):  # (all but the padding of the input: computed where read)
+        if p is not padding:
+            sch.compute_inline(p.block_rv)
+    channels = extents[n_s - 1]
+    divisors = [v for v in GROUPED_CHOICES if channels % v == 0]
+    if tunable:
+        vo = _decision(sch, divisors)
+        threads = _decision(sch, THREAD_CHOICES)
+    else:
+        vo = next(v for v in (GROUPED_OUTPUTS, 2, 1) if channels % v == 0)
+        threads = THREADS
+    loops = sch.get_loops(main.block_rv)
+    spatial, reduce = loops[:n_s], loops[n_s:]
+    oo, oi = sch.split(spatial[n_s - 1], factors=[None, vo])
+    sch.reorder(*spatial[:n_s - 1], oo, *reduce, oi)
+    _bind_threads(sch, main, sch.fuse(*spatial[:n_s - 1], oo), threads)
+    if consumers:
+        sch.reverse_compute_inline(consumers[-1].block_rv)
+    weights = sch.cache_read(main.block_rv, w_read, "local")
+    if padding is not None:  # (the padded input, a register at a time)
+        sch.set_scope(padding.block_rv, 0, "local")
+        inputs = padding.block_rv
+    else:
+        inputs = sch.cache_read(main.block_rv, x_read, "local")
+    for cache in (inputs, weights):
+        sch.compute_at(cache, reduce[-1], preserve_unit_loops=True)
+    if side_by_side and (tunable or vo > 1):
+        sch.vectorize(sch.get_loops(weights)[-1])
+    for loop in [*reduce, oi]:
         sch.unroll(loop)
     sch.decompose_reduction(main.block_rv, reduce[0])
     return sch

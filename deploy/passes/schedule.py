@@ -51,10 +51,11 @@ FUSED_ATTENTION = "fused-attention"
 # number. (Before rules had versions the whole chain had one: CUDA 4 is the
 # chain with every rule at 1.)
 # (SHORT_REDUCTION 2: NHWC depthwise convolutions and pools computed a sliding window a thread;
-# 3: grouped convolutions a thread an output, their group's channels in the reduction.
+# 3: grouped convolutions a thread an output, their group's channels in the reduction; 4: a grouped
+# convolution's four adjacent outputs a thread.
 # MMA_GEMM 2: a GEMM whose K is two tiles of 32 takes the default tiles in a 3-stage pipeline, and
 # one whose rows no tile divides has them padded to a multiple of 64 inside the kernel; N = 96 takes 128x96 tiles.)
-RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 3, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
+RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
                  MMA_GEMM: 2}
 
 

@@ -392,22 +392,33 @@ def _grouped_conv(bb, x, channels=4, k=3, stride=1, layout="HWIO"):
 
 
 @pytest.mark.parametrize("channels, stride, n", [(4, 1, 8), (8, 2, 8), (32, 1, 8), (4, 1, 1)])
-def test_a_grouped_convolution_gets_a_thread_an_output_and_builds(sm90, channels, stride, n):
+def test_a_grouped_convolution_gets_four_outputs_a_thread_and_builds(sm90, channels, stride, n):
     """ResNeXt's grouped 3x3 (4 to 32 channels a group; 36 to 288 steps
     of reduction; at batch 1 too, where the image loop is gone): a thread
-    an output, the group's channels summed with the taps, unrolled, the
-    epilogue applied as it writes; DLight gave each
-    output a block of its own. 64 channels a group (576 steps) stay with
-    DLight, as does a dense convolution of as many steps."""
+    four adjacent outputs, the group's channels summed with the taps,
+    unrolled, the epilogue applied as it writes; DLight gave each output a
+    block of its own. At each tap and channel the thread loads the input
+    once (not once an output) and the four weights in one 8-byte load (the
+    PTX nvcc makes of it: 9 x channels of each, and the bias). 64 channels
+    a group (576 steps) stay with DLight, as does a dense convolution of as
+    many steps."""
+    import re
+
+    from tvm.support import nvcc
+
     (func,) = [f for name, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride), sm90,
                                          (n, 28, 28, 128)).items() if "conv2d" in name]
     source, scheduled = _first_source(func, sm90)
     assert source == schedule.SHORT_REDUCTION
     text = scheduled.script()
     outputs = n * (28 // stride) ** 2 * 128
-    assert f'T.thread_binding(T.int64({outputs // 256}), thread="blockIdx.x")' in text
+    assert f'T.thread_binding(T.int64({outputs // 4 // 256}), thread="blockIdx.x")' in text
     assert "T.unroll" in text and "T.max" in text  # (the ReLU, as each thread writes)
-    build_kernel("grouped", scheduled, targets.resolve("cuda:sm_90"))  # compiled for sm_90 (raises if not)
+    src = build_kernel("grouped", scheduled, targets.resolve("cuda:sm_90")).imports[0].inspect_source()
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        ptx = nvcc.compile_cuda(src, target_format="ptx", compiler="nvcc").decode()
+    loads = re.findall(r"ld\.global\.nc\.(v4\.)?u16", ptx)
+    assert loads.count("v4.") == 9 * channels and len(loads) - loads.count("v4.") == 9 * channels + 4
     (wide,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, 64), sm90, (8, 28, 28, 128)).items()
                if "conv2d" in n]
     assert ShortReduction().apply(wide, sm90) is None
@@ -442,6 +453,17 @@ def test_nchw_kernels_are_not_grouped_convolutions(sm90, what):
     assert sch is None or not gpu_default._grouped(*_main_block(func, sm90)), what
 
 
+def test_tuning_chooses_a_grouped_convolutions_outputs_a_thread(sm90):
+    """The grouped schedule's design space: the outputs a thread (1, 2 or
+    4: those dividing the channels) and the block size, decisions."""
+    (func,) = [f for n, f in _kernels(lambda bb, x: _grouped_conv(bb, x, 4), sm90, (8, 14, 14, 128)).items()
+               if "conv2d" in n]
+    with sm90:
+        sch = ShortReduction().apply(func, sm90, tunable=True)
+    decisions = [inst for inst in sch.trace.insts if inst.kind.name == "SampleCategorical"]
+    assert [sorted(int(c) for c in d.attrs[0]) for d in decisions] == [[1, 2, 4], [64, 128, 256, 512, 1024]]
+
+
 def _main_block(func, target):
     """`gpu_default._grouped`'s arguments for `func`'s reduction block."""
     from deploy.passes.kernel_shape import reduction_loops, rule_kernel
@@ -450,14 +472,17 @@ def _main_block(func, target):
     return sch.get(main.block_rv), main, n_s, {v for v, _ in reduction_loops(main, n_s, extents)}
 
 
-@pytest.mark.parametrize("channels, stride, layout, n", [(4, 1, "HWIO", 2), (32, 2, "HWIO", 2), (4, 1, "OHWI", 2),
-                                                        (8, 1, "HWIO", 1)])
-def test_the_grouped_schedule_computes_it_in_emulation(sm90, channels, stride, layout, n):
+@pytest.mark.parametrize("channels, stride, layout, n, per_thread", [
+    (4, 1, "HWIO", 2, 4), (32, 2, "HWIO", 2, 4), (4, 1, "OHWI", 2, 4), (8, 1, "HWIO", 1, 4), (8, 1, "HWIO", 2, 2),
+    (4, 1, "HWIO", 2, 1)])
+def test_the_grouped_schedule_computes_it_in_emulation(sm90, channels, stride, layout, n, per_thread, monkeypatch):
     """Its CUDA run in tests/cuda_emu.py against the kernel unscheduled,
     lowered for the CPU (the weight as the optimize stage leaves it, and
-    OHWI)."""
+    OHWI, whose four weights of a tap are not side by side: no vector); four
+    outputs a thread, two, one."""
     from .. import emulation
 
+    monkeypatch.setattr(gpu_default, "GROUPED_OUTPUTS", per_thread)
     (func,) = [f for name, f in _kernels(lambda bb, x: _grouped_conv(bb, x, channels, stride=stride, layout=layout),
                                          sm90, (n, 8, 8, 128)).items() if "conv2d" in name]
     args, want = _reference(func)
