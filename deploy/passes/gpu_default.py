@@ -186,21 +186,11 @@ def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, 
     computed as they are loaded), then accumulates every tap of every output
     from them: ConvNeXt's 7x7 convolution loads 17.5 inputs an output at
     vw=4 instead of 49. Channels stay across a warp (coalesced)."""
-    source = sch.get(main.block_rv).reads[read_index].source
-    padding = next((p for p in producers if sch.get(p.block_rv).writes[0].source.same_as(source)), None)
-    for c in consumers[:-1]:
-        sch.compute_inline(c.block_rv)
-    for p in reversed(producers):  # (all but the one that writes the windowed input: computed where read)
-        if p is not padding:
-            sch.compute_inline(p.block_rv)
+    padding = _inline_but_padding(sch, producers, consumers, sch.get(main.block_rv).reads[read_index].source)
     width = extents[n_s - 2]
     divisors = [v for v in WINDOW_CHOICES if width % v == 0]
-    if tunable:
-        vw = _decision(sch, divisors)
-        threads = _decision(sch, THREAD_CHOICES)
-    else:
-        vw = fixed if fixed is not None and width % fixed == 0 else next((v for v in WINDOW_DEFAULT if width % v == 0), 1)
-        threads = THREADS
+    vw, threads = _sizes(sch, tunable, divisors, fixed if fixed is not None and width % fixed == 0
+                         else next((v for v in WINDOW_DEFAULT if width % v == 0), 1))
     loops = sch.get_loops(main.block_rv)
     spatial, reduce = loops[:n_s], loops[n_s:]
     wo, wi = sch.split(spatial[n_s - 2], factors=[None, vw])
@@ -238,21 +228,10 @@ def _schedule_grouped(sch, main, producers, consumers, n_s, extents, tunable):
         vars_of(d.min) & {it.var for it in main.iters[n_s:]} for d in r.region[1:3]))
     w_read = next(i for i, r in enumerate(reads) if i != x_read and any(vars_of(d.min) & outputs for d in r.region))
     side_by_side = bool(vars_of(reads[w_read].region[-1].min) & outputs)  # (HWIO: a tap's outputs adjacent)
-    source = reads[x_read].source
-    padding = next((p for p in producers if sch.get(p.block_rv).writes[0].source.same_as(source)), None)
-    for c in consumers[:-1]:
-        sch.compute_inline(c.block_rv)
-    for p in reversed(producers):  # (all but the padding of the input: computed where read)
-        if p is not padding:
-            sch.compute_inline(p.block_rv)
+    padding = _inline_but_padding(sch, producers, consumers, reads[x_read].source)
     channels = extents[n_s - 1]
     divisors = [v for v in GROUPED_CHOICES if channels % v == 0]
-    if tunable:
-        vo = _decision(sch, divisors)
-        threads = _decision(sch, THREAD_CHOICES)
-    else:
-        vo = next(v for v in (GROUPED_OUTPUTS, 2, 1) if channels % v == 0)
-        threads = THREADS
+    vo, threads = _sizes(sch, tunable, divisors, next(v for v in (GROUPED_OUTPUTS, 2, 1) if channels % v == 0))
     loops = sch.get_loops(main.block_rv)
     spatial, reduce = loops[:n_s], loops[n_s:]
     oo, oi = sch.split(spatial[n_s - 1], factors=[None, vo])
@@ -274,6 +253,20 @@ def _schedule_grouped(sch, main, producers, consumers, n_s, extents, tunable):
         sch.unroll(loop)
     sch.decompose_reduction(main.block_rv, reduce[0])
     return sch
+
+
+def _inline_but_padding(sch, producers, consumers, source):
+    """Every consumer but the last and every producer but the one that
+    writes `source` (the padding of the input a schedule loads into
+    registers itself) inlined: computed where they are read. Returns that
+    producer, or None."""
+    padding = next((p for p in producers if sch.get(p.block_rv).writes[0].source.same_as(source)), None)
+    for c in consumers[:-1]:
+        sch.compute_inline(c.block_rv)
+    for p in reversed(producers):
+        if p is not padding:
+            sch.compute_inline(p.block_rv)
+    return padding
 
 
 def _inline_around(sch, producers, consumers) -> None:
@@ -303,6 +296,14 @@ def _bind_threads(sch, main, fused, threads) -> None:
     sch.bind(tx, "threadIdx.x")
     writeback = sch.cache_write(main.block_rv, 0, "local")
     sch.reverse_compute_at(writeback, tx, preserve_unit_loops=True)
+
+
+def _sizes(sch, tunable, divisors, default):
+    """(what a thread computes, the block size): tuning's decisions among
+    `divisors` and THREAD_CHOICES, else `default` and THREADS."""
+    if tunable:
+        return _decision(sch, divisors), _decision(sch, THREAD_CHOICES)
+    return default, THREADS
 
 
 def _decision(sch, candidates):
