@@ -224,8 +224,9 @@ def _schedule_grouped(sch, main, producers, consumers, n_s, extents, tunable):
     block = sch.get(main.block_rv)
     reads = list(block.reads)
     outputs = {it.var for it in main.iters[:n_s]}
-    x_read = next(i for i, r in enumerate(reads) if len(r.region) == 4 and any(
-        vars_of(d.min) & {it.var for it in main.iters[n_s:]} for d in r.region[1:3]))
+    reduce_vars = {it.var for it in main.iters[n_s:]}
+    x_read = next(i for i, r in enumerate(reads) if len(r.region) == 4  # (the input: its channel the group's)
+                  and vars_of(r.region[-1].min) & reduce_vars and vars_of(r.region[-1].min) & outputs)
     w_read = next(i for i, r in enumerate(reads) if i != x_read and any(vars_of(d.min) & outputs for d in r.region))
     side_by_side = bool(vars_of(reads[w_read].region[-1].min) & outputs)  # (HWIO: a tap's outputs adjacent)
     padding = _inline_but_padding(sch, producers, consumers, reads[x_read].source)
