@@ -90,7 +90,8 @@ class ShortReduction:
         if len(block.writes) != 1:
             return None
         reduce_vars = {v for v, _ in reduction_loops(main, n_s, extents)}
-        grouped = _grouped(block, main, n_s, reduce_vars)
+        grouped_read = _grouped_read(block, main, n_s, reduce_vars)
+        grouped = grouped_read is not None
         if math.prod(extents[n_s:]) > (MAX_GROUPED_TAPS if grouped else MAX_TAPS) \
                 or math.prod(extents[:n_s]) < MIN_OUTPUTS:
             return None
@@ -106,7 +107,7 @@ class ShortReduction:
             return None  # a broadcast epilogue: not one output per thread
         if grouped:
             try:
-                return _schedule_grouped(sch, main, producers, consumers, n_s, extents, tunable)
+                return _schedule_grouped(sch, main, producers, consumers, n_s, extents, grouped_read, tunable)
             except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
                 return None
         window = _window_read(block, main, n_s, reduce_vars)
@@ -142,12 +143,12 @@ WINDOW_CHOICES = (1, 2, 4, 7, 8)
 WINDOW_DEFAULT = (4, 7, 2)  # the default: the first of these that divides the axis, else 1
 
 
-def _grouped(block, main, n_s: int, reduce_vars: set) -> bool:
-    """Whether the main block reads a 4-D buffer (NHWC) with reduction
-    variables along a spatial axis and along its channels, these together
-    with an output variable that another read holds too (the output
-    channel, which the weight carries: the group's first channel): a
-    grouped convolution. (A depthwise one sums no channel; a dense one's
+def _grouped_read(block, main, n_s: int, reduce_vars: set) -> int | None:
+    """The index of the main block's read of a 4-D buffer (NHWC) with
+    reduction variables along a spatial axis and along its channels, these
+    together with an output variable that another read holds too (the
+    output channel, which the weight carries: the group's first channel):
+    a grouped convolution's input; else None. (A depthwise one sums no channel; a dense one's
     channel is the reduction's alone; in NCHW the last axis is W, whose
     output variable no weight holds, and a pool has no weight. At batch 1
     the image loop is gone: three spatial loops, the read still 4-D.)"""
@@ -157,10 +158,9 @@ def _grouped(block, main, n_s: int, reduce_vars: set) -> bool:
     def held_elsewhere(i) -> set:
         return set().union(*(vars_of(d.min) for j, w in enumerate(reads) if j != i for d in w.region))
 
-    return any(
-        len(r.region) == 4 and vars_of(r.region[-1].min) & reduce_vars
-        and vars_of(r.region[-1].min) & outputs & held_elsewhere(i)
-        and any(vars_of(d.min) & reduce_vars for d in r.region[1:3]) for i, r in enumerate(reads))
+    return next((i for i, r in enumerate(reads) if len(r.region) == 4 and vars_of(r.region[-1].min) & reduce_vars
+                 and vars_of(r.region[-1].min) & outputs & held_elsewhere(i)
+                 and any(vars_of(d.min) & reduce_vars for d in r.region[1:3])), None)
 
 
 def _window_read(block, main, n_s: int, reduce_vars: set) -> int | None:
@@ -186,7 +186,7 @@ def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, 
     computed as they are loaded), then accumulates every tap of every output
     from them: ConvNeXt's 7x7 convolution loads 17.5 inputs an output at
     vw=4 instead of 49. Channels stay across a warp (coalesced)."""
-    padding = _inline_but_padding(sch, producers, consumers, sch.get(main.block_rv).reads[read_index].source)
+    padding = _inline_around(sch, producers, consumers, keep=sch.get(main.block_rv).reads[read_index].source)
     width = extents[n_s - 2]
     divisors = [v for v in WINDOW_CHOICES if width % v == 0]
     vw, threads = _sizes(sch, tunable, divisors, fixed if fixed is not None and width % fixed == 0
@@ -212,7 +212,7 @@ def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, 
     return sch
 
 
-def _schedule_grouped(sch, main, producers, consumers, n_s, extents, tunable):
+def _schedule_grouped(sch, main, producers, consumers, n_s, extents, x_read, tunable):
     """ShortReduction on a grouped convolution: each thread computes `vo`
     adjacent output channels of one pixel (GROUPED_OUTPUTS, or fewer where
     it does not divide the channels; tuning: a decision among
@@ -220,16 +220,13 @@ def _schedule_grouped(sch, main, producers, consumers, n_s, extents, tunable):
     loop. At each tap and channel the input (the padding computed as it is
     loaded), the same for the `vo` outputs of a group, is loaded once into a
     register, and their `vo` weights, side by side in HWIO, in one vector;
-    the sums in registers, the epilogue applied as it writes them."""
-    block = sch.get(main.block_rv)
-    reads = list(block.reads)
+    the sums in registers, the epilogue applied as it writes them. `x_read`:
+    the index of the input's read (`_grouped_read`)."""
+    reads = list(sch.get(main.block_rv).reads)
     outputs = {it.var for it in main.iters[:n_s]}
-    reduce_vars = {it.var for it in main.iters[n_s:]}
-    x_read = next(i for i, r in enumerate(reads) if len(r.region) == 4  # (the input: its channel the group's)
-                  and vars_of(r.region[-1].min) & reduce_vars and vars_of(r.region[-1].min) & outputs)
     w_read = next(i for i, r in enumerate(reads) if i != x_read and any(vars_of(d.min) & outputs for d in r.region))
     side_by_side = bool(vars_of(reads[w_read].region[-1].min) & outputs)  # (HWIO: a tap's outputs adjacent)
-    padding = _inline_but_padding(sch, producers, consumers, reads[x_read].source)
+    padding = _inline_around(sch, producers, consumers, keep=reads[x_read].source)
     channels = extents[n_s - 1]
     divisors = [v for v in GROUPED_CHOICES if channels % v == 0]
     vo, threads = _sizes(sch, tunable, divisors, next(v for v in (GROUPED_OUTPUTS, 2, 1) if channels % v == 0))
@@ -256,27 +253,19 @@ def _schedule_grouped(sch, main, producers, consumers, n_s, extents, tunable):
     return sch
 
 
-def _inline_but_padding(sch, producers, consumers, source):
-    """Every consumer but the last and every producer but the one that
-    writes `source` (the padding of the input a schedule loads into
-    registers itself) inlined: computed where they are read. Returns that
-    producer, or None."""
-    padding = next((p for p in producers if sch.get(p.block_rv).writes[0].source.same_as(source)), None)
-    for c in consumers[:-1]:
-        sch.compute_inline(c.block_rv)
-    for p in reversed(producers):
-        if p is not padding:
-            sch.compute_inline(p.block_rv)
-    return padding
-
-
-def _inline_around(sch, producers, consumers) -> None:
+def _inline_around(sch, producers, consumers, keep=None):
     """The reduction's producers (padding) and every consumer but the last
-    inlined: computed where they are read."""
+    inlined: computed where they are read; but the producer that writes
+    `keep` (a buffer: the padding of the input a schedule loads into
+    registers itself), which is returned (None where there is none)."""
+    kept = next((p for p in producers if keep is not None and sch.get(p.block_rv).writes[0].source.same_as(keep)),
+                None)
     for p in reversed(producers):
-        sch.compute_inline(p.block_rv)
+        if p is not kept:
+            sch.compute_inline(p.block_rv)
     for c in consumers[:-1]:
         sch.compute_inline(c.block_rv)
+    return kept
 
 
 def _thread_per_output(sch, main, n_s: int, threads) -> list:

@@ -450,7 +450,7 @@ def test_nchw_kernels_are_not_grouped_convolutions(sm90, what):
     (func,) = [f for n, f in _kernels(make, sm90, (8, 16, 28, 28)).items() if "conv" in n or "pool" in n]
     with sm90:
         sch = ShortReduction().apply(func, sm90, tunable=True)
-    assert sch is None or not gpu_default._grouped(*_main_block(func, sm90)), what
+    assert sch is None or gpu_default._grouped_read(*_main_block(func, sm90)) is None, what
 
 
 def test_tuning_chooses_a_grouped_convolutions_outputs_a_thread(sm90):
@@ -465,7 +465,7 @@ def test_tuning_chooses_a_grouped_convolutions_outputs_a_thread(sm90):
 
 
 def _main_block(func, target):
-    """`gpu_default._grouped`'s arguments for `func`'s reduction block."""
+    """`gpu_default._grouped_read`'s arguments for `func`'s reduction block."""
     from deploy.passes.kernel_shape import reduction_loops, rule_kernel
 
     sch, (main, _, _, n_s, extents) = rule_kernel(func, target, "cuda")
