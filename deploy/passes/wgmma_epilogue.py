@@ -33,13 +33,17 @@ and with 1 half a warp's lanes idle."""
 from __future__ import annotations
 
 import re
+import string
 import textwrap
 
 CHUNK_BLOCKS = 4  # 8-column blocks a warp stages at a time (32 columns: 64 bytes of an fp16 row)
 PREFETCH_BYTES = 128  # the rows' loads a thread issues before the products (32 registers)
 WARPS = 8  # the two consumer warpgroups' warps
+_ZERO = frozenset({"0", "T.int64(0)", "T.int32(0)"})  # a leading index a vector load may have
 
-# The first epilogue: each thread's accumulators as they lie, two adjacent columns a store
+# The first epilogue: each thread's accumulators as they lie, two adjacent columns a store (its
+# declarations: REGISTERS_DECLS)
+REGISTERS_DECLS = 'wg_pair = T.alloc_local((2,), "$out_dtype")'
 REGISTERS = '''for wg_hi in T.unroll((1 + wg_pp) * (wg_nacc // 4)):  # (h: the 64-row halves a warpgroup computes)
     wg_h = T.meta_var(wg_hi // (wg_nacc // 4))
     wg_i = T.meta_var(wg_hi % (wg_nacc // 4))
@@ -61,7 +65,7 @@ _ROW = ("(wg_tile // wg_grid_n) * wg_bm + (wg_h + wg_g * (1 - wg_pp)) * 64 + (wg
         "+ wg_q // wg_cb")
 _COL = "(wg_tile % wg_grid_n) * wg_bn + (wg_j * wg_cb + wg_q % wg_cb) * 8"
 
-STAGED = '''for wg_hj in T.unroll((1 + wg_pp) * wg_chunks):
+STAGED = string.Template('''for wg_hj in T.unroll((1 + wg_pp) * wg_chunks):
     wg_h = T.meta_var(wg_hj // wg_chunks)
     wg_j = T.meta_var(wg_hj % wg_chunks)
 $chunk_loads
@@ -90,7 +94,7 @@ $chunk_loads
                 for wg_c in T.vectorized($out_vec):
                     $out[wg_row, wg_col + wg_u * $out_vec + wg_c] = wg_vals[wg_u * $out_vec + wg_c]
     T.cuda.warp_sync()
-'''
+''')
 
 
 class Load:
@@ -110,19 +114,18 @@ def vector_loads(expr: str, params, n: int) -> list[Load]:
     kernel's `fits`), at [`wg_row`, `wg_colc`] or [`wg_colc`], any leading
     indices 0."""
     shapes = {name: (shape, dtype) for name, shape, dtype in params}
-    loads, seen = [], {}
+    loads, seen = [], set()
     for found in re.finditer(r"\b([A-Za-z_]\w*)\[([^\[\]]*)\]", expr):
         name, index = found.group(1), [t.strip() for t in found.group(2).split(",")]
         if found.group(0) in seen or name not in shapes:
             continue
         shape, dtype = shapes[name]
-        zero = {"0", "T.int64(0)", "T.int32(0)"}
         rows = len(index) >= 2 and index[-2] == "wg_row"
         lead = index[:-2] if rows else index[:-1]
-        if index[-1] != "wg_colc" or not all(t in zero for t in lead) or shape[-1] != n \
+        if index[-1] != "wg_colc" or not all(t in _ZERO for t in lead) or shape[-1] != n \
                 or dtype not in ("float16", "float32") or len(shape) != len(index):
             continue
-        seen[found.group(0)] = True
+        seen.add(found.group(0))
         loads.append(Load(found.group(0), name, index, dtype, f"wg_v{len(loads)}", rows))
     return loads
 
@@ -150,7 +153,7 @@ def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[
     decls = ['wg_stage = T.alloc_shared((8, 16, wg_stride), "float32")',
              'wg_two = T.alloc_local((2,), "float32")', 'wg_f = T.alloc_local((8,), "float32")',
              f'wg_vals = T.alloc_local((8,), "{out_dtype}")']
-    tile, chunk, columns = [], [], []
+    rows, columns = [], []  # (each load's text: those of the thread's rows, those of its columns alone)
     for ld in loads:
         if ld.rows:
             slot = "((wg_h * wg_chunks + wg_j) * wg_passes + wg_p)" if prefetch else "wg_p"
@@ -164,23 +167,21 @@ def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[
         load = (f"for wg_u in T.unroll(8 // {vec}):\n"
                 f"    for wg_c in T.vectorized({vec}):\n"
                 f"        {ld.local}[{slot} * 8 + wg_u * {vec} + wg_c] = {ld.name}[{index}]\n")
-        if ld.rows:
-            guarded = (f"for wg_p in T.unroll(wg_passes):\n    wg_q = T.meta_var(wg_p * 32 + wg_tx % 32)\n"
-                       f"    wg_row = T.meta_var({_ROW})\n    wg_col = T.meta_var({_COL})\n"
-                       f"    if T.And(wg_q < 16 * wg_cb, {in_bounds}):\n" + textwrap.indent(load, " " * 8))
-            if prefetch:  # (every chunk of the tile's halves, before the products)
-                tile.append("for wg_h in T.unroll(1 + wg_pp):\n    for wg_j in T.unroll(wg_chunks):\n"
-                            + textwrap.indent(guarded, " " * 8))
-            else:
-                chunk.append(guarded)
+        (rows if ld.rows else columns).append(load)
+    tile = chunk = ""
+    if rows:  # (every pass's rows, each in bounds)
+        guarded = (f"for wg_p in T.unroll(wg_passes):\n    wg_q = T.meta_var(wg_p * 32 + wg_tx % 32)\n"
+                   f"    wg_row = T.meta_var({_ROW})\n    wg_col = T.meta_var({_COL})\n"
+                   f"    if T.And(wg_q < 16 * wg_cb, {in_bounds}):\n" + textwrap.indent("".join(rows), " " * 8))
+        if prefetch:  # (every chunk of the tile's halves, before the products)
+            tile = "for wg_h in T.unroll(1 + wg_pp):\n    for wg_j in T.unroll(wg_chunks):\n" + textwrap.indent(
+                guarded, " " * 8)
         else:
-            columns.append(load)
+            chunk = guarded
     if columns:  # (the first pass's columns are every pass's)
         col = _COL.replace("wg_q", "(wg_tx % 32)")
-        chunk.append(f"wg_col0 = T.meta_var({col})\nif wg_col0 < wg_n:\n" + textwrap.indent("".join(columns), " " * 4))
-    text = STAGED.replace("$chunk_loads", textwrap.indent("".join(chunk), " " * 4).rstrip("\n")) \
-        .replace("$row", _ROW).replace("$col", _COL).replace("$expr", expr) \
-        .replace("$out_vec", str(16 // _bytes(out_dtype))).replace("$out_dtype", out_dtype) \
-        .replace("$in_bounds", in_bounds).replace("$out", p.out)
+        chunk += f"wg_col0 = T.meta_var({col})\nif wg_col0 < wg_n:\n" + textwrap.indent("".join(columns), " " * 4)
+    text = STAGED.substitute(chunk_loads=textwrap.indent(chunk, " " * 4).rstrip("\n"), row=_ROW, col=_COL, expr=expr,
+                             out_vec=16 // _bytes(out_dtype), out_dtype=out_dtype, in_bounds=in_bounds, out=p.out)
     consts = {"wg_cb": cb, "wg_chunks": chunks, "wg_passes": passes, "wg_stride": stride}
-    return text, "".join(tile), "\n".join(decls), consts, WARPS * 16 * stride * 4
+    return text, tile, "\n".join(decls), consts, WARPS * 16 * stride * 4

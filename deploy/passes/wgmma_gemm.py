@@ -102,7 +102,6 @@ $a_map
     wg_empty = T.alloc_shared((wg_stages,), "uint64")
     wg_turn = T.alloc_shared((2,), "uint64")
     wg_acc = T.alloc_local((wg_nacc * (1 + wg_pp),), "float32")
-    wg_pair = T.alloc_local((2,), "$out_dtype")
 $decls
     wg_desc_a: T.uint64
     wg_desc_b: T.uint64
@@ -238,7 +237,12 @@ def takes(m: int, n: int, k: int) -> bool:
     ones `plan` takes. (`plan` asks 16 of the GEMM's rows, which pad_gemm
     may have padded: M here is the rows before, so this may say no to a
     GEMM of rows padded later.)"""
-    return fits(m, n, k) and max(m * k, m * n, k * n) < 2**31
+    return fits(m, n, k) and _int32(m, n, k)
+
+
+def _int32(m: int, n: int, k: int) -> bool:
+    """Whether A, B and the output of an M x N x K GEMM index in int32 (as the kernel does)."""
+    return max(m * k, m * n, k * n) < 2**31
 
 
 def tile_columns(n: int, b_kn: bool, most: int = 256) -> int:
@@ -307,7 +311,7 @@ def plan(func, gather: bool = False) -> Plan | None:
     else:
         (m, k), a_dtype = names[a_src]
     b_shape, b_dtype = names[b_src]
-    if max(m * k, m * gemm.n, gemm.k * gemm.n) >= 2**31:  # (the kernel indexes in int32; m: the output's rows)
+    if not _int32(m, gemm.n, gemm.k):  # (m: the output's rows)
         return None
     b_kn = not gemm.b_transposed
     if (a_dtype, b_dtype) != ("float16", "float16") or k != gemm.k or m > gemm.m or padded not in (None, m):
@@ -379,7 +383,7 @@ def kernel(p: Plan, stages: int | None = None, sms: int | None = None, bn: int |
     if epilogue == "staged":
         epi, prefetch, decls, epi_consts, staging = wgmma_epilogue.staged(p, bn, bool(pingpong), out_dtype, in_bounds)
     else:
-        epi, prefetch, decls, epi_consts, staging = wgmma_epilogue.REGISTERS, "", "", {}, 0
+        epi, prefetch, decls, epi_consts, staging = wgmma_epilogue.REGISTERS, "", wgmma_epilogue.REGISTERS_DECLS, {}, 0
     if stages * (BM + bn) * BK * 2 + staging > SHARED_MEMORY:
         raise ValueError(f"{stages} stages of 128x{bn} tiles (and the epilogue's {staging // 1024} KB) need "
                          f"{(stages * (BM + bn) * BK * 2 + staging) // 1024} KB of shared memory; a block has "

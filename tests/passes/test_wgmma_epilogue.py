@@ -115,3 +115,26 @@ def test_a_chunk_of_blocks_other_than_1_2_4_or_8_is_refused(monkeypatch):
     monkeypatch.setattr(wgmma_epilogue, "CHUNK_BLOCKS", 3)
     with pytest.raises(ValueError, match="CHUNK_BLOCKS"):
         wgmma_gemm.kernel(wgmma_gemm.plan(_gemm(400, 96, 64, "bias")))
+
+
+def test_two_residuals_are_loaded_in_one_pass_before_the_products():
+    """Two [rows, N] parameters (64 columns: 64 bytes of each a thread, so
+    both prefetched): one loop over the thread's rows loads both, before
+    the first wgmma; the kernel parses, lowers and compiles."""
+    from tvm import te
+
+    m, n, k = 256, 64, 64
+    a = te.placeholder((m, k), "float16", name="a")
+    w = te.placeholder((k, n), "float16", name="w")
+    r1 = te.placeholder((m, n), "float16", name="r1")
+    r2 = te.placeholder((m, n), "float16", name="r2")
+    r = te.reduce_axis((0, k), "r")
+    c = te.compute((m, n), lambda i, j: te.sum(a[i, r].astype("float32") * w[r, j].astype("float32"), axis=r),
+                   name="c")
+    out = te.compute((m, n), lambda i, j: c[i, j].astype("float16") + r1[i, j] * r2[i, j], name="out")
+    func = te.create_prim_func([a, w, r1, r2, out])
+    text = wgmma_gemm.kernel(wgmma_gemm.plan(func)).script()
+    assert text.count("for wg_p in T.unroll(2)") == 2  # (the prefetch's rows, once for both; the epilogue's)
+    _, kernel = _source(func)
+    loads = [m.start() for m in re.finditer(r"= \*\(uint4\*\)\(r[12]_ptr", kernel)]
+    assert len(loads) == 2 * 2 * 2 and max(loads) < kernel.index("mma_async_sync_aligned_m64n")
