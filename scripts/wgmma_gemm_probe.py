@@ -234,17 +234,14 @@ def make_gemm_ws(m: int, n: int, k: int, bn: int = 128, stages: int = 4, epilogu
         res = te.placeholder((m, n), "float16", name="R")
         out = te.compute((m, n), lambda i, j: te.max(c[i, j].astype("float16") + bias[j] + res[i, j],
                                                      tirx.const(0, "float16")), name="D")
-        plan = wgmma_gemm.plan(te.create_prim_func([a, b, bias, res, out]))
-        if plan is None:
-            raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M a multiple of 16, N and K of 8)")
-        return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn, in_flight=in_flight, pingpong=pingpong,
-                                 epilogue=store).with_attr("global_symbol", "main")
-    h = te.compute((m, n), lambda i, j: c[i, j] + bias[j].astype("float32"), name="H")
-    if epilogue == "gelu":
-        h = te.compute((m, n), lambda i, j: tirx.const(0.5, "float32") * h[i, j] * (
-            tirx.const(1, "float32") + te.erf(h[i, j] * tirx.const(0.7071067811865476, "float32"))), name="G")
-    out = te.compute((m, n), lambda i, j: h[i, j].astype("float16"), name="D")
-    plan = wgmma_gemm.plan(te.create_prim_func([a, b, bias, out]))
+        tensors = [a, b, bias, res, out]
+    else:
+        h = te.compute((m, n), lambda i, j: c[i, j] + bias[j].astype("float32"), name="H")
+        if epilogue == "gelu":
+            h = te.compute((m, n), lambda i, j: tirx.const(0.5, "float32") * h[i, j] * (
+                tirx.const(1, "float32") + te.erf(h[i, j] * tirx.const(0.7071067811865476, "float32"))), name="G")
+        tensors = [a, b, bias, te.compute((m, n), lambda i, j: h[i, j].astype("float16"), name="D")]
+    plan = wgmma_gemm.plan(te.create_prim_func(tensors))
     if plan is None:
         raise ValueError(f"{m}x{n}x{k}: not a GEMM the pass takes (M a multiple of 16, N and K of 8)")
     return wgmma_gemm.kernel(plan, stages=stages, sms=sms, bn=bn, in_flight=in_flight,
