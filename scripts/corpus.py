@@ -259,6 +259,10 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     names = [n.strip() for n in args.models.split(",") if n.strip()] or models.names()
+    unknown = [n for n in names if n not in models.names()]
+    if unknown:
+        print(f"error: unknown model '{unknown[0]}' | known: {', '.join(models.names())}", file=sys.stderr)
+        return 2
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()] or \
         (["fp16"] if target.kind == "cuda" else ["fp32"])
     out = Path(args.out)

@@ -138,8 +138,9 @@ def test_a_resumed_run_with_other_settings_is_refused_in_one_line(tmp_path, caps
     (out / "corpus.json").write_text(json.dumps({**saved, "target": f"llvm {arch}", "results": [row]}))
     assert corpus.main(["--target", "llvm", "--size", "small", "--models", "tiny_mlp", "--out", str(out)]) == 0
     before = (out / "corpus.json").read_text()
-    for batch, why in (("32", "batch 32"), ("0", "not a batch")):
-        assert corpus.main(["--target", "llvm", "--size", "small", "--models", "tiny_mlp", "--batch", batch,
+    for batch, model, why in (("32", "tiny_mlp", "batch 32"), ("0", "tiny_mlp", "not a batch"),
+                              ("1", "tiny_mlp,swin", "unknown model 'swin'")):
+        assert corpus.main(["--target", "llvm", "--size", "small", "--models", model, "--batch", batch,
                             "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and why in err and (out / "corpus.json").read_text() == before
