@@ -37,6 +37,7 @@ FEW_OUTPUTS = "few-outputs"  # DLight's GeneralReduction for contractions with f
 BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excitation "excite" kernels (passes/gpu_default.py)
 SHORT_ROWS = "short-rows"  # our CUDA schedule of normalizations over short rows, a warp a row (passes/gpu_rows.py)
 MMA_GEMM = "mma-gemm"  # our CUDA mma.sync GEMM in a default configuration (passes/mma_gemm.py)
+SHORT_INNER = "short-inner-axis"  # our CUDA schedule of transposes into a short last axis (passes/gpu_movement.py)
 # Our schedule of the fused attention kernels (passes/attention_schedule.py):
 # not a rule of the chain but tried first on those kernels alone (they are
 # never tuned), the chain behind it. So the chain, which the kernel check
@@ -56,7 +57,7 @@ FUSED_ATTENTION = "fused-attention"
 # MMA_GEMM 2: a GEMM whose K is two tiles of 32 takes the default tiles in a 3-stage pipeline, and
 # one whose rows no tile divides has them padded to a multiple of 64 inside the kernel; N = 96 takes 128x96 tiles.)
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
-                 MMA_GEMM: 2}
+                 MMA_GEMM: 2, SHORT_INNER: 1}
 
 
 @dataclasses.dataclass
@@ -84,8 +85,8 @@ class UnbuildableKernelError(Exception):
 # before DLight's reduction rules: they give a depthwise convolution one thread
 # block per output. Our ShortRows just before DLight's GeneralReduction: it
 # gives a normalization over short rows a warp a row, where GeneralReduction
-# gives each row a block of 256 threads. Our BroadcastEpilogue just before Fallback: it takes only
-# kernels the rest leave to it (gpu_default.py). CPU: DLight's GEMV rule is
+# gives each row a block of 256 threads. Our BroadcastEpilogue and ShortInnerAxis just before Fallback:
+# they take only kernels the rest leave to it (gpu_default.py, gpu_movement.py). CPU: DLight's GEMV rule is
 # left out: its schedule of a squeeze-excitation kernel (1x1 convolution to
 # 1152 channels, sigmoid, broadcast multiply) does not finish compiling
 # (EfficientNet-B0's build took 19 minutes; see passes/cpu_default.py), and a
@@ -93,7 +94,7 @@ class UnbuildableKernelError(Exception):
 # takes the GEMV-shaped kernels.
 CHAINS = {
     "cuda": [FEW_OUTPUTS, MMA_GEMM, "dlight.Matmul", "dlight.GEMV", SHORT_REDUCTION, "dlight.Reduction", SHORT_ROWS,
-             "dlight.GeneralReduction", BROADCAST_EPILOGUE, "dlight.Fallback"],
+             "dlight.GeneralReduction", BROADCAST_EPILOGUE, SHORT_INNER, "dlight.Fallback"],
     "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
 }
 
@@ -107,6 +108,7 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
 
     if _chain_kind(target_kind) == "cuda":
         from .gpu_default import BroadcastEpilogue, FewOutputs, ShortReduction
+        from .gpu_movement import ShortInnerAxis
         from .gpu_rows import ShortRows
         from .mma_gemm import Default as MmaGemm
 
@@ -114,7 +116,7 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
         make = {FEW_OUTPUTS: FewOutputs, MMA_GEMM: MmaGemm, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
                 SHORT_REDUCTION: ShortReduction, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
                 "dlight.GeneralReduction": g.GeneralReduction, BROADCAST_EPILOGUE: BroadcastEpilogue,
-                "dlight.Fallback": g.Fallback}
+                SHORT_INNER: ShortInnerAxis, "dlight.Fallback": g.Fallback}
     else:
         from .cpu_default import ContractionTiling, InjectiveParallel
 

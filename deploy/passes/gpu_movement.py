@@ -1,0 +1,116 @@
+"""A default CUDA schedule of ours for transposes into a short innermost axis
+(`ShortInnerAxis`): an image's NCHW input made NHWC, its 3 channels padded to
+8 for the stem's implicit GEMM (passes/implicit_gemm.py), cast to fp16 on the
+way.
+
+Why our own: nothing but DLight's `Fallback` takes such a kernel, and
+Fallback gives each output element a thread, the output's last axis the
+fastest: eight threads a pixel, each storing 2 bytes and reading its channel
+from a plane of its own. ResNet-50 at batch 64 spent 0.117 ms a call on it on
+an H100 (23% of its memory roofline), 4% of its kernel time
+(results/h100/2026-12-06/untimed-changes/resnet50-b64/ab-new-profile.log).
+
+Ours gives each thread a row of the output's last axis (a pixel's channels):
+the other axes fused and split over blocks of up to 256 threads, the row
+computed into registers (its loop unrolled, so a padding's condition folds
+and only the real channels are loaded: neighbouring threads read neighbouring
+pixels of each plane, coalesced) and stored at once, a vector store where the
+row is 4, 8 or 16 bytes and the block size divides the rows (else element by
+element).
+
+It applies to a kernel without a reduction that is one block once its
+producers and consumers are inlined, writing one buffer whose last axis has
+2 to 16 elements of at most 16 bytes in all, where some read's last index
+follows the axis before that one and not that one (a transpose into it,
+read coalesced by neighbouring threads; elsewhere Fallback's order is as
+good). `tunable` is ignored: tuning has no design space of
+it (MetaSchedule's own spaces apply). It is last in the CUDA chain before
+Fallback (passes/schedule.py): it changes only kernels left to Fallback.
+"""
+
+from __future__ import annotations
+
+import math
+
+THREAD_CHOICES = (256, 128, 64, 32)  # threads a block: the first that divides the rows, else the first
+MAX_ROW_BYTES = 16  # a row at most one 16-byte store
+VECTOR_BYTES = (4, 8, 16)  # rows stored as one vector; others element by element
+VECTOR_DTYPES = ("float16", "bfloat16", "float32", "int32")  # (CUDA's codegen prints no bool or int64 vectors)
+
+
+def _row(block) -> tuple[int, int, bool] | None:
+    """(elements, bytes, vector) of the written buffer's last axis where the
+    block writes it element for element in its iterators' order (so its last
+    loop walks that axis), vector where one vector store can write it; else
+    None."""
+    from ..tvm_compat import tirx
+    from .kernel_shape import static_int
+
+    (write,) = block.writes
+    ivs = [iv.var for iv in block.iter_vars]
+    # (normalizing drops unit axes from the iterators: their index is 0)
+    indices = [r.min for r, d in zip(write.region, write.source.shape)
+               if not (static_int(d) == 1 and static_int(r.min) == 0)]
+    if len(indices) != len(ivs) or not ivs or any(static_int(r.extent) != 1 for r in write.region):
+        return None
+    if not all(isinstance(i, tirx.Var) and i.same_as(v) for i, v in zip(indices, ivs)):
+        return None
+    n = static_int(write.source.shape[-1])
+    if n is None or n < 2:
+        return None
+    dtype = str(write.source.dtype)
+    size = n * write.source.dtype.bits // 8
+    return n, size, size in VECTOR_BYTES and n & (n - 1) == 0 and dtype in VECTOR_DTYPES
+
+
+class ShortInnerAxis:
+    """A DLight-style rule (`apply(func, target, tunable)` returns a
+    schedule, or None where it does not apply)."""
+
+    def apply(self, func, target, _tunable=False):
+        from ..tvm_compat import dlight, s_tir, tirx
+        from .kernel_shape import static_int, vars_of
+
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        sch = s_tir.Schedule(func)
+        try:
+            infos = dlight.analysis.normalize_prim_func(sch)
+            infos = dlight.base.try_inline(sch, infos) if infos else None
+        except Exception:  # noqa: BLE001 - not a kernel DLight can normalize
+            return None
+        if not infos or len(infos) != 1 or set(infos[0].dom_kind()) != {"S"}:
+            return None
+        block_rv = infos[0].block_rv
+        block = sch.get(block_rv)
+        if len(block.writes) != 1:
+            return None
+        row = _row(block)
+        if row is None or row[1] > MAX_ROW_BYTES or len(block.iter_vars) < 2:
+            return None
+        # A read transposed into the row: its last index follows the axis
+        # before the row's, which neighbouring threads walk (so they read
+        # neighbouring elements), and not the row's own.
+        last, before = block.iter_vars[-1].var, block.iter_vars[-2].var
+        if not any(r.region and before in vars_of(r.region[-1].min) and last not in vars_of(r.region[-1].min)
+                   for r in block.reads):
+            return None
+        rows = math.prod(static_int(iv.dom.extent) or 0 for iv in block.iter_vars[:-1])  # (0: not static)
+        # The row through registers, stored as one vector, only where the
+        # threads divide the rows: a cache-write stage moved under the
+        # thread loop does not keep the split's predicate, so a partly idle
+        # block would store past the end (tests/passes/test_gpu_movement.py).
+        threads = next((t for t in THREAD_CHOICES if rows and rows % t == 0), None)
+        try:
+            loops = sch.get_loops(block_rv)
+            bx, tx = sch.split(sch.fuse(*loops[:-1]), [None, threads or THREAD_CHOICES[0]])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+            if row[2] and threads:
+                store = sch.cache_write(block_rv, 0, "local")
+                sch.reverse_compute_at(store, tx)
+                sch.vectorize(sch.get_loops(store)[-1])
+            sch.unroll(sch.get_loops(block_rv)[-1])
+        except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
+            return None
+        return sch

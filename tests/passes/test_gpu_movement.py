@@ -1,0 +1,125 @@
+"""Our CUDA schedule of transposes into a short last axis (passes/gpu_movement.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deploy import targets
+from deploy.build import build_kernel
+from deploy.passes import schedule
+from deploy.passes.gpu_movement import ShortInnerAxis
+from deploy.tvm_compat import PassContext, relax, tirx, tvm
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    return targets.resolve("cuda:sm_90").tvm_target()
+
+
+def _kernel(build, target, shape, dtype="float32"):
+    """The one fused PrimFunc of a Relax function of one input built by `build(x)`."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(build(x))
+        bb.emit_func_output(out)
+    with target, PassContext(opt_level=3):
+        mod = relax.transform.LegalizeOps()(bb.get())
+        mod = relax.transform.AnnotateTIROpPattern()(mod)
+        mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(mod))
+    (func,) = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
+    return func
+
+
+def _nhwc(pad=0, dtype="float16"):
+    """An image's NCHW input made NHWC and cast, `pad` channels of zeros
+    after its own (3 + 5: the stem's implicit GEMM's input)."""
+    def build(x):
+        y = relax.op.astype(relax.op.permute_dims(x, [0, 2, 3, 1]), dtype)
+        return relax.op.nn.pad(y, [0, 0, 0, 0, 0, 0, 0, pad]) if pad else y
+    return build
+
+
+def _reference(func, seed=3):
+    from deploy.tvm_compat import ms
+
+    info = ms.arg_info.ArgInfo.from_prim_func(func)
+    args = [np.random.default_rng(seed).standard_normal([int(d) for d in a.shape]).astype(str(a.dtype))
+            for a in info]
+    cpu = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    want = [tvm.runtime.tensor(a) for a in args]
+    cpu["main"](*want)
+    return args, want[-1].numpy()
+
+
+CASES = [  # (what, build, input shape)
+    ("3 channels padded to 8, fp16", _nhwc(5), (2, 3, 10, 12)),  # (240 rows: stored element by element)
+    ("3 channels padded to 8, fp16, a vector a row", _nhwc(5), (1, 3, 16, 16)),  # (256 rows: 16-byte stores)
+    ("3 channels, fp16", _nhwc(), (2, 3, 10, 12)),
+    ("4 channels, fp32", _nhwc(dtype="float32"), (1, 4, 9, 7)),
+]
+
+
+@pytest.mark.parametrize("what, build, shape", CASES, ids=[c[0] for c in CASES])
+def test_a_transpose_into_a_short_last_axis_computes_what_tvms_plain_lowering_does(sm90, what, build, shape):
+    """In emulation (tests/cuda_emu.py): a thread a pixel, every output
+    element written once, the padding zero; odd sizes, so the last block
+    is partly idle."""
+    from .. import emulation
+
+    func = _kernel(build, sm90, shape)
+    args, want = _reference(func)
+    with sm90:
+        sch = ShortInnerAxis().apply(func, sm90)
+    assert sch is not None
+    got, problems = emulation.run(func, sch.mod["main"], sm90, args)
+    assert not problems, problems
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_padded_input_is_read_once_a_channel_and_stored_16_bytes_at_once(sm90):
+    """The CUDA of ResNet's input at batch 2: the 3 real channels loaded (the
+    padding's condition folded by the unrolled row), one 16-byte store a
+    thread, and the rule first in the chain to take the kernel."""
+    from .. import emulation
+
+    func = _kernel(_nhwc(5), sm90, (2, 3, 224, 224))
+    gv = tvm.ir.GlobalVar("main")
+    with sm90:
+        name, sch = next(s for s in schedule._sources(gv, func, None, sm90, "cuda") if not isinstance(s[1], Exception))
+    assert name == schedule.SHORT_INNER
+    src = emulation.source(sch, sm90)
+    body = src[src.index("main_kernel("):]
+    assert body.count("x_ptr[") == 3 and body.count("*(uint4*)(") == 2, body  # (the store: both sides)
+    assert emulation.launch(sch, sm90)[:2] == (2 * 224 * 224 // 256, (256, 1))
+
+
+@pytest.mark.parametrize("what, build, shape", [
+    ("no transpose: NHWC cast", lambda x: relax.op.astype(x, "float16"), (2, 8, 8, 8)),
+    ("a long last axis", _nhwc(), (2, 64, 8, 8)),
+    ("read along another axis", lambda x: relax.op.permute_dims(x, [0, 3, 2, 1]), (2, 4, 6, 8)),
+    ("a reduction", lambda x: relax.op.sum(x, axis=[1]), (2, 3, 8, 8)),
+])
+def test_other_kernels_are_left_to_fallback(sm90, what, build, shape):
+    """Where Fallback's threads already read along the row, the row is long,
+    the transposed read does not follow the axis neighbouring threads walk
+    (NCHW -> NWHC: a thread's row would be strided reads of its own), or the
+    kernel reduces."""
+    func = _kernel(build, sm90, shape)
+    with sm90:
+        assert ShortInnerAxis().apply(func, sm90) is None, what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what, build, shape", CASES, ids=[c[0] for c in CASES])
+def test_gpu_a_transpose_into_a_short_last_axis(sm90, what, build, shape):
+    func = _kernel(build, sm90, shape)
+    args, want = _reference(func)
+    with sm90:
+        sch = ShortInnerAxis().apply(func, sm90)
+    lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
+    got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args]
+    lib["k"](*got)
+    np.testing.assert_array_equal(got[-1].numpy(), want)
