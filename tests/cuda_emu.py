@@ -501,6 +501,14 @@ class Emu:
                     assert n == len(self.sh[name]), (n, len(self.sh[name]))
                 self.scopes[-1][name] = ("ptr", Ptr("shared", name, 0, ty))
                 return
+            if shared:  # a shared array of its own (a kernel whose one shared buffer was not merged)
+                size = TYPES[ty] * n
+                self.sh[name] = np.full(size, 0xFF, np.uint8)
+                self.init[name], self.pending[name] = np.zeros(size, bool), np.zeros(size, np.int32)
+                self.wthr[name], self.rthr[name] = np.full(size, -1, np.int64), np.full(size, -1, np.int64)
+                self.rwarps[name] = np.zeros(size, np.uint64)
+                self.scopes[-1][name] = ("ptr", Ptr("shared", name, 0, ty))
+                return
             if init is not None:
                 v = self.ev(init, m)
                 if isinstance(v, Ptr):  # unsigned int addr = __cvta_generic_to_shared(...)

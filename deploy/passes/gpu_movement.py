@@ -26,6 +26,20 @@ read coalesced by neighbouring threads; elsewhere Fallback's order is as
 good). `tunable` is ignored: tuning has no design space of
 it (MetaSchedule's own spaces apply). It is last in the CUDA chain before
 Fallback (passes/schedule.py): it changes only kernels left to Fallback.
+
+`TiledTranspose`, after it, takes the transposes of longer rows: ShuffleNet's
+channel shuffle made NHWC ((32, 116, 28, 28) -> (32, 28, 28, 116)), UNet's
+NHWC result made NCHW. Fallback's threads walk the output's last axis, so
+each reads an element of a row of its own (2 bytes of each 32-byte sector,
+in fp16). Ours is the classic tiled transpose: a block a tile of TILE x
+TILE, read into shared memory along the input's last axis and written from
+it along the output's (both coalesced), the tile's rows padded by 4 bytes so
+that reading a column is free of bank conflicts. It takes a kernel of one
+injective block writing one buffer in its iterators' order whose last axis
+has TILE elements or more, where some read is a plain transpose: its last
+index is one of the block's iterators, not the last, and none of its
+indices divides (a reshape's division would make the tile's region the
+whole buffer).
 """
 
 from __future__ import annotations
@@ -36,6 +50,9 @@ THREAD_CHOICES = (256, 128, 64, 32)  # threads a block: the first that divides t
 MAX_ROW_BYTES = 16  # a row at most one 16-byte store
 VECTOR_BYTES = (4, 8, 16)  # rows stored as one vector; others element by element
 VECTOR_DTYPES = ("float16", "bfloat16", "float32", "int32")  # (CUDA's codegen prints no bool or int64 vectors)
+TILE = 32  # TiledTranspose's tiles: TILE x TILE elements (fewer along an axis shorter than TILE)
+TILE_THREADS = 256
+MIN_TILE_ROWS = 8  # the transposed axis's extent at least this (a tile TILE x this or more)
 
 
 def _row(block) -> tuple[int, int, bool] | None:
@@ -63,31 +80,41 @@ def _row(block) -> tuple[int, int, bool] | None:
     return n, size, size in VECTOR_BYTES and n & (n - 1) == 0 and dtype in VECTOR_DTYPES
 
 
+def _injective_block(func, target):
+    """(schedule, the block, its row as `_row` reads it) of a CUDA kernel
+    that is one injective block writing one buffer once its producers and
+    consumers are inlined; else None."""
+    from ..tvm_compat import dlight, s_tir, tirx
+
+    if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+        return None
+    sch = s_tir.Schedule(func)
+    try:
+        infos = dlight.analysis.normalize_prim_func(sch)
+        infos = dlight.base.try_inline(sch, infos) if infos else None
+    except Exception:  # noqa: BLE001 - not a kernel DLight can normalize
+        return None
+    if not infos or len(infos) != 1 or set(infos[0].dom_kind()) != {"S"}:
+        return None
+    block = sch.get(infos[0].block_rv)
+    if len(block.writes) != 1 or len(block.iter_vars) < 2:
+        return None
+    row = _row(block)
+    return None if row is None else (sch, infos[0].block_rv, row)
+
+
 class ShortInnerAxis:
     """A DLight-style rule (`apply(func, target, tunable)` returns a
     schedule, or None where it does not apply)."""
 
     def apply(self, func, target, _tunable=False):
-        from ..tvm_compat import dlight, s_tir, tirx
         from .kernel_shape import static_int, vars_of
 
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+        got = _injective_block(func, target)
+        if got is None or got[2][1] > MAX_ROW_BYTES:
             return None
-        sch = s_tir.Schedule(func)
-        try:
-            infos = dlight.analysis.normalize_prim_func(sch)
-            infos = dlight.base.try_inline(sch, infos) if infos else None
-        except Exception:  # noqa: BLE001 - not a kernel DLight can normalize
-            return None
-        if not infos or len(infos) != 1 or set(infos[0].dom_kind()) != {"S"}:
-            return None
-        block_rv = infos[0].block_rv
+        sch, block_rv, row = got
         block = sch.get(block_rv)
-        if len(block.writes) != 1:
-            return None
-        row = _row(block)
-        if row is None or row[1] > MAX_ROW_BYTES or len(block.iter_vars) < 2:
-            return None
         # A read transposed into the row: its last index follows the axis
         # before the row's, which neighbouring threads walk (so they read
         # neighbouring elements), and not the row's own.
@@ -111,6 +138,76 @@ class ShortInnerAxis:
                 sch.reverse_compute_at(store, tx)
                 sch.vectorize(sch.get_loops(store)[-1])
             sch.unroll(sch.get_loops(block_rv)[-1])
+        except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
+            return None
+        return sch
+
+
+def _transposed_read(block) -> tuple[int, int] | None:
+    """(the read's index among the block's reads, the iterator its last
+    index is) of the first plain transposed read: its last index one of
+    the block's iterators but the last, the last iterator in another of
+    its indices (not a broadcast: an embedding's indices), every index a
+    sum of iterators times constants (a reshape's division or a resize's
+    arithmetic would make the tile's region the whole buffer)."""
+    from ..tvm_compat import tirx
+    from .kernel_shape import vars_of
+
+    ivs = [iv.var for iv in block.iter_vars]
+    for at, r in enumerate(block.reads):
+        if not r.region or not isinstance(r.region[-1].min, tirx.Var):
+            continue
+        j = next((k for k, v in enumerate(ivs[:-1]) if v.same_as(r.region[-1].min)), None)
+        if j is not None and any(ivs[-1] in vars_of(x.min) for x in r.region[:-1]) \
+                and all(_affine(x.min) for x in r.region):
+            return at, j
+    return None
+
+
+def _affine(expr) -> bool:
+    from ..tvm_compat import structural_walk, tirx, tvm
+
+    other = []
+    plain = (tirx.Var, tirx.IntImm, tirx.Add, tirx.Sub, tirx.Mul)
+    structural_walk(expr, [(tvm.ir.expr.Expr, lambda n: other.append(n) if not isinstance(n, plain) else None)])
+    return not other
+
+
+class TiledTranspose:
+    """A DLight-style rule (`apply(func, target, tunable)` returns a
+    schedule, or None where it does not apply)."""
+
+    def apply(self, func, target, _tunable=False):
+        from .kernel_shape import static_int
+
+        got = _injective_block(func, target)
+        if got is None or got[2][0] < TILE:
+            return None
+        sch, block_rv, _row_ = got
+        block = sch.get(block_rv)
+        found = _transposed_read(block)
+        if found is None:
+            return None
+        at, j = found
+        extents = [static_int(iv.dom.extent) for iv in block.iter_vars]
+        if extents[j] is None or extents[j] < MIN_TILE_ROWS:
+            return None  # (an axis of 3 colours: tiles of 3 x 32, Fallback's reads as coalesced)
+        dtype = block.reads[at].source.dtype
+        try:
+            loops = sch.get_loops(block_rv)
+            jo, ji = sch.split(loops[j], [None, min(TILE, extents[j])])
+            lo, li = sch.split(loops[-1], [None, TILE])
+            outer = [lp for k, lp in enumerate(loops[:-1]) if k != j]
+            sch.reorder(*outer, jo, lo, ji, li)
+            bx = sch.fuse(*outer, jo, lo)
+            sch.bind(bx, "blockIdx.x")
+            tile = sch.cache_read(block_rv, at, "shared")
+            sch.compute_at(tile, bx)
+            # (the tile's rows a multiple of TILE plus 4 bytes: a column read on distinct banks)
+            sch.storage_align(tile, 0, axis=-2, factor=TILE, offset=max(1, 32 // dtype.bits))
+            for stage_loops in (sch.get_loops(tile)[1:], [ji, li]):  # (the tile's read, then its write)
+                _, tx = sch.split(sch.fuse(*stage_loops), [None, TILE_THREADS])
+                sch.bind(tx, "threadIdx.x")
         except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
             return None
         return sch

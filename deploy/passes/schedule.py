@@ -38,6 +38,7 @@ BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excita
 SHORT_ROWS = "short-rows"  # our CUDA schedule of normalizations over short rows, a warp a row (passes/gpu_rows.py)
 MMA_GEMM = "mma-gemm"  # our CUDA mma.sync GEMM in a default configuration (passes/mma_gemm.py)
 SHORT_INNER = "short-inner-axis"  # our CUDA schedule of transposes into a short last axis (passes/gpu_movement.py)
+TILED_TRANSPOSE = "tiled-transpose"  # our CUDA schedule of other transposes, through shared memory (the same)
 # Our schedule of the fused attention kernels (passes/attention_schedule.py):
 # not a rule of the chain but tried first on those kernels alone (they are
 # never tuned), the chain behind it. So the chain, which the kernel check
@@ -57,7 +58,7 @@ FUSED_ATTENTION = "fused-attention"
 # MMA_GEMM 2: a GEMM whose K is two tiles of 32 takes the default tiles in a 3-stage pipeline, and
 # one whose rows no tile divides has them padded to a multiple of 64 inside the kernel; N = 96 takes 128x96 tiles.)
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
-                 MMA_GEMM: 2, SHORT_INNER: 1}
+                 MMA_GEMM: 2, SHORT_INNER: 1, TILED_TRANSPOSE: 1}
 
 
 @dataclasses.dataclass
@@ -85,7 +86,7 @@ class UnbuildableKernelError(Exception):
 # before DLight's reduction rules: they give a depthwise convolution one thread
 # block per output. Our ShortRows just before DLight's GeneralReduction: it
 # gives a normalization over short rows a warp a row, where GeneralReduction
-# gives each row a block of 256 threads. Our BroadcastEpilogue and ShortInnerAxis just before Fallback:
+# gives each row a block of 256 threads. Our BroadcastEpilogue, ShortInnerAxis and TiledTranspose just before Fallback:
 # they take only kernels the rest leave to it (gpu_default.py, gpu_movement.py). CPU: DLight's GEMV rule is
 # left out: its schedule of a squeeze-excitation kernel (1x1 convolution to
 # 1152 channels, sigmoid, broadcast multiply) does not finish compiling
@@ -94,7 +95,7 @@ class UnbuildableKernelError(Exception):
 # takes the GEMV-shaped kernels.
 CHAINS = {
     "cuda": [FEW_OUTPUTS, MMA_GEMM, "dlight.Matmul", "dlight.GEMV", SHORT_REDUCTION, "dlight.Reduction", SHORT_ROWS,
-             "dlight.GeneralReduction", BROADCAST_EPILOGUE, SHORT_INNER, "dlight.Fallback"],
+             "dlight.GeneralReduction", BROADCAST_EPILOGUE, SHORT_INNER, TILED_TRANSPOSE, "dlight.Fallback"],
     "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
 }
 
@@ -108,7 +109,7 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
 
     if _chain_kind(target_kind) == "cuda":
         from .gpu_default import BroadcastEpilogue, FewOutputs, ShortReduction
-        from .gpu_movement import ShortInnerAxis
+        from .gpu_movement import ShortInnerAxis, TiledTranspose
         from .gpu_rows import ShortRows
         from .mma_gemm import Default as MmaGemm
 
@@ -116,7 +117,7 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
         make = {FEW_OUTPUTS: FewOutputs, MMA_GEMM: MmaGemm, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
                 SHORT_REDUCTION: ShortReduction, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
                 "dlight.GeneralReduction": g.GeneralReduction, BROADCAST_EPILOGUE: BroadcastEpilogue,
-                SHORT_INNER: ShortInnerAxis, "dlight.Fallback": g.Fallback}
+                SHORT_INNER: ShortInnerAxis, TILED_TRANSPOSE: TiledTranspose, "dlight.Fallback": g.Fallback}
     else:
         from .cpu_default import ContractionTiling, InjectiveParallel
 

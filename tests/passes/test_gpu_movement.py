@@ -1,4 +1,5 @@
-"""Our CUDA schedule of transposes into a short last axis (passes/gpu_movement.py)."""
+"""Our CUDA schedules of transposes (passes/gpu_movement.py): into a short
+last axis (ShortInnerAxis), and through shared memory (TiledTranspose)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from deploy import targets
 from deploy.build import build_kernel
 from deploy.passes import schedule
-from deploy.passes.gpu_movement import ShortInnerAxis
+from deploy.passes.gpu_movement import ShortInnerAxis, TiledTranspose
 from deploy.tvm_compat import PassContext, relax, tirx, tvm
 
 
@@ -119,6 +120,76 @@ def test_gpu_a_transpose_into_a_short_last_axis(sm90, what, build, shape):
     args, want = _reference(func)
     with sm90:
         sch = ShortInnerAxis().apply(func, sm90)
+    lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
+    got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args]
+    lib["k"](*got)
+    np.testing.assert_array_equal(got[-1].numpy(), want)
+
+
+TILED = [  # (what, build, input shape)
+    ("ShuffleNet's 116 channels made NHWC", lambda x: relax.op.permute_dims(x, [0, 2, 3, 1]), (2, 116, 28, 28)),
+    ("odd sizes", lambda x: relax.op.permute_dims(x, [0, 2, 3, 1]), (1, 37, 9, 41)),
+    ("a 2-D result made NCHW", lambda x: relax.op.permute_dims(relax.op.reshape(x, (2, 8, 40, 64)), [0, 3, 1, 2]),
+     (2 * 8 * 40, 64)),
+    ("the last two axes swapped, fp32", lambda x: relax.op.permute_dims(x, [0, 2, 1]), (3, 50, 70)),
+]
+
+
+@pytest.mark.parametrize("what, build, shape", TILED, ids=[c[0] for c in TILED])
+def test_a_tiled_transpose_computes_what_tvms_plain_lowering_does(sm90, what, build, shape):
+    """In emulation: every output element written once, no shared-memory
+    race or read of a tile element never written; tiles cut by the edges."""
+    from .. import emulation
+
+    func = _kernel(build, sm90, shape, "float32" if "fp32" in what else "float16")
+    args, want = _reference(func)
+    with sm90:
+        sch = TiledTranspose().apply(func, sm90)
+    assert sch is not None
+    got, problems = emulation.run(func, sch.mod["main"], sm90, args)
+    assert not problems, problems
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_tiled_transposes_tile_has_padded_rows_and_is_first_in_the_chain(sm90):
+    func = _kernel(lambda x: relax.op.permute_dims(x, [0, 2, 3, 1]), sm90, (32, 232, 14, 14), "float16")
+    gv = tvm.ir.GlobalVar("main")
+    with sm90:
+        name, sch = next(s for s in schedule._sources(gv, func, None, sm90, "cuda") if not isinstance(s[1], Exception))
+    assert name == schedule.TILED_TRANSPOSE
+    from .. import emulation
+
+    src = emulation.source(sch, sm90)
+    assert "__shared__ alignas(64) half x_shared_ptr[" in src and "__syncthreads()" in src
+    # 32 channels' rows of 14 pixels, each row 32 + 2 elements apart (68 bytes: a column's 32 reads on 32 banks)
+    assert "x_shared_ptr[1088]" in src and "* 34)" in src, src[src.index("main_kernel("):]
+
+
+@pytest.mark.parametrize("what, build, shape, dtype", [
+    ("an embedding's lookup", lambda x: relax.op.take(relax.const(np.ones((100, 64), "float16")), x, axis=0),
+     (4, 16), "int64"),
+    ("3 colours made NCHW", lambda x: relax.op.permute_dims(x, [0, 3, 1, 2]), (2, 64, 64, 3), "float16"),
+    ("a short row", lambda x: relax.op.permute_dims(x, [0, 2, 3, 1]), (2, 16, 32, 32), "float16"),
+    ("a resize's arithmetic", lambda x: relax.op.permute_dims(
+        relax.op.image.resize2d(x, (64, 64), layout="NHWC"), [0, 3, 1, 2]), (2, 32, 32, 64), "float16"),
+])
+def test_other_kernels_are_not_tiled(sm90, what, build, shape, dtype):
+    """A read that is a broadcast along the row (an embedding's indices),
+    an axis too short to tile, a short row (ShortInnerAxis's or Fallback's),
+    indices other than sums of iterators (the tile's region the whole
+    buffer)."""
+    func = _kernel(build, sm90, shape, dtype)
+    with sm90:
+        assert TiledTranspose().apply(func, sm90) is None, what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what, build, shape", TILED, ids=[c[0] for c in TILED])
+def test_gpu_a_tiled_transpose(sm90, what, build, shape):
+    func = _kernel(build, sm90, shape, "float32" if "fp32" in what else "float16")
+    args, want = _reference(func)
+    with sm90:
+        sch = TiledTranspose().apply(func, sm90)
     lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
     got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args]
     lib["k"](*got)

@@ -654,7 +654,7 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
     got = read(state)
     assert got["timed"] == {} and got["default_faster"] == [] and got["default_us"] == {}
     monkeypatch.undo()
-    # before rules had versions: CUDA 4 is the chain of then with every rule at 1 (short-rows, mma-gemm and short-inner-axis came later; its timings name no workload and no
+    # before rules had versions: CUDA 4 is the chain of then with every rule at 1 (short-rows, mma-gemm and the movement rules came later; its timings name no workload and no
     # rule, so the next change of the chain drops them all, as short-reduction@2 did); CUDA 3 and older are
     # dropped now; another kind is its own
     legacy = {"passed": ["a"], "rejected": [], "timed": ["a"], "defaults": 4, "default_us": {"w": 3.0},
@@ -662,7 +662,7 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
     monkeypatch.setattr(schedule, "RULE_VERSIONS", dict.fromkeys(v, 1))
     monkeypatch.setitem(schedule.CHAINS, "cuda", [c for c in schedule.CHAINS["cuda"]
                                                   if c not in (schedule.SHORT_ROWS, schedule.MMA_GEMM,
-                                                               schedule.SHORT_INNER)])
+                                                               schedule.SHORT_INNER, schedule.TILED_TRANSPOSE)])
     got = read(legacy)
     assert got["timed"] == {"a": None} and got["default_us"] == {"w": 3.0} and got["chain"] == schedule.default_chain(
         "cuda")
