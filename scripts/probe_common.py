@@ -2,8 +2,8 @@
 MetaSchedule's rules with (`gemm_module`), how they time a kernel (torch's
 by CUDA events, TVM's by its time_evaluator, the median of its repeats; in
 microseconds a call), how the GEMM probes measure a configuration and the
-cuBLAS row beside it, and how they write their results (probe.json and a
-probe.md table)."""
+cuBLAS row beside it, how they write their results (probe.json and a
+probe.md table), and a fused kernel of one Relax op chain (`fused_kernel`)."""
 
 from __future__ import annotations
 
@@ -127,6 +127,26 @@ def run_and_time(lib, inputs: list, out_shape, out_dtype: str, ref, flop: float)
     t_us = tvm_us(getattr(lib, "mod", lib), dev, *arrays, out)
     return {"rel_l2": f"{float(np.linalg.norm(got - ref) / np.linalg.norm(ref)):.2e}", "us": round(t_us, 2),
             "tflops": round(flop / t_us / 1e6, 1)}
+
+
+def fused_kernel(build, shape, dtype: str, target):
+    """The one fused PrimFunc of a Relax function of one input `x` (`shape`,
+    `dtype`) whose body is `build(x)`, legalized and fused as the pipeline
+    does."""
+    from deploy.tvm_compat import PassContext, relax, tirx
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(build(x))
+        bb.emit_func_output(out)
+    with target, PassContext(opt_level=3):
+        mod = relax.transform.LegalizeOps()(bb.get())
+        mod = relax.transform.AnnotateTIROpPattern()(mod)
+        mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(mod))
+    (func,) = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
+    return func
 
 
 def error_line(e: Exception) -> str:

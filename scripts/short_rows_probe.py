@@ -31,27 +31,17 @@ CASES = {  # name: (kind, shape)
 def _kernel(kind, shape, target):
     import numpy as np
 
-    from deploy.tvm_compat import PassContext, relax, tirx
+    from deploy.tvm_compat import relax
 
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float16"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            if kind == "ln":
-                rng = np.random.default_rng(3)
-                g = relax.const(rng.standard_normal(shape[-1]).astype("float16"))
-                b = relax.const(rng.standard_normal(shape[-1]).astype("float16"))
-                y = relax.op.nn.layer_norm(x, g, b, axes=[-1], epsilon=1e-6)
-            else:
-                y = relax.op.nn.softmax(x, axis=-1)
-            out = bb.emit_output(y)
-        bb.emit_func_output(out)
-    with target, PassContext(opt_level=3):
-        mod = relax.transform.LegalizeOps()(bb.get())
-        mod = relax.transform.AnnotateTIROpPattern()(mod)
-        mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(mod))
-    (func,) = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
-    return func
+    def build(x):
+        if kind != "ln":
+            return relax.op.nn.softmax(x, axis=-1)
+        rng = np.random.default_rng(3)
+        g = relax.const(rng.standard_normal(shape[-1]).astype("float16"))
+        b = relax.const(rng.standard_normal(shape[-1]).astype("float16"))
+        return relax.op.nn.layer_norm(x, g, b, axes=[-1], epsilon=1e-6)
+
+    return probe_common.fused_kernel(build, shape, "float16", target)
 
 
 def main(argv=None) -> int:

@@ -19,10 +19,10 @@ def sm90():
     return targets.resolve("cuda:sm_90").tvm_target()
 
 
-def _kernels(build, target, shape=(8, 28, 28, 64)):
+def _kernels(build, target, shape=(8, 28, 28, 64), dtype="float16"):
     """The fused PrimFuncs of a one-function Relax module built by `build(bb, x)`."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float16"))
+    x = relax.Var("x", relax.TensorType(shape, dtype))
     with bb.function("main", [x]):
         with bb.dataflow():
             out = bb.emit_output(build(bb, x))

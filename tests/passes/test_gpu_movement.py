@@ -10,7 +10,10 @@ from deploy import targets
 from deploy.build import build_kernel
 from deploy.passes import schedule
 from deploy.passes.gpu_movement import ShortInnerAxis, TiledTranspose
-from deploy.tvm_compat import PassContext, relax, tirx, tvm
+from deploy.tvm_compat import relax, tvm
+
+from .test_gpu_default import _kernels
+from .test_gpu_default import _reference as _plain
 
 
 @pytest.fixture(scope="module")
@@ -20,17 +23,7 @@ def sm90():
 
 def _kernel(build, target, shape, dtype="float32"):
     """The one fused PrimFunc of a Relax function of one input built by `build(x)`."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, dtype))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(build(x))
-        bb.emit_func_output(out)
-    with target, PassContext(opt_level=3):
-        mod = relax.transform.LegalizeOps()(bb.get())
-        mod = relax.transform.AnnotateTIROpPattern()(mod)
-        mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(mod))
-    (func,) = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
+    (func,) = _kernels(lambda bb, x: build(x), target, shape, dtype).values()
     return func
 
 
@@ -43,15 +36,8 @@ def _nhwc(pad=0, dtype="float16"):
     return build
 
 
-def _reference(func, seed=3):
-    from deploy.tvm_compat import ms
-
-    info = ms.arg_info.ArgInfo.from_prim_func(func)
-    args = [np.random.default_rng(seed).standard_normal([int(d) for d in a.shape]).astype(str(a.dtype))
-            for a in info]
-    cpu = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
-    want = [tvm.runtime.tensor(a) for a in args]
-    cpu["main"](*want)
+def _reference(func):
+    args, want = _plain(func)
     return args, want[-1].numpy()
 
 
@@ -194,3 +180,25 @@ def test_gpu_a_tiled_transpose(sm90, what, build, shape):
     got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args]
     lib["k"](*got)
     np.testing.assert_array_equal(got[-1].numpy(), want)
+
+
+def test_the_probes_kernels_are_each_taken_by_the_rule_it_times(sm90):
+    """scripts/movement_probe.py times our rules against Fallback on the
+    corpus's transposes: each of its kernels is one our rule takes."""
+    from ..conftest import load_script
+
+    probe = load_script("movement_probe")
+    common = load_script("probe_common")
+    for name, (rule, build, shape, dtype) in probe._cases().items():
+        func = common.fused_kernel(build, shape, dtype, sm90)
+        with sm90:
+            assert (ShortInnerAxis() if rule == "short" else TiledTranspose()).apply(func, sm90) is not None, name
+
+
+@pytest.mark.gpu
+def test_gpu_the_movement_probe(tmp_path):
+    """Every kernel built both ways on the GPU, their outputs equal (rc 0)."""
+    from ..conftest import load_script
+
+    assert load_script("movement_probe").main(["--out", str(tmp_path)]) == 0
+    assert (tmp_path / "probe.md").is_file()

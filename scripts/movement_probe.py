@@ -1,0 +1,107 @@
+"""Our schedules of transposes (`deploy/passes/gpu_movement.py`: ShortInnerAxis,
+TiledTranspose) against DLight's Fallback, which took these kernels before,
+on the corpus's transposes: each kernel built both ways, checked against the
+other (bit for bit: both only move and cast), and timed with TVM's
+time_evaluator. Needs a GPU.
+
+    python scripts/movement_probe.py --out DIR
+
+Writes DIR/probe.json and DIR/probe.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import probe_common  # noqa: E402 - scripts/probe_common.py, beside this file
+
+
+def _nhwc(x, pad=0):
+    from deploy.tvm_compat import relax
+
+    y = relax.op.astype(relax.op.permute_dims(x, [0, 2, 3, 1]), "float16")
+    return relax.op.nn.pad(y, [0, 0, 0, 0, 0, 0, 0, pad]) if pad else y
+
+
+def _cases():
+    from deploy.tvm_compat import relax
+
+    perm = relax.op.permute_dims
+    return {  # name: (rule, build, input shape, input dtype)
+        "ResNet-50 b64 input, NCHW fp32 -> NHWC fp16 padded to 8": ("short", lambda x: _nhwc(x, 5),
+                                                                    (64, 3, 224, 224), "float32"),
+        "ResNet-50 b1 input, NCHW fp32 -> NHWC fp16": ("short", _nhwc, (1, 3, 224, 224), "float32"),
+        "ShuffleNet-V2 b32 channels made NHWC": ("tiled", lambda x: perm(x, [0, 2, 3, 1]), (32, 116, 28, 28),
+                                                 "float16"),
+        "UNet b32 features made NCHW": ("tiled", lambda x: perm(x, [0, 3, 1, 2]), (32, 128, 128, 64), "float16"),
+        "Swin-T b32 keys transposed": ("tiled", lambda x: perm(x, [0, 1, 3, 2]), (2048, 3, 49, 32), "float16"),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    import numpy as np
+
+    from deploy import targets
+    from deploy.build import build_kernel
+    from deploy.passes.gpu_movement import ShortInnerAxis, TiledTranspose
+    from deploy.tvm_compat import dlight, ms, tvm
+
+    info = targets.resolve("cuda")
+    target = info.tvm_target()
+    dev = tvm.cuda(0)
+    rows = []
+    for name, (rule, build, shape, dtype) in _cases().items():
+        func = probe_common.fused_kernel(build, shape, dtype, target)
+        with target:
+            ours = (ShortInnerAxis() if rule == "short" else TiledTranspose()).apply(func, target)
+            theirs = dlight.ApplyDefaultSchedule(dlight.gpu.Fallback())(tvm.IRModule({"main": func}))
+        arg_info = ms.arg_info.ArgInfo.from_prim_func(func)
+        host = [np.random.default_rng(0).standard_normal([int(d) for d in a.shape]).astype(str(a.dtype))
+                for a in arg_info]
+        nbytes = sum(a.nbytes for a in host)  # each input read once, the output written once
+        row = {"kernel": name, "rule": rule, "shape": "x".join(map(str, shape)), "MB": round(nbytes / 1e6, 1)}
+        outs = {}
+        for label, fn in (("fallback", theirs["main"]), ("ours", ours.mod["main"] if ours else None)):
+            if fn is None:
+                row["error"] = "our rule declined the kernel"
+                continue
+            lib = build_kernel("k", fn, info)
+            dev_args = [tvm.runtime.tensor(a, dev) for a in host]
+            lib["k"](*dev_args)
+            outs[label] = dev_args[-1].numpy()
+            row[label + "_us"] = round(probe_common.tvm_us(lib, dev, *dev_args, name="k", number=100), 2)
+            row[label + "_GBps"] = round(nbytes / row[label + "_us"] / 1e3, 1)
+        if len(outs) == 2:
+            row["equal"] = bool(np.array_equal(outs["ours"], outs["fallback"]))
+            row["speedup"] = round(row["fallback_us"] / row["ours_us"], 2)
+        rows.append(row)
+        print(row, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else str(dev)
+    (out / "probe.json").write_text(json.dumps({"device": gpu, "rows": rows}, indent=1))
+    lines = [f"device: {gpu}; each kernel's median of 5 x 100 runs (time_evaluator); GB/s: its input read once "
+             "and its output written once", "",
+             "| kernel | shape | MB | Fallback us | ours us | speed-up | Fallback GB/s | ours GB/s | equal |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['kernel']} | {r['shape']} | {r['MB']} | {r.get('fallback_us', '')} | {r.get('ours_us', '')} "
+              f"| {r.get('speedup', '')}x | {r.get('fallback_GBps', '')} | {r.get('ours_GBps', '')} "
+              f"| {r.get('equal', r.get('error', ''))} |" for r in rows]
+    (out / "probe.md").write_text("\n".join(lines) + "\n")
+    return 0 if all(r.get("equal") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
