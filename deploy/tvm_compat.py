@@ -25,6 +25,7 @@ import tvm  # noqa: F401  (re-exported)
 from tvm import (
     relax,  # noqa: F401
     s_tir,  # noqa: F401  (s_tir.Schedule)
+    sym,  # noqa: F401  (integer arithmetic: detect_linear_equation, Analyzer; `tvm.arith` before 0.27)
     te,  # noqa: F401
     tirx,  # noqa: F401
     topi,  # noqa: F401

@@ -502,6 +502,8 @@ class Emu:
                 self.scopes[-1][name] = ("ptr", Ptr("shared", name, 0, ty))
                 return
             if shared:  # a shared array of its own (a kernel whose one shared buffer was not merged)
+                # (declared once a block: a declaration in a loop would reset its race tracking)
+                assert name not in self.sh, f"__shared__ {name} declared twice in a block"
                 size = TYPES[ty] * n
                 self.sh[name] = np.full(size, 0xFF, np.uint8)
                 self.init[name], self.pending[name] = np.zeros(size, bool), np.zeros(size, np.int32)

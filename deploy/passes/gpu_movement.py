@@ -37,16 +37,18 @@ it along the output's (both coalesced), the tile's rows padded by 4 bytes so
 that reading a column is free of bank conflicts. It takes a kernel of one
 injective block writing one buffer in its iterators' order whose last axis
 has TILE elements or more, where some read is a plain transpose: its last
-index is one of the block's iterators, not the last, and none of its
-indices divides (a reshape's division would make the tile's region the
-whole buffer).
+index is one of the block's iterators (not the last), which another of its
+indices follows with a stride of 1 (a strided slice, a reshape's division or
+a resize's arithmetic there would make the tile's region far larger than the
+tile).
 """
 
 from __future__ import annotations
 
 import math
 
-THREAD_CHOICES = (256, 128, 64, 32)  # threads a block: the first that divides the rows, else the first
+THREAD_CHOICES = (256, 128, 64)  # threads a block: the first that divides the rows, else the first
+# (not 32: an H100 holds 32 blocks an SM, so blocks of 32 threads would fill half of it)
 MAX_ROW_BYTES = 16  # a row at most one 16-byte store
 VECTOR_BYTES = (4, 8, 16)  # rows stored as one vector; others element by element
 VECTOR_DTYPES = ("float16", "bfloat16", "float32", "int32")  # (CUDA's codegen prints no bool or int64 vectors)
@@ -117,10 +119,12 @@ class ShortInnerAxis:
         block = sch.get(block_rv)
         # A read transposed into the row: its last index follows the axis
         # before the row's, which neighbouring threads walk (so they read
-        # neighbouring elements), and not the row's own.
+        # neighbouring elements), and not the row's own, which another of its
+        # indices follows (else a broadcast along the row, read coalesced by
+        # Fallback's threads).
         last, before = block.iter_vars[-1].var, block.iter_vars[-2].var
         if not any(r.region and before in vars_of(r.region[-1].min) and last not in vars_of(r.region[-1].min)
-                   for r in block.reads):
+                   and any(last in vars_of(x.min) for x in r.region[:-1]) for r in block.reads):
             return None
         rows = math.prod(static_int(iv.dom.extent) or 0 for iv in block.iter_vars[:-1])  # (0: not static)
         # The row through registers, stored as one vector, only where the
@@ -146,10 +150,13 @@ class ShortInnerAxis:
 def _transposed_read(block) -> tuple[int, int] | None:
     """(the read's index among the block's reads, the iterator its last
     index is) of the first plain transposed read: its last index one of
-    the block's iterators but the last, the last iterator in another of
-    its indices (not a broadcast: an embedding's indices), every index a
-    sum of iterators times constants (a reshape's division or a resize's
-    arithmetic would make the tile's region the whole buffer)."""
+    the block's iterators but the last, that iterator in no other index,
+    the last iterator in exactly one other index, linearly with a stride of
+    1. Not a broadcast (an embedding's indices); not a strided slice, whose
+    tile would span the stride; not a reshape splitting the row or a
+    resize's arithmetic, whose tile's region would be the whole buffer.
+    Indices of the other iterators may be anything: they are fixed in a
+    tile."""
     from ..tvm_compat import tirx
     from .kernel_shape import vars_of
 
@@ -158,19 +165,21 @@ def _transposed_read(block) -> tuple[int, int] | None:
         if not r.region or not isinstance(r.region[-1].min, tirx.Var):
             continue
         j = next((k for k, v in enumerate(ivs[:-1]) if v.same_as(r.region[-1].min)), None)
-        if j is not None and any(ivs[-1] in vars_of(x.min) for x in r.region[:-1]) \
-                and all(_affine(x.min) for x in r.region):
+        if j is None or any(ivs[j] in vars_of(x.min) for x in r.region[:-1]):
+            continue
+        rows = [x.min for x in r.region[:-1] if ivs[-1] in vars_of(x.min)]
+        if len(rows) == 1 and _stride(rows[0], ivs[-1]) == 1:
             return at, j
     return None
 
 
-def _affine(expr) -> bool:
-    from ..tvm_compat import structural_walk, tirx, tvm
+def _stride(expr, var) -> int | None:
+    """The constant coefficient of `var` in an affine `expr`; else None."""
+    from ..tvm_compat import sym
+    from .kernel_shape import static_int
 
-    other = []
-    plain = (tirx.Var, tirx.IntImm, tirx.Add, tirx.Sub, tirx.Mul)
-    structural_walk(expr, [(tvm.ir.expr.Expr, lambda n: other.append(n) if not isinstance(n, plain) else None)])
-    return not other
+    found = sym.detect_linear_equation(expr, [var])
+    return static_int(found[0]) if len(found) == 2 else None
 
 
 class TiledTranspose:
@@ -203,6 +212,8 @@ class TiledTranspose:
             sch.bind(bx, "blockIdx.x")
             tile = sch.cache_read(block_rv, at, "shared")
             sch.compute_at(tile, bx)
+            if math.prod(static_int(sch.get(lp).extent) or 0 for lp in sch.get_loops(tile)[1:]) > TILE * TILE:
+                return None  # (not the tile `_transposed_read` meant: a region the indices widened)
             # (the tile's rows a multiple of TILE plus 4 bytes: a column read on distinct banks)
             sch.storage_align(tile, 0, axis=-2, factor=TILE, offset=max(1, 32 // dtype.bits))
             for stage_loops in (sch.get_loops(tile)[1:], [ji, li]):  # (the tile's read, then its write)

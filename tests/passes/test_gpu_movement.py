@@ -46,6 +46,7 @@ CASES = [  # (what, build, input shape)
     ("3 channels padded to 8, fp16, a vector a row", _nhwc(5), (1, 3, 16, 16)),  # (256 rows: 16-byte stores)
     ("3 channels, fp16", _nhwc(), (2, 3, 10, 12)),
     ("4 channels, fp32", _nhwc(dtype="float32"), (1, 4, 9, 7)),
+    ("4 channels, fp32, a vector a row", _nhwc(dtype="float32"), (1, 4, 16, 16)),
 ]
 
 
@@ -88,13 +89,18 @@ def test_the_padded_input_is_read_once_a_channel_and_stored_16_bytes_at_once(sm9
     ("a long last axis", _nhwc(), (2, 64, 8, 8)),
     ("read along another axis", lambda x: relax.op.permute_dims(x, [0, 3, 2, 1]), (2, 4, 6, 8)),
     ("a reduction", lambda x: relax.op.sum(x, axis=[1]), (2, 3, 8, 8)),
+    ("a broadcast along the row", lambda x: relax.op.add(
+        x, relax.op.expand_dims(relax.const(np.arange(16, dtype="float16")), -1)), (2, 16, 16, 8)),
+    ("a reshape: rows read whole", lambda x: relax.op.reshape(x, (2, 16, 16, 8)), (2, 16, 128)),
 ])
-def test_other_kernels_are_left_to_fallback(sm90, what, build, shape):
-    """Where Fallback's threads already read along the row, the row is long,
-    the transposed read does not follow the axis neighbouring threads walk
+def test_other_kernels_are_not_taken_by_short_inner_axis(sm90, what, build, shape):
+    """Where Fallback's threads already read along the row (no transpose, a
+    value broadcast along the row, a reshape whose row is a contiguous
+    piece of the input's), the row is long (TiledTranspose's), the
+    transposed read does not follow the axis neighbouring threads walk
     (NCHW -> NWHC: a thread's row would be strided reads of its own), or the
-    kernel reduces."""
-    func = _kernel(build, sm90, shape)
+    kernel reduces. (fp16: rows of 8 are 16 bytes, short enough.)"""
+    func = _kernel(build, sm90, shape, "float16")
     with sm90:
         assert ShortInnerAxis().apply(func, sm90) is None, what
 
@@ -118,6 +124,8 @@ TILED = [  # (what, build, input shape)
     ("a 2-D result made NCHW", lambda x: relax.op.permute_dims(relax.op.reshape(x, (2, 8, 40, 64)), [0, 3, 1, 2]),
      (2 * 8 * 40, 64)),
     ("the last two axes swapped, fp32", lambda x: relax.op.permute_dims(x, [0, 2, 1]), (3, 50, 70)),
+    ("the batch reshaped (divisions outside the tile)",
+     lambda x: relax.op.permute_dims(relax.op.reshape(x, (4, 40, 64)), [0, 2, 1]), (2, 2, 40, 64)),
 ]
 
 
@@ -158,12 +166,18 @@ def test_a_tiled_transposes_tile_has_padded_rows_and_is_first_in_the_chain(sm90)
     ("a short row", lambda x: relax.op.permute_dims(x, [0, 2, 3, 1]), (2, 16, 32, 32), "float16"),
     ("a resize's arithmetic", lambda x: relax.op.permute_dims(
         relax.op.image.resize2d(x, (64, 64), layout="NHWC"), [0, 3, 1, 2]), (2, 32, 32, 64), "float16"),
+    ("a reshape's division", lambda x: relax.op.permute_dims(relax.op.reshape(x, (2, 280, 64)), [0, 2, 1]),
+     (2, 40, 7, 64), "float16"),
+    ("a strided slice", lambda x: relax.op.permute_dims(
+        relax.op.strided_slice(x, axes=[0], begin=[0], end=[640], strides=[10]), [1, 0]), (640, 96), "float16"),
 ])
 def test_other_kernels_are_not_tiled(sm90, what, build, shape, dtype):
     """A read that is a broadcast along the row (an embedding's indices),
     an axis too short to tile, a short row (ShortInnerAxis's or Fallback's),
-    indices other than sums of iterators (the tile's region the whole
-    buffer)."""
+    an index along the tile other than the iterator with a stride of 1 (a
+    resize's arithmetic, a reshape's division: the tile's region the whole
+    buffer; a strided slice: a 32-row tile spanning 320 rows, 21 KB of
+    shared memory for 2)."""
     func = _kernel(build, sm90, shape, dtype)
     with sm90:
         assert TiledTranspose().apply(func, sm90) is None, what
@@ -202,3 +216,22 @@ def test_gpu_the_movement_probe(tmp_path):
 
     assert load_script("movement_probe").main(["--out", str(tmp_path)]) == 0
     assert (tmp_path / "probe.md").is_file()
+
+
+@pytest.mark.parametrize("what, build, shape, found", [
+    ("a plain transpose", lambda x: relax.op.permute_dims(x, [0, 2, 1]), (2, 40, 64), True),
+    ("a reshape's division", lambda x: relax.op.permute_dims(relax.op.reshape(x, (2, 280, 64)), [0, 2, 1]),
+     (2, 40, 7, 64), False),
+    ("a strided slice", lambda x: relax.op.permute_dims(
+        relax.op.strided_slice(x, axes=[0], begin=[0], end=[640], strides=[10]), [1, 0]), (640, 96), False),
+    ("the batch reshaped", lambda x: relax.op.permute_dims(relax.op.reshape(x, (4, 40, 64)), [0, 2, 1]),
+     (2, 2, 40, 64), True),
+])
+def test_the_tiled_read_is_a_plain_transpose(sm90, what, build, shape, found):
+    """`_transposed_read` itself (TiledTranspose also declines a tile larger
+    than TILE x TILE, which would hide it): an index that divides or strides
+    along the tile is not a plain transpose; one dividing outside it is."""
+    from deploy.passes.gpu_movement import _injective_block, _transposed_read
+
+    sch, block, _ = _injective_block(_kernel(build, sm90, shape, "float16"), sm90)
+    assert (_transposed_read(sch.get(block)) is not None) == found, what
