@@ -52,9 +52,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from deploy import targets
-    from deploy.build import build_kernel
     from deploy.passes.gpu_movement import ShortInnerAxis, TiledTranspose
-    from deploy.tvm_compat import dlight, ms, tvm
+    from deploy.tvm_compat import dlight, tvm
 
     info = targets.resolve("cuda")
     target = info.tvm_target()
@@ -65,25 +64,18 @@ def main(argv=None) -> int:
         with target:
             ours = (ShortInnerAxis() if rule == "short" else TiledTranspose()).apply(func, target)
             theirs = dlight.ApplyDefaultSchedule(dlight.gpu.Fallback())(tvm.IRModule({"main": func}))
-        arg_info = ms.arg_info.ArgInfo.from_prim_func(func)
-        host = [np.random.default_rng(0).standard_normal([int(d) for d in a.shape]).astype(str(a.dtype))
-                for a in arg_info]
-        nbytes = sum(a.nbytes for a in host)  # each input read once, the output written once
-        row = {"kernel": name, "rule": rule, "shape": "x".join(map(str, shape)), "MB": round(nbytes / 1e6, 1)}
-        outs = {}
-        for label, fn in (("fallback", theirs["main"]), ("ours", ours.mod["main"] if ours else None)):
-            if fn is None:
-                row["error"] = "our rule declined the kernel"
-                continue
-            lib = build_kernel("k", fn, info)
-            dev_args = [tvm.runtime.tensor(a, dev) for a in host]
-            lib["k"](*dev_args)
-            outs[label] = dev_args[-1].numpy()
-            row[label + "_us"] = round(probe_common.tvm_us(lib, dev, *dev_args, name="k", number=100), 2)
-            row[label + "_GBps"] = round(nbytes / row[label + "_us"] / 1e3, 1)
-        if len(outs) == 2:
+        row = {"kernel": name, "rule": rule, "shape": "x".join(map(str, shape))}
+        if ours is None:
+            row["error"] = "our rule declined the kernel"
+        else:
+            host, outs, us = probe_common.run_schedules(func, {"fallback": theirs["main"], "ours": ours.mod["main"]},
+                                                        info)
+            nbytes = sum(a.nbytes for a in host)  # the inputs read once, the output written once
+            row["MB"] = round(nbytes / 1e6, 1)
+            for label, t in us.items():
+                row[label + "_us"], row[label + "_GBps"] = t, round(nbytes / t / 1e3, 1)
             row["equal"] = bool(np.array_equal(outs["ours"], outs["fallback"]))
-            row["speedup"] = round(row["fallback_us"] / row["ours_us"], 2)
+            row["speedup"] = round(us["fallback"] / us["ours"], 2)
         rows.append(row)
         print(row, flush=True)
     out = Path(args.out)
@@ -96,7 +88,7 @@ def main(argv=None) -> int:
              "and its output written once", "",
              "| kernel | shape | MB | Fallback us | ours us | speed-up | Fallback GB/s | ours GB/s | equal |",
              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['kernel']} | {r['shape']} | {r['MB']} | {r.get('fallback_us', '')} | {r.get('ours_us', '')} "
+    lines += [f"| {r['kernel']} | {r['shape']} | {r.get('MB', '')} | {r.get('fallback_us', '')} | {r.get('ours_us', '')} "
               f"| {r.get('speedup', '')}x | {r.get('fallback_GBps', '')} | {r.get('ours_GBps', '')} "
               f"| {r.get('equal', r.get('error', ''))} |" for r in rows]
     (out / "probe.md").write_text("\n".join(lines) + "\n")

@@ -149,6 +149,28 @@ def fused_kernel(build, shape, dtype: str, target):
     return func
 
 
+def run_schedules(func, scheduled: dict, info) -> tuple[list, dict, dict]:
+    """Seeded arguments of `func` (host arrays), and for each label of
+    `scheduled` (label: a schedule of `func`, a PrimFunc) its output on the
+    GPU and its microseconds a call (`tvm_us`, 100 runs a repeat)."""
+    import numpy as np
+
+    from deploy.build import build_kernel
+    from deploy.tvm_compat import ms, tvm
+
+    dev = tvm.cuda(0)
+    host = [np.random.default_rng(0).standard_normal([int(d) for d in a.shape]).astype(str(a.dtype))
+            for a in ms.arg_info.ArgInfo.from_prim_func(func)]
+    outs, us = {}, {}
+    for label, fn in scheduled.items():
+        lib = build_kernel("k", fn, info)
+        dev_args = [tvm.runtime.tensor(a, dev) for a in host]
+        lib["k"](*dev_args)
+        outs[label] = dev_args[-1].numpy()
+        us[label] = round(tvm_us(lib, dev, *dev_args, name="k", number=100), 2)
+    return host, outs, us
+
+
 def error_line(e: Exception) -> str:
     """The last line of an exception's message (a probe records what fails, no trace)."""
     lines = str(e).strip().splitlines()

@@ -52,9 +52,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from deploy import targets
-    from deploy.build import build_kernel
     from deploy.passes.gpu_rows import ShortRows
-    from deploy.tvm_compat import dlight, ms, tvm
+    from deploy.tvm_compat import dlight, tvm
 
     info = targets.resolve("cuda")
     target = info.tvm_target()
@@ -65,17 +64,11 @@ def main(argv=None) -> int:
         with target:
             ours = ShortRows().apply(func, target)
             theirs = dlight.ApplyDefaultSchedule(dlight.gpu.GeneralReduction())(tvm.IRModule({"main": func}))
-        arg_info = ms.arg_info.ArgInfo.from_prim_func(func)
-        host = [np.random.default_rng(0).standard_normal([int(d) for d in a.shape]).astype(str(a.dtype))
-                for a in arg_info]
-        row = {"kernel": name, "shape": "x".join(map(str, shape))}
-        outs = {}
-        for label, fn in (("general_reduction", theirs["main"]), ("short_rows", ours.mod["main"])):
-            lib = build_kernel("k", fn, info)
-            dev_args = [tvm.runtime.tensor(a, dev) for a in host]
-            lib["k"](*dev_args)
-            outs[label] = dev_args[-1].numpy().astype("float32")
-            row[label + "_us"] = round(probe_common.tvm_us(lib, dev, *dev_args, name="k", number=100), 2)
+        _, outs, us = probe_common.run_schedules(
+            func, {"general_reduction": theirs["main"], "short_rows": ours.mod["main"]}, info)
+        row = {"kernel": name, "shape": "x".join(map(str, shape)),
+               **{label + "_us": t for label, t in us.items()}}
+        outs = {label: o.astype("float32") for label, o in outs.items()}
         row["max_abs_diff"] = float(np.max(np.abs(outs["short_rows"] - outs["general_reduction"])))
         row["speedup"] = round(row["general_reduction_us"] / row["short_rows_us"], 2)
         nbytes = 2 * 2 * int(np.prod(shape))  # read once, written once, fp16

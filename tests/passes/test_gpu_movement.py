@@ -41,6 +41,31 @@ def _reference(func):
     return args, want[-1].numpy()
 
 
+def _check(rule, build, shape, dtype, on_gpu=False):
+    """`rule`'s schedule of the kernel `build` makes, run in emulation (or on
+    the GPU) against TVM's plain lowering of it for the CPU: equal bit for
+    bit (both only move and cast), and in emulation no problem found (a
+    shared-memory race, a read of an element never written)."""
+    info = targets.resolve("cuda:sm_90")
+    target = info.tvm_target()
+    func = _kernel(build, target, shape, dtype)
+    args, want = _reference(func)
+    with target:
+        sch = rule().apply(func, target)
+    assert sch is not None
+    if on_gpu:
+        lib = build_kernel("k", sch.mod["main"], info)
+        got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args]
+        lib["k"](*got)
+        got, problems = got[-1].numpy(), set()
+    else:
+        from .. import emulation
+
+        got, problems = emulation.run(func, sch.mod["main"], target, args)
+    assert not problems, problems
+    np.testing.assert_array_equal(got, want)
+
+
 CASES = [  # (what, build, input shape)
     ("3 channels padded to 8, fp16", _nhwc(5), (2, 3, 10, 12)),  # (240 rows: stored element by element)
     ("3 channels padded to 8, fp16, a vector a row", _nhwc(5), (1, 3, 16, 16)),  # (256 rows: 16-byte stores)
@@ -51,20 +76,11 @@ CASES = [  # (what, build, input shape)
 
 
 @pytest.mark.parametrize("what, build, shape", CASES, ids=[c[0] for c in CASES])
-def test_a_transpose_into_a_short_last_axis_computes_what_tvms_plain_lowering_does(sm90, what, build, shape):
+def test_a_transpose_into_a_short_last_axis_computes_what_tvms_plain_lowering_does(what, build, shape):
     """In emulation (tests/cuda_emu.py): a thread a pixel, every output
     element written once, the padding zero; odd sizes, so the last block
     is partly idle."""
-    from .. import emulation
-
-    func = _kernel(build, sm90, shape)
-    args, want = _reference(func)
-    with sm90:
-        sch = ShortInnerAxis().apply(func, sm90)
-    assert sch is not None
-    got, problems = emulation.run(func, sch.mod["main"], sm90, args)
-    assert not problems, problems
-    np.testing.assert_array_equal(got, want)
+    _check(ShortInnerAxis, build, shape, "float32")
 
 
 def test_the_padded_input_is_read_once_a_channel_and_stored_16_bytes_at_once(sm90):
@@ -107,15 +123,8 @@ def test_other_kernels_are_not_taken_by_short_inner_axis(sm90, what, build, shap
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("what, build, shape", CASES, ids=[c[0] for c in CASES])
-def test_gpu_a_transpose_into_a_short_last_axis(sm90, what, build, shape):
-    func = _kernel(build, sm90, shape)
-    args, want = _reference(func)
-    with sm90:
-        sch = ShortInnerAxis().apply(func, sm90)
-    lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
-    got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args]
-    lib["k"](*got)
-    np.testing.assert_array_equal(got[-1].numpy(), want)
+def test_gpu_a_transpose_into_a_short_last_axis(what, build, shape):
+    _check(ShortInnerAxis, build, shape, "float32", on_gpu=True)
 
 
 TILED = [  # (what, build, input shape)
@@ -130,19 +139,10 @@ TILED = [  # (what, build, input shape)
 
 
 @pytest.mark.parametrize("what, build, shape", TILED, ids=[c[0] for c in TILED])
-def test_a_tiled_transpose_computes_what_tvms_plain_lowering_does(sm90, what, build, shape):
+def test_a_tiled_transpose_computes_what_tvms_plain_lowering_does(what, build, shape):
     """In emulation: every output element written once, no shared-memory
     race or read of a tile element never written; tiles cut by the edges."""
-    from .. import emulation
-
-    func = _kernel(build, sm90, shape, "float32" if "fp32" in what else "float16")
-    args, want = _reference(func)
-    with sm90:
-        sch = TiledTranspose().apply(func, sm90)
-    assert sch is not None
-    got, problems = emulation.run(func, sch.mod["main"], sm90, args)
-    assert not problems, problems
-    np.testing.assert_array_equal(got, want)
+    _check(TiledTranspose, build, shape, "float32" if "fp32" in what else "float16")
 
 
 def test_a_tiled_transposes_tile_has_padded_rows_and_is_first_in_the_chain(sm90):
@@ -185,15 +185,8 @@ def test_other_kernels_are_not_tiled(sm90, what, build, shape, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("what, build, shape", TILED, ids=[c[0] for c in TILED])
-def test_gpu_a_tiled_transpose(sm90, what, build, shape):
-    func = _kernel(build, sm90, shape, "float32" if "fp32" in what else "float16")
-    args, want = _reference(func)
-    with sm90:
-        sch = TiledTranspose().apply(func, sm90)
-    lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
-    got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args]
-    lib["k"](*got)
-    np.testing.assert_array_equal(got[-1].numpy(), want)
+def test_gpu_a_tiled_transpose(what, build, shape):
+    _check(TiledTranspose, build, shape, "float32" if "fp32" in what else "float16", on_gpu=True)
 
 
 def test_the_probes_kernels_are_each_taken_by_the_rule_it_times(sm90):
