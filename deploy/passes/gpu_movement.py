@@ -1,7 +1,7 @@
-"""A default CUDA schedule of ours for transposes into a short innermost axis
-(`ShortInnerAxis`): an image's NCHW input made NHWC, its 3 channels padded to
-8 for the stem's implicit GEMM (passes/implicit_gemm.py), cast to fp16 on the
-way.
+"""Default CUDA schedules of ours for kernels that transpose: into a short
+last axis (`ShortInnerAxis`: an image's NCHW input made NHWC, its 3 channels
+padded to 8 for the stem's implicit GEMM, passes/implicit_gemm.py, cast to
+fp16 on the way), and through shared-memory tiles (`TiledTranspose`, below).
 
 Why our own: nothing but DLight's `Fallback` takes such a kernel, and
 Fallback gives each output element a thread, the output's last axis the
@@ -21,9 +21,10 @@ element).
 It applies to a kernel without a reduction that is one block once its
 producers and consumers are inlined, writing one buffer whose last axis has
 2 to 16 elements of at most 16 bytes in all, where some read's last index
-follows the axis before that one and not that one (a transpose into it,
-read coalesced by neighbouring threads; elsewhere Fallback's order is as
-good). `tunable` is ignored: tuning has no design space of
+follows the axis before that one and not that one, which another of its
+indices follows (a transpose into it, read coalesced by neighbouring
+threads; elsewhere, a broadcast along the row among them, Fallback's order
+is as good). `tunable` is ignored: tuning has no design space of
 it (MetaSchedule's own spaces apply). It is last in the CUDA chain before
 Fallback (passes/schedule.py): it changes only kernels left to Fallback.
 
