@@ -72,7 +72,6 @@ load_json = tvm.ir.load_json
 import tvm_ffi  # noqa: E402
 
 structural_hash = tvm_ffi.structural_hash
-structural_walk = tvm_ffi.structural_walk  # structural_walk(node, [(type, callback), ...], order="post")
 PassContext = tvm.transform.PassContext
 Sequential = tvm.transform.Sequential
 
