@@ -12,7 +12,6 @@ Writes DIR/probe.json and DIR/probe.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -57,7 +56,6 @@ def main(argv=None) -> int:
 
     info = targets.resolve("cuda")
     target = info.tvm_target()
-    dev = tvm.cuda(0)
     rows = []
     for name, (rule, build, shape, dtype) in _cases().items():
         func = probe_common.fused_kernel(build, shape, dtype, target)
@@ -78,20 +76,13 @@ def main(argv=None) -> int:
             row["speedup"] = round(us["fallback"] / us["ours"], 2)
         rows.append(row)
         print(row, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else str(dev)
-    (out / "probe.json").write_text(json.dumps({"device": gpu, "rows": rows}, indent=1))
-    lines = [f"device: {gpu}; each kernel's median of 5 x 100 runs (time_evaluator); GB/s: its input read once "
-             "and its output written once", "",
-             "| kernel | shape | MB | Fallback us | ours us | speed-up | Fallback GB/s | ours GB/s | equal |",
+    table = ["| kernel | shape | MB | Fallback us | ours us | speed-up | Fallback GB/s | ours GB/s | equal |",
              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['kernel']} | {r['shape']} | {r.get('MB', '')} | {r.get('fallback_us', '')} | {r.get('ours_us', '')} "
+    table += [f"| {r['kernel']} | {r['shape']} | {r.get('MB', '')} | {r.get('fallback_us', '')} | {r.get('ours_us', '')} "
               f"| {r.get('speedup', '')}x | {r.get('fallback_GBps', '')} | {r.get('ours_GBps', '')} "
               f"| {r.get('equal', r.get('error', ''))} |" for r in rows]
-    (out / "probe.md").write_text("\n".join(lines) + "\n")
+    probe_common.write_kernel_probe(Path(args.out), rows, "each kernel's median of 5 x 100 runs (time_evaluator); "
+                                    "GB/s: its input read once and its output written once", table)
     return 0 if all(r.get("equal") for r in rows) else 1
 
 

@@ -171,6 +171,19 @@ def run_schedules(func, scheduled: dict, info) -> tuple[list, dict, dict]:
     return host, outs, us
 
 
+def write_kernel_probe(out: Path, rows: list[dict], note: str, table: list[str]) -> None:
+    """A kernel probe's results: out/probe.json ({"device", "rows"}) and
+    out/probe.md ("device: <the GPU>; `note`", then the `table` lines)."""
+    import torch
+
+    from deploy.tvm_compat import tvm
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else str(tvm.cuda(0))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "probe.json").write_text(json.dumps({"device": gpu, "rows": rows}, indent=1))
+    (out / "probe.md").write_text("\n".join([f"device: {gpu}; {note}", "", *table]) + "\n")
+
+
 def error_line(e: Exception) -> str:
     """The last line of an exception's message (a probe records what fails, no trace)."""
     lines = str(e).strip().splitlines()

@@ -11,7 +11,6 @@ Writes DIR/probe.json and DIR/probe.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -57,7 +56,6 @@ def main(argv=None) -> int:
 
     info = targets.resolve("cuda")
     target = info.tvm_target()
-    dev = tvm.cuda(0)
     rows = []
     for name, (kind, shape) in CASES.items():
         func = _kernel(kind, shape, target)
@@ -75,18 +73,12 @@ def main(argv=None) -> int:
         row["short_rows_GBps"] = round(nbytes / row["short_rows_us"] / 1e3, 1)
         rows.append(row)
         print(row, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else str(dev)
-    (out / "probe.json").write_text(json.dumps({"device": gpu, "rows": rows}, indent=1))
-    lines = [f"device: {gpu}; each kernel's median of 5 x 100 runs (time_evaluator)", "",
-             "| kernel | shape | GeneralReduction us | ShortRows us | speed-up | ShortRows GB/s (one read, one write) "
+    table = ["| kernel | shape | GeneralReduction us | ShortRows us | speed-up | ShortRows GB/s (one read, one write) "
              "| max abs diff |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['kernel']} | {r['shape']} | {r['general_reduction_us']} | {r['short_rows_us']} | {r['speedup']}x "
+    table += [f"| {r['kernel']} | {r['shape']} | {r['general_reduction_us']} | {r['short_rows_us']} | {r['speedup']}x "
               f"| {r['short_rows_GBps']} | {r['max_abs_diff']:.3g} |" for r in rows]
-    (out / "probe.md").write_text("\n".join(lines) + "\n")
+    probe_common.write_kernel_probe(Path(args.out), rows, "each kernel's median of 5 x 100 runs (time_evaluator)",
+                                    table)
     return 0
 
 
