@@ -71,7 +71,7 @@ def _row(block) -> tuple[int, int, bool] | None:
     # (normalizing drops unit axes from the iterators: their index is 0)
     indices = [r.min for r, d in zip(write.region, write.source.shape)
                if not (static_int(d) == 1 and static_int(r.min) == 0)]
-    if len(indices) != len(ivs) or not ivs or any(static_int(r.extent) != 1 for r in write.region):
+    if len(indices) != len(ivs) or any(static_int(r.extent) != 1 for r in write.region):
         return None
     if not all(isinstance(i, tirx.Var) and i.same_as(v) for i, v in zip(indices, ivs)):
         return None
@@ -193,7 +193,7 @@ class TiledTranspose:
         got = _injective_block(func, target)
         if got is None or got[2][0] < TILE:
             return None
-        sch, block_rv, _row_ = got
+        sch, block_rv, _ = got
         block = sch.get(block_rv)
         found = _transposed_read(block)
         if found is None:
