@@ -180,11 +180,22 @@ def match(func, tf32: bool = False, multiple: int = 16) -> Gemm | None:
         for r in [*blk.reads, *blk.writes]:
             if any(r.source.same_as(d) for d in derived) and [str(x) for x in point(r)] != own:
                 return None
-        if [str(x) for x in point(blk.writes[0])] != own:
+        if [str(x) for x in _unit_lead(point(blk.writes[0]), blk.writes[0].source)] != own:
             return None
         derived.append(blk.writes[0].source)
         epilogue.append(blk.name_hint)
     return Gemm(main.name_hint, extents[0], extents[1], extents[2], b_transposed, producers, epilogue, dtype)
+
+
+def _unit_lead(indices: list, buf) -> list:
+    """`indices` without the leading zeros on `buf`'s axes of extent 1, down
+    to two: an output of [1, M, N] written at [0, i, j] (passes/unit_batch.py)."""
+    from .kernel_shape import static_int
+
+    n = 0
+    while len(indices) - n > 2 and static_int(indices[n]) == 0 and static_int(buf.shape[n]) == 1:
+        n += 1
+    return indices[n:]
 
 
 def _is_multiply_accumulate(body, c_buf) -> bool:
@@ -293,9 +304,15 @@ class Default:
     `default_config`'s configuration."""
 
     def apply(self, func, target, tunable=False):
+        from .unit_batch import as_2d
+
         if not available(target):
             return None
         planned = plan(func)
+        if planned is None:  # a GEMM over [1, M, K] rows: the same kernel, its blocks 2-D (unit_batch.py)
+            flat = as_2d(func)
+            if flat is not None:
+                func, planned = flat, plan(flat)
         config = default_config(planned[0], target) if planned is not None else None
         return None if config is None else schedule(func, planned[0], config, planned[1])
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 
+from . import unit_batch
 from .implicit_gemm import IM2COL
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,8 @@ def _gemm_loops(sch):
         in_a, in_b = iv.var in operands[0], iv.var in operands[1]
         roles.append("k" if iv.iter_type == tirx.IterVar.CommReduce
                      else "b" if in_a and in_b else "m" if in_a else "n" if in_b else "b")
-    im2col = [p for p in sch.get_producers(block) if sch.get(p).name_hint == IM2COL]  # (an implicit GEMM)
+    im2col = [p for p in sch.get_producers(block)  # (an implicit GEMM; a [1, M, K] GEMM's 2-D A: unit_batch.py)
+              if sch.get(p).name_hint == IM2COL or unit_batch.MARK in sch.get(p).annotations]
     return block, extents, roles, im2col
 
 
