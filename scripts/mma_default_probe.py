@@ -63,7 +63,7 @@ def compare(func, target, run: bool) -> dict | None:
     import numpy as np
 
     from deploy.build import build_kernel
-    from deploy.passes import mma_gemm, schedule, unit_batch
+    from deploy.passes import mma_gemm, schedule
     from deploy.tvm_compat import dlight, ms, tvm
 
     tvm_target = target.tvm_target()
@@ -72,7 +72,7 @@ def compare(func, target, run: bool) -> dict | None:
     if first[0] != schedule.MMA_GEMM:  # (the build gives it another schedule)
         return None
     ours = first[1]  # (scheduled by the rule, as the build takes it)
-    gemm, padding = mma_gemm.plan(func) or mma_gemm.plan(unit_batch.as_2d(func))  # ([1, M, K] rows: as 2-D)
+    gemm, padding, _ = mma_gemm.plan_any(func)  # (a GEMM over [1, M, K] rows too: passes/unit_batch.py)
     row = {"gemm": f"{gemm.m}x{gemm.n}x{gemm.k}", "config": mma_gemm.default_config(gemm, tvm_target)}
     if padding is not None:
         row["note"] = f"rows padded to {gemm.m} in the kernel"

@@ -184,6 +184,8 @@ def match(func, tf32: bool = False, multiple: int = 16) -> Gemm | None:
             return None
         derived.append(blk.writes[0].source)
         epilogue.append(blk.name_hint)
+    if any(any(p.same_as(d) for p in func.params) for d in derived[1:-1]):
+        return None  # (an output before the last block: the schedule computes the epilogue into the last one)
     return Gemm(main.name_hint, extents[0], extents[1], extents[2], b_transposed, producers, epilogue, dtype)
 
 
@@ -297,6 +299,22 @@ def default_config(gemm: Gemm, target=None) -> str | None:
     return next((c for c, n in blocks.items() if n >= GRID_BLOCKS), max(blocks, key=blocks.get))
 
 
+def plan_any(func, tf32: bool = False) -> tuple[Gemm, list | None, object] | None:
+    """(the GEMM, its row padding, the function to schedule): `plan` of
+    `func`, else of its GEMM over [1, M, K] rows made 2-D
+    (passes/unit_batch.py: the same parameters, its blocks rewritten); None
+    where neither applies. For the untuned default and TF32's marking, not
+    for tuning's spaces (a trace must replay from the workload itself)."""
+    from .unit_batch import as_2d
+
+    planned = plan(func, tf32)
+    if planned is not None:
+        return (*planned, func)
+    flat = as_2d(func)
+    planned = plan(flat, tf32) if flat is not None else None
+    return None if planned is None else (*planned, flat)
+
+
 class Default:
     """This schedule as a default rule of the build's chain (passes/schedule.py:
     `apply(func, target, tunable)` returns a schedule, or None where it does
@@ -304,17 +322,14 @@ class Default:
     `default_config`'s configuration."""
 
     def apply(self, func, target, tunable=False):
-        from .unit_batch import as_2d
-
         if not available(target):
             return None
-        planned = plan(func)
-        if planned is None:  # a GEMM over [1, M, K] rows: the same kernel, its blocks 2-D (unit_batch.py)
-            flat = as_2d(func)
-            if flat is not None:
-                func, planned = flat, plan(flat)
-        config = default_config(planned[0], target) if planned is not None else None
-        return None if config is None else schedule(func, planned[0], config, planned[1])
+        planned = plan_any(func)  # (a GEMM over [1, M, K] rows too, its blocks made 2-D)
+        if planned is None:
+            return None
+        gemm, padding, func = planned
+        config = default_config(gemm, target)
+        return None if config is None else schedule(func, gemm, config, padding)
 
 
 def _arch(target) -> str:

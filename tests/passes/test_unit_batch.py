@@ -92,11 +92,57 @@ def test_it_declines_a_batch_of_more_than_one_and_other_kernels():
     assert unit_batch.as_2d(te.create_prim_func([x, b, c])) is None
 
 
-def test_the_build_chain_gives_it_our_gemm_before_dlights_matmul_and_a_tuned_record_first(sm90):
+def test_the_build_chain_gives_it_our_gemm_before_dlights_matmul(sm90):
     func = _dense(m=197, n=128, k=64)
-    gv = tvm.ir.GlobalVar("fused_dense")
     with sm90:
-        sources = schedule._sources(gv, func, None, sm90, "cuda")
-        assert next(name for name, s in sources if not isinstance(s, Exception)) == schedule.MMA_GEMM
-        tuned = func.with_attr("tirx.is_scheduled", True)  # (a record applies to the kernel as it is)
-        assert next(schedule._sources(gv, func, tuned, sm90, "cuda"))[0] == schedule.TUNED
+        sources = schedule._sources(tvm.ir.GlobalVar("fused_dense"), func, None, sm90, "cuda")
+        name, scheduled = next((n, s) for n, s in sources if not isinstance(s, Exception))
+    assert name == schedule.MMA_GEMM and _shapes(scheduled) == _shapes(func)
+
+
+def _two_outputs(batch):
+    """A GEMM whose result feeds two outputs: fp16 of it, and its square."""
+    from tvm import te
+
+    lead = [_i64(batch)] if batch else []
+    a = te.placeholder((*lead, _i64(64), _i64(64)), "float16", name="A")
+    b = te.placeholder((_i64(64), _i64(64)), "float16", name="B")
+    r = te.reduce_axis((_i64(0), _i64(64)), name="r")
+    c = te.compute((*lead, _i64(64), _i64(64)), lambda *ix: te.sum(
+        a[(*ix[:-1], r)].astype("float32") * b[r, ix[-1]].astype("float32"), axis=r), name="C")
+    h = te.compute(c.shape, lambda *ix: c[ix].astype("float16"), name="H")
+    g = te.compute(c.shape, lambda *ix: (c[ix] * c[ix]).astype("float16"), name="G")
+    return te.create_prim_func([a, b, h, g])
+
+
+@pytest.mark.parametrize("batch", [None, 1], ids=["2d", "unit-batch"])
+def test_an_epilogue_with_an_output_before_its_last_block_is_declined_not_raised(sm90, batch):
+    """The schedule computes the epilogue into its last block: an output
+    written by an earlier one is not its kernel (it raised a ScheduleError
+    at compute_inline, which the build logged as a fallback)."""
+    assert mma_gemm.Default().apply(_two_outputs(batch), sm90) is None
+
+
+def test_tf32_marks_a_unit_batch_fp32_gemm_and_the_default_computes_it_in_tf32(sm90):
+    """passes/tf32.py's marking sees the GEMM as the default does; the
+    kernel's result is the TF32 product (operands rounded as loaded)."""
+    from tvm import te
+
+    from deploy.passes import tf32
+
+    from .test_mma_emulation import _tf32
+
+    a = te.placeholder((_i64(1), _i64(40), _i64(64)), "float32", name="A")
+    b = te.placeholder((_i64(64), _i64(64)), "float32", name="B")
+    r = te.reduce_axis((_i64(0), _i64(64)), name="r")
+    c = te.compute((_i64(1), _i64(40), _i64(64)), lambda x, i, j: te.sum(a[x, i, r] * b[r, j], axis=r), name="C")
+    func = te.create_prim_func([a, b, c])
+    marked = tf32.mark()(tvm.IRModule({"main": func}))["main"]
+    assert marked.attrs and marked.attrs[tf32.ATTR]
+    sch = mma_gemm.Default().apply(marked, sm90)
+    assert sch is not None
+    arrays = emulation.reference(func)
+    got, problems = emulation.run(func, sch.mod["main"], sm90, arrays)
+    assert not problems, sorted(problems)[:5]
+    want = _tf32(arrays[0][0]) @ _tf32(arrays[1])
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
