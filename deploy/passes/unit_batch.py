@@ -31,6 +31,9 @@ from __future__ import annotations
 from .kernel_shape import static_int
 
 MARK = "deploy.unit_batch"  # block annotation: A's 2-D copy
+# False: no kernel rewritten (what the chain did before; `bash scripts/gpu_ab.sh vit 1 new: off:unit_batch.ENABLED=False`
+# measures the difference in a package).
+ENABLED = True
 
 
 def as_2d(func):
@@ -41,7 +44,7 @@ def as_2d(func):
     every block after it is spatial over [1, M, N]; no block before it."""
     from ..tvm_compat import s_tir, tirx, tvm
 
-    if not isinstance(func, tirx.PrimFunc):
+    if not ENABLED or not isinstance(func, tirx.PrimFunc):
         return None
     try:
         sch = s_tir.Schedule(tvm.IRModule({"main": func}), debug_mask=0)

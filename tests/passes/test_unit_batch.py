@@ -92,12 +92,18 @@ def test_it_declines_a_batch_of_more_than_one_and_other_kernels():
     assert unit_batch.as_2d(te.create_prim_func([x, b, c])) is None
 
 
-def test_the_build_chain_gives_it_our_gemm_before_dlights_matmul(sm90):
+def _first_source(func, target):
+    with target:
+        sources = schedule._sources(tvm.ir.GlobalVar("fused_dense"), func, None, target, "cuda")
+        return next((n, s) for n, s in sources if not isinstance(s, Exception))
+
+
+def test_the_build_chain_gives_it_our_gemm_before_dlights_matmul(sm90, monkeypatch):
     func = _dense(m=197, n=128, k=64)
-    with sm90:
-        sources = schedule._sources(tvm.ir.GlobalVar("fused_dense"), func, None, sm90, "cuda")
-        name, scheduled = next((n, s) for n, s in sources if not isinstance(s, Exception))
+    name, scheduled = _first_source(func, sm90)
     assert name == schedule.MMA_GEMM and _shapes(scheduled) == _shapes(func)
+    monkeypatch.setattr(unit_batch, "ENABLED", False)  # (the A/B setting: the chain as before)
+    assert _first_source(func, sm90)[0] == "dlight.Matmul"
 
 
 def _two_outputs(batch):
