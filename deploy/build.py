@@ -183,6 +183,8 @@ def build_bucket(module_path: str, target: TargetInfo, profile: Profile, db: tup
         # Where each kernel's schedule came from, and every fallback with its reason.
         "schedules": report["sources"],
         "fallbacks": report["fallbacks"],
+        # Kernels a DLight rule declined by raising before another source took them (passes/schedule.py: summarize).
+        "declined": report["declined"],
         "compile_seconds": round(time.time() - t0, 1),
         "input_shapes": [p["shape"] for p in params_sig],
         # Device memory of a run: weights and the planned workspace (the server checks the sum fits).

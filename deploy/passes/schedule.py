@@ -255,11 +255,12 @@ def _advance(gv, kernels, chains, chosen, reason):
     for name, got in chains[gv]:
         if isinstance(got, Exception):
             why = error_line(got)
-            k.fallbacks.append({"source": name, "reason": why})
+            ours = not name.startswith("dlight.")  # (our rules, the wgmma kernel, fused attention)
             # (a DLight rule that raises on a kernel it does not fit is the chain working as meant, e.g.
-            # its Matmul on every squeeze-excitation excite kernel: debug; the manifest lists each, and the
-            # build's summary line counts them. One of our own rules raising is worth a warning.)
-            log.log(logging.WARNING if name in RULE_VERSIONS or name == FUSED_ATTENTION else logging.DEBUG,
+            # its Matmul on every squeeze-excitation excite kernel: it declined the kernel, at debug level,
+            # listed in the manifest's `declined`. One of our own rules raising is a fallback, with a warning.)
+            k.fallbacks.append({"source": name, "reason": why, **({} if ours else {"declined": True})})
+            log.log(logging.WARNING if ours else logging.DEBUG,
                     "build: kernel %s: %s failed to schedule it (%s); falling back", k.name, name, why)
             continue
         k.source = name
@@ -269,10 +270,19 @@ def _advance(gv, kernels, chains, chosen, reason):
 
 
 def summarize(kernels: list[Kernel]) -> dict:
-    """For the manifest: kernels per source, and every fallback with its reason."""
+    """For the manifest: kernels per source; every fallback with its reason
+    (a kernel whose tuning record, one of our rules or a schedule failed to
+    build); and the kernels DLight's rules declined by raising (`declined`:
+    the chain working as meant, not counted as fallbacks)."""
     counts: dict[str, int] = {}
     for k in kernels:
         counts[k.source] = counts.get(k.source, 0) + 1
-    fallbacks = [{"kernel": k.name, "to": k.source, "from": [f["source"] for f in k.fallbacks],
-                  "reasons": [f["reason"] for f in k.fallbacks]} for k in kernels if k.fallbacks]
-    return {"sources": dict(sorted(counts.items())), "fallbacks": fallbacks}
+
+    def entry(k):
+        return {"kernel": k.name, "to": k.source, "from": [f["source"] for f in k.fallbacks],
+                "reasons": [f["reason"] for f in k.fallbacks]}
+
+    fell = [k for k in kernels if any(not f.get("declined") for f in k.fallbacks)]
+    declined = [k for k in kernels if k.fallbacks and k not in fell]
+    return {"sources": dict(sorted(counts.items())), "fallbacks": [entry(k) for k in fell],
+            "declined": [entry(k) for k in declined]}

@@ -173,6 +173,29 @@ def test_a_rule_that_raises_falls_back_to_the_next(tmp_path, sm90, monkeypatch):
     assert all(k.fallbacks[0]["source"] == "dlight.Broken" and "properly inlined" in k.fallbacks[0]["reason"]
                for k in kernels)
     assert all(k.source != "dlight.Broken" for k in kernels)
+    # A DLight rule raising declined the kernel: the manifest lists it apart, and no fallback is counted.
+    report = schedule.summarize(kernels)
+    assert not report["fallbacks"] and len(report["declined"]) == len(kernels)
+    assert all(d["from"] == ["dlight.Broken"] and "properly inlined" in d["reasons"][0] for d in report["declined"])
+
+
+def test_one_of_our_rules_raising_is_a_fallback(tmp_path, sm90, monkeypatch):
+    from deploy import build
+
+    class Raises:
+        def apply(self, func, target, tunable):
+            raise AssertionError("our rule's own defect")
+
+    real = schedule.rules
+    monkeypatch.setattr(schedule, "rules", lambda kind: [(schedule.MMA_GEMM, Raises())] + real(kind))
+    mod, cfg = _tiny_cuda_module(tmp_path, sm90)
+    with sm90.tvm_target():
+        _, kernels = schedule.build(mod, None, sm90.tvm_target(), "cuda",
+                                    compile_fn=lambda m: build.compile_module(m, sm90, cfg.cuda),
+                                    kernel_builds=lambda n, f: build.build_kernel(n, f, sm90))
+    report = schedule.summarize(kernels)
+    assert len(report["fallbacks"]) == len(kernels) and not report["declined"]
+    assert all(f["from"][0] == schedule.MMA_GEMM and "own defect" in f["reasons"][0] for f in report["fallbacks"])
 
 
 def test_a_kernel_no_source_builds_is_one_line_and_a_log(tmp_path, monkeypatch, capsys):
