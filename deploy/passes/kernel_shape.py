@@ -10,6 +10,11 @@ def static_int(expr) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def point_indices(region) -> list:
+    """A buffer region's indices, each where it covers one element, else None."""
+    return [r.min if static_int(r.extent) == 1 else None for r in region.region]
+
+
 def vars_of(expr) -> set:
     from ..tvm_compat import tirx
 

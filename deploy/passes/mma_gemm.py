@@ -114,7 +114,7 @@ def match(func, tf32: bool = False, multiple: int = 16) -> Gemm | None:
     attribute, or `tf32` is set (what tf32.mark asks). M, N and K each a
     multiple of `multiple` (this schedule's 16; the wgmma kernel asks 8)."""
     from ..tvm_compat import s_tir, tirx, tvm
-    from .kernel_shape import static_int
+    from .kernel_shape import point_indices, static_int
     from .tf32 import allowed
 
     if not isinstance(func, tirx.PrimFunc):
@@ -138,19 +138,15 @@ def match(func, tf32: bool = False, multiple: int = 16) -> Gemm | None:
     if None in extents or any(e % multiple for e in extents):
         return None
     c = main.writes[0]
-
-    def point(region):
-        return [r.min if static_int(r.extent) == 1 else None for r in region.region]
-
-    if str(c.source.dtype) != "float32" or [str(x) for x in point(c)] != [str(vi), str(vj)]:
+    if str(c.source.dtype) != "float32" or [str(x) for x in point_indices(c)] != [str(vi), str(vj)]:
         return None
     a, b = main.reads
     dtype = str(a.source.dtype)
     if str(b.source.dtype) != dtype or dtype not in (("float16", "float32") if tf32 else ("float16",)):
         return None
-    if [str(x) for x in point(a)] != [str(vi), str(vk)]:
+    if [str(x) for x in point_indices(a)] != [str(vi), str(vk)]:
         return None
-    b_idx = [str(x) for x in point(b)]
+    b_idx = [str(x) for x in point_indices(b)]
     if b_idx == [str(vk), str(vj)]:
         b_transposed = False
     elif b_idx == [str(vj), str(vk)]:
@@ -178,9 +174,9 @@ def match(func, tf32: bool = False, multiple: int = 16) -> Gemm | None:
             return None
         own = [str(v.var) for v in blk.iter_vars]
         for r in [*blk.reads, *blk.writes]:
-            if any(r.source.same_as(d) for d in derived) and [str(x) for x in point(r)] != own:
+            if any(r.source.same_as(d) for d in derived) and [str(x) for x in point_indices(r)] != own:
                 return None
-        if [str(x) for x in _unit_lead(point(blk.writes[0]), blk.writes[0].source)] != own:
+        if [str(x) for x in _unit_lead(point_indices(blk.writes[0]), blk.writes[0].source)] != own:
             return None
         derived.append(blk.writes[0].source)
         epilogue.append(blk.name_hint)

@@ -278,11 +278,10 @@ def summarize(kernels: list[Kernel]) -> dict:
     for k in kernels:
         counts[k.source] = counts.get(k.source, 0) + 1
 
-    def entry(k):
-        return {"kernel": k.name, "to": k.source, "from": [f["source"] for f in k.fallbacks],
-                "reasons": [f["reason"] for f in k.fallbacks]}
-
-    fell = [k for k in kernels if any(not f.get("declined") for f in k.fallbacks)]
-    declined = [k for k in kernels if k.fallbacks and k not in fell]
-    return {"sources": dict(sorted(counts.items())), "fallbacks": [entry(k) for k in fell],
-            "declined": [entry(k) for k in declined]}
+    out = {"sources": dict(sorted(counts.items())), "fallbacks": [], "declined": []}
+    for k in kernels:
+        if k.fallbacks:
+            kind = "declined" if all(f.get("declined") for f in k.fallbacks) else "fallbacks"
+            out[kind].append({"kernel": k.name, "to": k.source, "from": [f["source"] for f in k.fallbacks],
+                              "reasons": [f["reason"] for f in k.fallbacks]})
+    return out

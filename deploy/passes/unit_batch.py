@@ -28,7 +28,7 @@ not use this: a trace has to replay from the workload itself.
 
 from __future__ import annotations
 
-from .kernel_shape import static_int
+from .kernel_shape import point_indices, static_int
 
 MARK = "deploy.unit_batch"  # block annotation: A's 2-D copy
 # False: no kernel rewritten (what the chain did before; `bash scripts/gpu_ab.sh vit 1 new: off:unit_batch.ENABLED=False`
@@ -61,7 +61,8 @@ def as_2d(func):
         return None
     b, i, j, k = (str(v.var) for v in main.iter_vars)
     a_read, b_read = main.reads
-    if _points(a_read) != [b, i, k] or _points(main.writes[0]) != [b, i, j] or len(b_read.source.shape) != 2:
+    if [str(x) for x in point_indices(a_read)] != [b, i, k] \
+            or [str(x) for x in point_indices(main.writes[0])] != [b, i, j] or len(b_read.source.shape) != 2:
         return None
     m = extents[1]
     for s in stmts[1:]:
@@ -91,10 +92,3 @@ def as_2d(func):
     except Exception:  # noqa: BLE001 - a ScheduleError: not a kernel this rewrite takes
         return None
     return sch.mod["main"]
-
-
-def _points(region) -> list[str] | None:
-    """A buffer region's indices, where each covers one element."""
-    if any(static_int(r.extent) != 1 for r in region.region):
-        return None
-    return [str(r.min) for r in region.region]
