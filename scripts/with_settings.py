@@ -5,8 +5,10 @@ the values set here.
 
     python3 scripts/with_settings.py "wgmma_gemm.EPILOGUE='registers',implicit_gemm.FEW_CHANNELS=0" run ...
 
-SETTINGS: comma-separated `module.NAME=value` under deploy.passes, each
-value a Python literal without a comma; empty: the code as it is. A name
+SETTINGS: comma-separated `module.NAME=value` under deploy.passes (or
+`config.NAME=value`: deploy.config, the build profile's defaults, e.g.
+`config.CONV_GEMM_BATCH=1`), each value a Python literal without a
+comma; empty: the code as it is. A name
 the module does not have is refused (exit 2, one line). Only what the
 passes read when they run is reached: a constant another module copied
 at import (`wgmma_gemm.SHARED_MEMORY` from mma_gemm's table) or a
@@ -36,12 +38,13 @@ def apply(settings: str) -> list[tuple[str, object]]:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             raise ValueError(f"{item!r}: {text!r} is not a Python literal") from None
+        path = "deploy.config" if module == "config" else f"deploy.passes.{module}"
         try:
-            m = importlib.import_module(f"deploy.passes.{module}")
+            m = importlib.import_module(path)
         except ImportError:
-            raise ValueError(f"{item!r}: no module deploy.passes.{module}") from None
+            raise ValueError(f"{item!r}: no module {path}") from None
         if not hasattr(m, name):
-            raise ValueError(f"{item!r}: deploy.passes.{module} has no {name}")
+            raise ValueError(f"{item!r}: {path} has no {name}")
         setattr(m, name, value)
         done.append((key, value))
     return done
@@ -55,7 +58,7 @@ def main(argv: list[str]) -> int:
     try:
         apply(argv[0])
     except ValueError as e:
-        print(f"error: {e} | settings are comma-separated module.NAME=value under deploy.passes", file=sys.stderr)
+        print(f"error: {e} | settings are comma-separated module.NAME=value under deploy.passes, or config.NAME=value", file=sys.stderr)
         return 2
     from deploy.cli import main as deploy
 

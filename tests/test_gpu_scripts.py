@@ -1,5 +1,6 @@
 """The GPU machine's shell helpers, run here with a fake nvidia-smi."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -202,15 +203,21 @@ def test_with_settings_sets_our_passes_constants_and_refuses_the_rest():
     value that is not a literal, or no `=` refused; empty sets nothing."""
     import with_settings
 
+    from deploy import config
     from deploy.passes import implicit_gemm, wgmma_gemm
 
-    before = (implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE)
+    before = (implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE, config.CONV_GEMM_BATCH)
     try:
-        done = with_settings.apply("implicit_gemm.FEW_CHANNELS=0, wgmma_gemm.EPILOGUE='registers'")
-        assert done == [("implicit_gemm.FEW_CHANNELS", 0), ("wgmma_gemm.EPILOGUE", "registers")]
+        done = with_settings.apply("implicit_gemm.FEW_CHANNELS=0, wgmma_gemm.EPILOGUE='registers',"
+                                   "config.CONV_GEMM_BATCH=1")
+        assert done == [("implicit_gemm.FEW_CHANNELS", 0), ("wgmma_gemm.EPILOGUE", "registers"),
+                        ("config.CONV_GEMM_BATCH", 1)]
         assert (implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE) == (0, "registers")
+        # the build profile reads the module's value when it decides
+        assert dataclasses.replace(config.CUDA_DEFAULTS, precision="fp16").implicit_gemms(1, hopper=True) is True
     finally:
-        implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE = before
+        implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE, config.CONV_GEMM_BATCH = before
+    assert dataclasses.replace(config.CUDA_DEFAULTS, precision="fp16").implicit_gemms(1, hopper=True) is False
     assert with_settings.apply("") == []
     for bad, why in [("wgmma_gemm.NOPE=1", "has no NOPE"), ("nope.X=1", "no module"),
                      ("wgmma_gemm.SMS=os.sep", "literal"),
