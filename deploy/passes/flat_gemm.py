@@ -172,14 +172,23 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             a = call.attrs
             x, w = call.args
             o, r, s, c = static_shape(w)
-            if c % implicit_gemm.VECTOR:  # (too few channels: both padded with zeros, the data's pad fused upstream)
+            ys = static_shape(call)
+            strides, padding = a.strides, a.padding
+            blocked = implicit_gemm.space_to_depth(static_shape(x), (o, r, s, c), strides, padding, ys)
+            if blocked is not None:  # (2 x 2 blocks of pixels as channels: the data's blocking fused upstream)
+                x, w = (self.builder_.emit(op.reshape(op.permute_dims(op.reshape(op.nn.pad(t, blocked[f"{n}_pad"]),
+                                                                               blocked[f"{n}_blocks"][0]),
+                                                                    [0, 1, 3, 2, 4, 5]), blocked[f"{n}_blocks"][1]))
+                        for t, n in ((x, "x"), (w, "w")))
+                (r, s), c = blocked["kernel"], 4 * blocked["channels"]
+                strides, padding = [1, 1], [0, 0, 0, 0]
+            elif c % implicit_gemm.VECTOR:  # (too few channels: both padded with zeros, the data's pad fused upstream)
                 pad = [0] * 7 + [implicit_gemm.padded_channels(c) - c]
                 x, w = self.builder_.emit(op.nn.pad(x, pad)), self.builder_.emit(op.nn.pad(w, pad))
                 c = implicit_gemm.padded_channels(c)
-            ys = static_shape(call)
             w2 = self.builder_.emit(op.reshape(w, [o, r * s * c]))  # (folded for constant weights)
-            gemm = self.builder_.call_te(implicit_gemm.conv_as_gemm, x, w2, kernel=(r, s), strides=a.strides,
-                                         padding=a.padding, out_shape=ys, out_dtype=tensor_dtype(call),
+            gemm = self.builder_.call_te(implicit_gemm.conv_as_gemm, x, w2, kernel=(r, s), strides=strides,
+                                         padding=padding, out_shape=ys, out_dtype=tensor_dtype(call),
                                          primfunc_name_hint="conv2d_gemm")
             return self._emit_flat(gemm, ys)
 
@@ -236,6 +245,9 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
         if xs is None or ws is None or ys is None or len(ys) != 4 or len(ws) != 4:
             return False
         o, r, s, c = ws
+        blocked = implicit_gemm.space_to_depth(xs, ws, call.attrs.strides, call.attrs.padding, ys)
+        if blocked is not None:
+            return wgmma_gemm.takes(ys[0] * ys[1] * ys[2], o, math.prod(blocked["w_blocks"][1][1:]))
         return wgmma_gemm.takes(ys[0] * ys[1] * ys[2], o, r * s * implicit_gemm.padded_channels(c))
 
     # The 4-D views nothing reads any more go: a dead consumer of the GEMM

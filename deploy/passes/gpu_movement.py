@@ -20,11 +20,13 @@ element).
 
 It applies to a kernel without a reduction that is one block once its
 producers and consumers are inlined, writing one buffer whose last axis has
-2 to 16 elements of at most 16 bytes in all, where some read's last index
-follows the axis before that one and not that one, which another of its
-indices follows (a transpose into it, read coalesced by neighbouring
-threads; elsewhere, a broadcast along the row among them, Fallback's order
-is as good). `tunable` is ignored: tuning has no design space of
+2 or more elements of at most 32 bytes in all (past 16, in pieces of 16
+bytes, a thread each: the stem's input blocked in 2 x 2 pixels,
+passes/implicit_gemm.space_to_depth, 16 fp16 channels), where some read's
+last index follows the axis before that one, and another of its indices
+follows that one (a transpose into it, read coalesced by neighbouring
+threads; elsewhere, a broadcast along the row or a row read whole,
+Fallback's order is as good). `tunable` is ignored: tuning has no design space of
 it (MetaSchedule's own spaces apply). It is last in the CUDA chain before
 Fallback (passes/schedule.py): it changes only kernels left to Fallback.
 
@@ -50,7 +52,8 @@ import math
 
 THREAD_CHOICES = (256, 128, 64)  # threads a block: the first that divides the rows, else the first
 # (not 32: an H100 holds 32 blocks an SM, so blocks of 32 threads would fill half of it)
-MAX_ROW_BYTES = 16  # a row at most one 16-byte store
+MAX_ROW_BYTES = 32  # a row at most this long (past 16 bytes: cut in 16-byte pieces, a thread each)
+PIECE_BYTES = 16
 VECTOR_BYTES = (4, 8, 16)  # rows stored as one vector; others element by element
 VECTOR_DTYPES = ("float16", "bfloat16", "float32", "int32")  # (CUDA's codegen prints no bool or int64 vectors)
 TILE = 32  # TiledTranspose's tiles: TILE x TILE elements (fewer along an axis shorter than TILE)
@@ -116,18 +119,25 @@ class ShortInnerAxis:
         got = _injective_block(func, target)
         if got is None or got[2][1] > MAX_ROW_BYTES:
             return None
-        sch, block_rv, row = got
+        sch, block_rv, (n, size, vector) = got
         block = sch.get(block_rv)
         # A read transposed into the row: its last index follows the axis
         # before the row's, which neighbouring threads walk (so they read
-        # neighbouring elements), and not the row's own, which another of its
-        # indices follows (else a broadcast along the row, read coalesced by
-        # Fallback's threads).
+        # neighbouring elements, or every other one: a stem's 2 x 2 blocks of
+        # pixels, passes/implicit_gemm.space_to_depth), and another of its
+        # indices follows the row's own (else a broadcast along the row, or a
+        # row read whole, coalesced by Fallback's threads).
         last, before = block.iter_vars[-1].var, block.iter_vars[-2].var
-        if not any(r.region and before in vars_of(r.region[-1].min) and last not in vars_of(r.region[-1].min)
+        if not any(r.region and before in vars_of(r.region[-1].min)
                    and any(last in vars_of(x.min) for x in r.region[:-1]) for r in block.reads):
             return None
-        rows = math.prod(static_int(iv.dom.extent) or 0 for iv in block.iter_vars[:-1])  # (0: not static)
+        # A row longer than 16 bytes (16 fp16 channels: the blocked stem's
+        # input) in pieces of 16, a thread each: a piece one vector store.
+        pieces = size // PIECE_BYTES if size > PIECE_BYTES else 1
+        if pieces > 1 and (size % PIECE_BYTES or n % pieces):
+            return None
+        vector = vector or (pieces > 1 and str(block.writes[0].source.dtype) in VECTOR_DTYPES)
+        rows = math.prod(static_int(iv.dom.extent) or 0 for iv in block.iter_vars[:-1]) * pieces  # (0: not static)
         # The row through registers, stored as one vector, only where the
         # threads divide the rows: a cache-write stage moved under the
         # thread loop does not keep the split's predicate, so a partly idle
@@ -135,10 +145,12 @@ class ShortInnerAxis:
         threads = next((t for t in THREAD_CHOICES if rows and rows % t == 0), None)
         try:
             loops = sch.get_loops(block_rv)
+            if pieces > 1:
+                loops = [*loops[:-1], *sch.split(loops[-1], [pieces, None])]
             bx, tx = sch.split(sch.fuse(*loops[:-1]), [None, threads or THREAD_CHOICES[0]])
             sch.bind(bx, "blockIdx.x")
             sch.bind(tx, "threadIdx.x")
-            if row[2] and threads:
+            if vector and threads:
                 store = sch.cache_write(block_rv, 0, "local")
                 sch.reverse_compute_at(store, tx)
                 sch.vectorize(sch.get_loops(store)[-1])

@@ -66,12 +66,25 @@ def _check(rule, build, shape, dtype, on_gpu=False):
     np.testing.assert_array_equal(got, want)
 
 
+def _blocked(n, h, w):
+    """The stem's input blocked in 2 x 2 pixels (passes/implicit_gemm.space_to_depth):
+    NHWC fp16, padded by 3 pixels and to 4 channels, [N, H/2, W/2, 16]."""
+    def build(x):
+        y = relax.op.nn.pad(_nhwc()(x), [0, 0, 3, 3, 3, 3, 0, 1])
+        hp, wp = h + 6, w + 6
+        y = relax.op.permute_dims(relax.op.reshape(y, (n, hp // 2, 2, wp // 2, 2, 4)), [0, 1, 3, 2, 4, 5])
+        return relax.op.reshape(y, (n, hp // 2, wp // 2, 16))
+    return build
+
+
 CASES = [  # (what, build, input shape)
     ("3 channels padded to 8, fp16", _nhwc(5), (2, 3, 10, 12)),  # (240 rows: stored element by element)
     ("3 channels padded to 8, fp16, a vector a row", _nhwc(5), (1, 3, 16, 16)),  # (256 rows: 16-byte stores)
     ("3 channels, fp16", _nhwc(), (2, 3, 10, 12)),
     ("4 channels, fp32", _nhwc(dtype="float32"), (1, 4, 9, 7)),
     ("4 channels, fp32, a vector a row", _nhwc(dtype="float32"), (1, 4, 16, 16)),
+    ("blocked in 2 x 2 pixels, 32-byte rows", _blocked(2, 10, 12), (2, 3, 10, 12)),  # (288 pieces: element by element)
+    ("blocked in 2 x 2 pixels, 16-byte stores", _blocked(1, 26, 26), (1, 3, 26, 26)),  # (512 pieces of 16 bytes)
 ]
 
 

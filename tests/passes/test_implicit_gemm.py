@@ -382,25 +382,36 @@ class Mod:
 """)
 
 
-@pytest.mark.parametrize("c,k", [(3, 7), (4, 3), (1, 3)])
-def test_a_stems_few_channels_are_padded_to_8_where_the_wgmma_kernel_takes_it(c, k):
+@pytest.mark.parametrize("c,k,stride,hw,blocks,want_k", [
+    (3, 7, 2, 16, False, 7 * 7 * 8), (4, 3, 2, 16, False, 3 * 3 * 8), (1, 3, 1, 16, True, 3 * 3 * 8),
+    (3, 7, 2, 16, True, 4 * 4 * 16), (4, 3, 2, 16, True, 2 * 2 * 16), (1, 3, 2, 16, True, 2 * 2 * 8),
+    (3, 4, 2, 15, True, 2 * 2 * 16), (3, 7, 2, 31, True, 4 * 4 * 16)],
+    ids=["rgb-7x7", "rgba-3x3", "grey-stride1", "rgb-7x7-blocked", "rgba-3x3-blocked", "grey-3x3-blocked",
+         "rgb-4x4-odd-blocked", "rgb-7x7-odd-blocked"])
+def test_a_stems_few_channels_are_padded_to_8_where_the_wgmma_kernel_takes_it(c, k, stride, hw, blocks, want_k,
+                                                                                monkeypatch):
     """With the wgmma kernel in use (`wgmma`), a convolution of fewer than 8
     channels (RGB, RGBA, grey) becomes an implicit GEMM of its data and
-    weights padded with zero channels to 8: the same result, a gather the
-    kernel plans (K = k x k x 8), the data's padding a kernel of its own
-    here (in a model, fused with its producer: the input's transpose).
-    Without the kernel, or with FEW_CHANNELS 0, it stays a convolution."""
+    weights padded with zero channels to 8 (K = k x k x 8) or, at stride 2
+    (SPACE_TO_DEPTH), of 2 x 2 blocks of pixels as channels, a stride-1
+    kernel of ceil(k/2) (K = ceil(k/2)^2 x 4 x the channels made even): the
+    same result, a gather the kernel plans, the data's padding (and
+    blocking) a kernel of its own here (in a model, fused with its producer:
+    the input's transpose). Without the kernel, or with FEW_CHANNELS 0, it
+    stays a convolution."""
     from deploy.passes import wgmma_gemm
 
-    mod = _stem(c=c, k=k)
+    monkeypatch.setattr(implicit_gemm, "SPACE_TO_DEPTH", blocks)
+    mod = _stem(c=c, k=k, stride=stride, hw=hw)
     new = flat_epilogues(convs=True, wgmma=True, conv1x1=True)(mod)
     assert "conv2d_gemm" in new.script() and new.script().count("R.nn.pad(") == 2
+    assert ("R.permute_dims(" in new.script()) == (blocks and stride == 2)
     args = _args(mod)
     np.testing.assert_allclose(_run(new, args)[0], _run(mod, args)[0], rtol=2e-3, atol=2e-3)
     kernels = _kernels(_fused(new))
     (gemm,) = [f for name, f in kernels.items() if "conv2d_gemm" in name]
     p = wgmma_gemm.plan(gemm, gather=True)
-    assert p is not None and p.gather is not None and p.k == k * k * 8
+    assert p is not None and p.gather is not None and p.k == want_k
     assert "conv2d_gemm" not in flat_epilogues(convs=True, conv1x1=True)(mod).script()
 
 
@@ -410,25 +421,33 @@ def test_few_channels_off_leaves_the_stem_alone(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_a_padded_stems_gemm_computes_the_convolution(monkeypatch):
-    """The 7x7 stem of 3 channels padded to 8, on the wgmma kernel (two
-    persistent CTAs), against its function lowered for the CPU."""
+@pytest.mark.parametrize("blocks", [False, True], ids=["padded", "blocked"])
+def test_gpu_a_padded_stems_gemm_computes_the_convolution(blocks, monkeypatch):
+    """The 7x7 stem of 3 channels padded to 8 (or blocked in 2 x 2 pixels:
+    SPACE_TO_DEPTH), on the wgmma kernel (two persistent CTAs), against its
+    function lowered for the CPU."""
     from deploy.passes import wgmma_gemm
 
     from .test_wgmma_gemm import _gpu_error
 
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
+    monkeypatch.setattr(implicit_gemm, "SPACE_TO_DEPTH", blocks)
     kernels = _kernels(_fused(flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem(n=4, hw=32))))
     (gemm,) = [f.with_attr("global_symbol", "main") for name, f in kernels.items() if "conv2d_gemm" in name]
     assert _gpu_error(gemm, wgmma_gemm.replacement(gemm, gather=True)) < 2e-3
 
 
-def test_a_stem_the_kernel_would_not_take_is_not_padded():
+def test_a_stem_the_kernel_would_not_take_is_not_padded(monkeypatch):
     """At 440 images of 224 x 224 the padded stem's A (802,816 x 440 / 64
     rows x 392) passes int32: the wgmma kernel would decline it and DLight
     would get 2.7 times the products, so it stays a convolution."""
     from deploy.passes import wgmma_gemm
 
     assert not wgmma_gemm.takes(440 * 112 * 112, 64, 7 * 7 * 8) and wgmma_gemm.takes(64 * 112 * 112, 64, 7 * 7 * 8)
+    monkeypatch.setattr(implicit_gemm, "SPACE_TO_DEPTH", False)
     assert "conv2d_gemm" not in flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem(n=440, hw=224)).script()
     assert "conv2d_gemm" in flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem(n=64, hw=224)).script()
+    # blocked in 2 x 2 pixels (K = 4 x 4 x 16), 440 images index in int32, 700 do not
+    monkeypatch.setattr(implicit_gemm, "SPACE_TO_DEPTH", True)
+    assert "conv2d_gemm" in flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem(n=440, hw=224)).script()
+    assert "conv2d_gemm" not in flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem(n=700, hw=224)).script()
