@@ -162,9 +162,6 @@ def gather(blk, names, rows: int, k: int) -> Gather | None:
 # tile (their offsets, the parts of the indices it checks, and which rows hold, as bits), and K's once a
 # stage, so that each copy adds, compares and selects (the division by the image's sizes for each copy
 # made the producer, not the tensor cores, the limit: results/h100/2026-12-06/ragged-n-and-gathers/).
-# Where the gathered copies are cached on their way to shared memory: "cg" (L2 only) or "ca" (L1 too:
-# neighbouring rows of a convolution's tile read overlapping pixels, 3.5 times each in a 7x7 stride-2 stem)
-GATHER_CACHE = "cg"
 _PRODUCER = '''wg_roff = T.alloc_local((wg_bm // 16,), "$g_dtype")
 wg_rchk = T.alloc_local((wg_bm // 16 * wg_nchk + 1,), "$g_dtype")
 wg_kv = T.alloc_local((wg_nchk + 1,), "$g_dtype")
@@ -192,7 +189,7 @@ $b_load
             wg_r = T.meta_var(wg_j * 16 + wg_tx // 8)
             wg_ok = T.meta_var(T.And(T.And(wg_bits[1] != 0, T.bitwise_and(T.shift_right(wg_bits[0], wg_j), 1) != 0),
                                      $g_inside))
-            T.ptx["cp.async.$g_cache.shared.global"](
+            T.ptx["cp.async.cg.shared.global"](
                 wg_as.ptr_to([wg_it % wg_stages, wg_r, T.bitwise_xor(wg_tx % 8, wg_r % 8) * 8]),
                 wg_xf.ptr_to([T.if_then_else(wg_ok, wg_roff[wg_j] + wg_kv[0], $g_zero)]), 16,
                 T.if_then_else(wg_ok, T.uint32(16), T.uint32(0)))
@@ -210,7 +207,7 @@ def producer(g: Gather, x: str, x_shape, b_load: str) -> tuple[str, str, dict]:
     text = string.Template(_PRODUCER).safe_substitute(b_load=textwrap.indent(b_load, " " * 12))
     return a_map, text, {
         "g_dtype": g.dtype, "g_row_offset": g.row_offset, "g_k_offset": g.k_offset, "g_row_cond": g.row_cond,
-        "g_k_cond": g.k_cond, "g_zero": f"T.{g.dtype}(0)", "x": x, "g_cache": GATHER_CACHE,
+        "g_k_cond": g.k_cond, "g_zero": f"T.{g.dtype}(0)", "x": x,
         "g_row_checks": ("\n" + " " * 16).join(f"wg_rchk[wg_j * wg_nchk + {c}] = {row}"
                                                for c, (row, _, _) in enumerate(g.checks)),
         "g_k_checks": ("\n" + " " * 16).join(f"wg_kv[{c + 1}] = {kk}" for c, (_, kk, _) in enumerate(g.checks)),

@@ -265,26 +265,22 @@ def _gpu_error(func, kernel) -> float:
     return float(np.linalg.norm(out - want) / np.linalg.norm(want))
 
 
-@pytest.mark.parametrize("shape,cache", [((2, 16, 64, 128, 3, 2, True), "cg"), ((1, 16, 64, 64, 3, 1, False), "cg"),
-                                         ((24, 7, 64, 64, 3, 1, False), "cg"), ((2, 8, 24, 32, 3, 1, False), "cg"),
-                                         ((2, 16, 64, 128, 3, 2, True), "ca")],
-                         ids=["stride2-residual", "batch-1", "rows-padded", "24-channels", "stride2-residual-l1"])
-def test_the_gather_kernel_compiles_for_sm90a(shape, cache, monkeypatch):
+@pytest.mark.parametrize("shape", [(2, 16, 64, 128, 3, 2, True), (1, 16, 64, 64, 3, 1, False),
+                                   (24, 7, 64, 64, 3, 1, False), (2, 8, 24, 32, 3, 1, False)],
+                         ids=["stride2-residual", "batch-1", "rows-padded", "24-channels"])
+def test_the_gather_kernel_compiles_for_sm90a(shape):
     """The gathering producer: 16-byte `cp.async` copies zero-filled by
-    their source size (cached in L2 only, or in L1 too with GATHER_CACHE
-    "ca"), each thread's arrival on the stage's barrier when
+    their source size, each thread's arrival on the stage's barrier when
     its copies land, and the consumers' proxy fence before `wgmma` reads
     them; nvcc compiles it for sm_90a. (At batch 1 the batch index is a
     constant: the kernel's index types must still agree.)"""
     from tvm.support import nvcc
 
-    from deploy.passes import wgmma_operands
     from deploy.tvm_compat import tvm
 
-    monkeypatch.setattr(wgmma_operands, "GATHER_CACHE", cache)
     kernel = wgmma_gemm.replacement(_implicit(shape), gather=True)
     src = _compiled(kernel).mod.imports[0].inspect_source()
-    for ptx in (f"cp.async.{cache}.shared.global [%0], [%1], 16, %2;", "cp.async.mbarrier.arrive.noinc.shared.b64",
+    for ptx in ("cp.async.cg.shared.global [%0], [%1], 16, %2;", "cp.async.mbarrier.arrive.noinc.shared.b64",
                 "fence.proxy.async.shared::cta", "wgmma.mma_async"):
         assert ptx in src
     assert "(uint)129" in src  # (the full barrier: the TMA thread's arrival and 128 gathering threads')
@@ -302,8 +298,7 @@ def test_the_gather_kernel_compiles_for_sm90a(shape, cache, monkeypatch):
                                             ((2, 8, 24, 32, 3, 1, False), False)],
                          ids=["3x3-16-tiles", "3x3-rows-padded", "3x3-stride2-residual", "1x1-stride2",
                               "3x3-16-tiles-pingpong", "3x3-160-columns", "3x3-24-channels"])
-@pytest.mark.parametrize("cache", ["cg", "ca"], ids=["l2", "l1"])
-def test_gpu_an_implicit_gemm_computes_the_convolution(shape, pingpong, cache, monkeypatch):
+def test_gpu_an_implicit_gemm_computes_the_convolution(shape, pingpong, monkeypatch):
     """The gathering kernel on the GPU against the function lowered for the
     CPU: a persistent grid of two CTAs (each takes half the tiles: the ring
     of four stages runs on across tiles, 9 K tiles each), pad_gemm's padded
@@ -313,11 +308,8 @@ def test_gpu_an_implicit_gemm_computes_the_convolution(shape, pingpong, cache, m
     registers cut to 40, its rows' parts held in them all the same); 24
     channels (K = 216: the last stage's 3 chunks of 8 in K, the rest zeros)."""
 
-    from deploy.passes import wgmma_operands
-
     monkeypatch.setattr(wgmma_gemm, "SMS", 2)
     monkeypatch.setattr(wgmma_gemm, "PINGPONG", pingpong)
-    monkeypatch.setattr(wgmma_operands, "GATHER_CACHE", cache)
     func = _implicit(shape)
     kernel = wgmma_gemm.replacement(func, gather=True)
     assert kernel is not None and wgmma_gemm.plan(func, gather=True).gather is not None
