@@ -174,7 +174,10 @@ class Profile:
 # The smallest bucket whose convolutions become GEMMs by default on sm_90 (`Profile.implicit_gemms`): on
 # an H200, ResNet-50 b64 ran 2.512 ms so (3.760 with the tuned records of the default graph) and b1 0.489
 # (0.470), ResNet-18 b64 1.019 (1.492): results/h200/2026-12-06/gathers-row-k/; on an H100, untuned, b32
-# 1.905 (3.864): results/h100/2026-12-06/grouped-and-b32/. Batches between 1 and 32 were not measured.
+# 1.905 (3.864): results/h100/2026-12-06/grouped-and-b32/. Batches between 1 and 32 were not measured. Untuned,
+# batch 1 gains too (H100: ResNet-50 1.259 -> 0.819 ms, ConvNeXt-T 0.726 -> 0.631, EfficientNet-B0 even:
+# results/h100/2026-12-06/implicit-b1/), but the committed b1 databases were tuned on the direct graph; making
+# it the default there needs the choice kept with each database.
 CONV_GEMM_BATCH = 32
 
 
