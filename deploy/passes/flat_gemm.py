@@ -176,10 +176,12 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
             strides, padding = a.strides, a.padding
             blocked = implicit_gemm.space_to_depth(static_shape(x), (o, r, s, c), strides, padding, ys)
             if blocked is not None:  # (2 x 2 blocks of pixels as channels: the data's blocking fused upstream)
-                x, w = (self.builder_.emit(op.reshape(op.permute_dims(op.reshape(op.nn.pad(t, blocked[f"{n}_pad"]),
-                                                                               blocked[f"{n}_blocks"][0]),
-                                                                    [0, 1, 3, 2, 4, 5]), blocked[f"{n}_blocks"][1]))
-                        for t, n in ((x, "x"), (w, "w")))
+                def blocks(t, name):  # padded, [.., P, 2, Q, 2, C] -> [.., P, Q, 2, 2, C] -> [.., P, Q, 4C]
+                    split, merged = blocked[f"{name}_blocks"]
+                    six = op.reshape(op.nn.pad(t, blocked[f"{name}_pad"]), split)
+                    return self.builder_.emit(op.reshape(op.permute_dims(six, [0, 1, 3, 2, 4, 5]), merged))
+
+                x, w = blocks(x, "x"), blocks(w, "w")  # (the weights' folded)
                 (r, s), c = blocked["kernel"], 4 * blocked["channels"]
                 strides, padding = [1, 1], [0, 0, 0, 0]
             elif c % implicit_gemm.VECTOR:  # (too few channels: both padded with zeros, the data's pad fused upstream)

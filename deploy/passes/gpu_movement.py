@@ -124,18 +124,20 @@ class ShortInnerAxis:
         # A read transposed into the row: its last index follows the axis
         # before the row's, which neighbouring threads walk (so they read
         # neighbouring elements, or every other one: a stem's 2 x 2 blocks of
-        # pixels, passes/implicit_gemm.space_to_depth), and another of its
-        # indices follows the row's own (else a broadcast along the row, or a
-        # row read whole, coalesced by Fallback's threads).
+        # pixels, passes/implicit_gemm.space_to_depth), another of its
+        # indices follows the row's own, and the row's neighbouring elements
+        # are not neighbours in that read (else a broadcast along the row, or
+        # a row read whole, coalesced by Fallback's threads, which walk it).
         last, before = block.iter_vars[-1].var, block.iter_vars[-2].var
         if not any(r.region and before in vars_of(r.region[-1].min)
-                   and any(last in vars_of(x.min) for x in r.region[:-1]) for r in block.reads):
+                   and any(last in vars_of(x.min) for x in r.region[:-1])
+                   and not _contiguous(r.region[-1].min, block.iter_vars, n) for r in block.reads):
             return None
         # A row longer than 16 bytes (16 fp16 channels: the blocked stem's
         # input) in pieces of 16, a thread each: a piece one vector store.
-        pieces = size // PIECE_BYTES if size > PIECE_BYTES else 1
-        if pieces > 1 and (size % PIECE_BYTES or n % pieces):
+        if size > PIECE_BYTES and (size % PIECE_BYTES or n % (size // PIECE_BYTES)):
             return None
+        pieces = max(1, size // PIECE_BYTES)
         vector = vector or (pieces > 1 and str(block.writes[0].source.dtype) in VECTOR_DTYPES)
         rows = math.prod(static_int(iv.dom.extent) or 0 for iv in block.iter_vars[:-1]) * pieces  # (0: not static)
         # The row through registers, stored as one vector, only where the
@@ -158,6 +160,26 @@ class ShortInnerAxis:
         except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
             return None
         return sch
+
+
+def _contiguous(index, iter_vars, n: int) -> bool:
+    """Whether `index` steps by 1 as the last iterator walks its `n`
+    values, the others at their first (a row read whole by a reshape);
+    evaluated, not matched, so that a division or a modulus counts as what
+    it does there."""
+    from ..tvm_compat import sym, tirx
+
+    got = []
+    for k in range(n):
+        analyzer = sym.Analyzer()
+        for iv in iter_vars[:-1]:
+            analyzer.bind(iv.var, iv.dom.min)
+        analyzer.bind(iter_vars[-1].var, tirx.const(k, iter_vars[-1].dom.extent.ty))
+        value = analyzer.simplify(index)
+        if not isinstance(value, tirx.IntImm):
+            return False
+        got.append(int(value))
+    return all(b - a == 1 for a, b in zip(got, got[1:]))
 
 
 def _transposed_read(block) -> tuple[int, int] | None:

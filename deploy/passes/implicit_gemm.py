@@ -110,7 +110,9 @@ def space_to_depth(xs, ws, strides, padding, ys) -> dict | None:
     `padding`: [top, left, bottom, right]. Returns `channels` (c padded to
     an even count: 4c a multiple of 8), `x_pad` (the data's pad widths,
     before and after each axis), `w_pad` (the weights'), `kernel` and the
-    blocked shapes `x_blocks` and `w_blocks`."""
+    blocked shapes `x_blocks` and `w_blocks`. None where the blocked K
+    exceeds the padded one (5 to 7 channels), or where the blocked data
+    would have to be cropped (an even kernel over an odd size, unpadded)."""
     if not SPACE_TO_DEPTH or [int(v) for v in strides] != [2, 2]:
         return None
     n, h, wd, c = xs
@@ -125,6 +127,8 @@ def space_to_depth(xs, ws, strides, padding, ys) -> dict | None:
     if bottom < 0 or right < 0:
         return None
     cb = c + c % 2
+    if r2 * s2 * 4 * cb > r * s * padded_channels(c):  # (5 to 7 channels: more products than padding them to 8)
+        return None
     return {"channels": cb, "kernel": (r2, s2),
             "x_pad": [0, 0, top, bottom, left, right, 0, cb - c],
             "w_pad": [0, 0, 0, 2 * r2 - r, 0, 2 * s2 - s, 0, cb - c],

@@ -85,6 +85,7 @@ CASES = [  # (what, build, input shape)
     ("4 channels, fp32, a vector a row", _nhwc(dtype="float32"), (1, 4, 16, 16)),
     ("blocked in 2 x 2 pixels, 32-byte rows", _blocked(2, 10, 12), (2, 3, 10, 12)),  # (288 pieces: element by element)
     ("blocked in 2 x 2 pixels, 16-byte stores", _blocked(1, 26, 26), (1, 3, 26, 26)),  # (512 pieces of 16 bytes)
+    ("8 channels, fp32, in two pieces", _nhwc(dtype="float32"), (2, 8, 16, 16)),
 ]
 
 
@@ -121,6 +122,8 @@ def test_the_padded_input_is_read_once_a_channel_and_stored_16_bytes_at_once(sm9
     ("a broadcast along the row", lambda x: relax.op.add(
         x, relax.op.expand_dims(relax.const(np.arange(16, dtype="float16")), -1)), (2, 16, 16, 8)),
     ("a reshape: rows read whole", lambda x: relax.op.reshape(x, (2, 16, 16, 8)), (2, 16, 128)),
+    ("a reshape across rows: rows read whole", lambda x: relax.op.reshape(x, (2, 24, 8)), (2, 16, 12)),
+    ("12 channels: 24 bytes, no whole pieces", _nhwc(), (2, 12, 10, 12)),
 ])
 def test_other_kernels_are_not_taken_by_short_inner_axis(sm90, what, build, shape):
     """Where Fallback's threads already read along the row (no transpose, a

@@ -415,6 +415,37 @@ def test_a_stems_few_channels_are_padded_to_8_where_the_wgmma_kernel_takes_it(c,
     assert "conv2d_gemm" not in flat_epilogues(convs=True, conv1x1=True)(mod).script()
 
 
+@pytest.mark.parametrize("c,kernel,pads,hw,blocked", [
+    (3, (7, 5), (3, 2, 2, 1), (19, 17), True),  # (R != S, padding uneven)
+    (1, (3, 5), (0, 2, 4, 1), (15, 16), True),
+    (3, (3, 3), (5, 4, 6, 7), (14, 14), True),  # (more padding than the blocked kernel reads)
+    (6, (3, 3), (1, 1, 1, 1), (16, 16), False),  # (K 2 x 2 x 24 > 3 x 3 x 8: padded to 8 instead)
+    (3, (2, 2), (0, 0, 0, 0), (17, 17), False),  # (the blocked data would have to be cropped)
+], ids=["7x5-uneven", "grey-3x5", "padded-past", "6-channels", "even-kernel-odd-size"])
+def test_a_blocked_stem_computes_the_convolution_of_any_kernel_and_padding(c, kernel, pads, hw, blocked):
+    """Stride-2 stems of other kernels and paddings (the review's cases):
+    blocked where that has fewer products and reads no more than the padded
+    data, else padded to 8 channels; the same result either way."""
+    (kh, kw), (h, w) = kernel, hw
+    mod = _parse(f"""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((2, {h}, {w}, {c}), "float16"), w: R.Tensor((32, {kh}, {kw}, {c}), "float16")):
+        with R.dataflow():
+            y = R.nn.conv2d(x, w, strides=[2, 2], padding={list(pads)}, data_layout="NHWC",
+                            kernel_layout="OHWI", out_layout="NHWC", out_dtype="float32")
+            R.output(y)
+        return y
+""")
+    rows = 2 * ((h + pads[0] + pads[2] - kh) // 2 + 1) * ((w + pads[1] + pads[3] - kw) // 2 + 1)
+    assert rows % 16 == 0  # (the cases are chosen so that the wgmma kernel takes the rows)
+    new = flat_epilogues(convs=True, wgmma=True, conv1x1=True)(mod)
+    assert "conv2d_gemm" in new.script() and ("R.permute_dims(" in new.script()) == blocked
+    args = _args(mod)
+    np.testing.assert_allclose(_run(new, args)[0], _run(mod, args)[0], rtol=2e-3, atol=2e-3)
+
+
 def test_few_channels_off_leaves_the_stem_alone(monkeypatch):
     monkeypatch.setattr(implicit_gemm, "FEW_CHANNELS", 0)
     assert "conv2d_gemm" not in flat_epilogues(convs=True, wgmma=True, conv1x1=True)(_stem()).script()
