@@ -248,7 +248,7 @@ def _same_dims(cfg, ws) -> None:
 
 def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
     from . import build, export, frontend, optimize, shapes, validate
-    from .pipeline import existing_databases
+    from .pipeline import existing_databases, tuned_direct
 
     if args.command != "export":
         _same_dims(cfg, ws)
@@ -262,7 +262,9 @@ def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
         a = frontend.run(profile, export.load(ws.export), ws.frontend)
         print(f"frontend: {len(a.modules)} bucket module(s) in {a.folder}")
     elif stage == "optimize":
-        a = optimize.run(profile, target, frontend.load(ws.frontend, export.load(ws.export)), ws.optimize, dump_ir=args.dump_ir)
+        ex = export.load(ws.export)
+        a = optimize.run(profile, target, frontend.load(ws.frontend, ex), ws.optimize, dump_ir=args.dump_ir,
+                         tuned_direct=tuned_direct(cfg, profile, target, ex.inputs, db_root, ex.dims))
         for b, rep in a.manifest["report"].items():
             print(f"optimize b{b}: {optimize.summarize(rep)}")
     elif stage == "tune":
@@ -506,7 +508,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--implicit-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC convolutions with kernels larger than 1x1 as implicit GEMMs with their epilogues "
                         "(candidates for the mma.sync GEMM schedules; changes the kernels to tune; by default on "
-                        "sm_90 in fp16 from batch 32, the 1x1 ones as 2-D GEMMs too, for the wgmma kernel)")
+                        "sm_90 in fp16 where no database was tuned on direct ones, the 1x1 ones as 2-D GEMMs too, "
+                        "for the wgmma kernel)")
     p.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="attention (QK^T, softmax, PV and the layout operators around them) as one kernel "
                         "(CUDA, fp16; changes those kernels)")

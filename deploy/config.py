@@ -129,9 +129,9 @@ class Profile:
     # NHWC convolutions with a kernel larger than 1x1 as implicit GEMMs with
     # their epilogues (passes.implicit_gemm): the tensor-core GEMM schedules
     # take them. Changes those kernels. None (the CUDA default): on sm_90 in
-    # fp16 with the wgmma kernel, NHWC, an fp32 sum, from CONV_GEMM_BATCH
-    # images a bucket, with the 1x1 convolutions as 2-D GEMMs
-    # (`implicit_gemms`).
+    # fp16 with the wgmma kernel, NHWC, an fp32 sum, in every bucket but one
+    # whose database was tuned on direct convolutions (tuning/graph.py), with
+    # the 1x1 convolutions as 2-D GEMMs (`implicit_gemms`).
     implicit_gemm: bool | None = False
     # Attention (matmul, softmax, matmul and the layout operators around them)
     # as one kernel of ours (passes.attention), fp16 on CUDA. None (the CUDA
@@ -159,25 +159,24 @@ class Profile:
         (wgmma_gemm, or by default: in fp16)."""
         return self.precision == "fp16" if self.wgmma_gemm is None else self.wgmma_gemm
 
-    def implicit_gemms(self, batch: int | None, hopper: bool) -> bool:
-        """Whether a bucket of `batch` images has its convolutions as
-        implicit GEMMs (implicit_gemm, or by default: on sm_90 (`hopper`)
-        where the wgmma kernel is in use, in NHWC, summed in fp32 (the
-        kernel's sum), from CONV_GEMM_BATCH images; the kernel then takes
-        them)."""
+    def implicit_gemms(self, hopper: bool, tuned_direct: bool = False) -> bool:
+        """Whether a bucket has its convolutions as implicit GEMMs
+        (implicit_gemm, or by default: on sm_90 (`hopper`) where the wgmma
+        kernel is in use, in NHWC, summed in fp32 (the kernel's sum), unless
+        the bucket's tuning database was tuned on direct convolutions
+        (`tuned_direct`: tuning/graph.py); the kernel then takes them)."""
         if self.implicit_gemm is not None:
             return self.implicit_gemm
         return (hopper and self.uses_wgmma_gemm and self.layout == "NHWC" and self.accumulate == "fp32"
-                and (batch or 0) >= CONV_GEMM_BATCH)
+                and not tuned_direct)
 
 
-# The smallest bucket whose convolutions become GEMMs by default on sm_90 (`Profile.implicit_gemms`): on
-# an H200, ResNet-50 b64 ran 2.512 ms so (3.760 with the tuned records of the default graph) and b1 0.489
-# (0.470), ResNet-18 b64 1.019 (1.492): results/h200/2026-12-06/gathers-row-k/; on an H100, untuned, b32
-# 1.905 (3.864): results/h100/2026-12-06/grouped-and-b32/. Batches between 1 and 32 were not measured. Untuned,
-# batch 1 gains too (H100: ResNet-50 1.259 -> 0.819 ms, ConvNeXt-T 0.726 -> 0.631, EfficientNet-B0 even:
-# results/h100/2026-12-06/implicit-b1/), but the committed b1 databases were tuned on the direct graph; making
-# it the default there needs the choice kept with each database.
+# Databases made before convolutions became implicit GEMMs at every batch (tuning/graph.py) were tuned on
+# direct ones below this many images: implicit GEMMs had been the default from 32 images, where on an H200
+# ResNet-50 b64 ran 2.512 ms so (3.760 with the tuned records of the direct graph) and b1 0.489 (0.470),
+# ResNet-18 b64 1.019 (1.492): results/h200/2026-12-06/gathers-row-k/; on an H100, untuned, b32 1.905
+# (3.864): results/h100/2026-12-06/grouped-and-b32/. Untuned, batch 1 gains too (H100: ResNet-50 1.259 ->
+# 0.819 ms, ConvNeXt-T 0.726 -> 0.631, EfficientNet-B0 even: results/h100/2026-12-06/implicit-b1/).
 CONV_GEMM_BATCH = 32
 
 

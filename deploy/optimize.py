@@ -23,8 +23,9 @@ relax/backend/cuda/pipeline.py):
                     the wgmma kernel in use the N-D matmuls it would take as 2-D GEMMs
                     (passes.flat_gemm); named implicit_gemm where convolutions become
                     GEMMs without flat_gemm: where asked for, or by default on sm_90
-                    with the wgmma kernel from 32 images a bucket, then the 1x1 ones
-                    as 2-D GEMMs too (config.Profile.implicit_gemms)
+                    with the wgmma kernel (but in a bucket whose database was tuned
+                    on direct convolutions: tuning/graph.py), then the 1x1 ones as
+                    2-D GEMMs too (config.Profile.implicit_gemms)
   fusion            legalize to TIR and fuse into kernels (an fp32 cast before a
                     mean inside the mean's kernel: passes.mean_cast), GEMM rows that
                     tile badly padded inside their kernels (passes.pad_gemm; CUDA): the
@@ -88,9 +89,10 @@ class OptimizeArtifact:
         return load_json(self.module_path(bucket).read_text())
 
 
-def phases(profile: Profile, target=None, batch: int | None = None) -> list[tuple[str, list]]:
+def phases(profile: Profile, target=None, tuned_direct: bool = False) -> list[tuple[str, list]]:
     """The phases for `profile` on `target` (a TVM target; what the
-    optimize stage runs under) for a bucket of `batch` images."""
+    optimize stage runs under) for a bucket, `tuned_direct` where its
+    database was tuned on direct convolutions (tuning/graph.py)."""
     from .passes import wgmma_gemm
     from .tvm_compat import relax
 
@@ -127,7 +129,7 @@ def phases(profile: Profile, target=None, batch: int | None = None) -> list[tupl
         out.append(("split_k", [split_k_conv2d(profile.split_k), *fold()]))
     tf32 = profile.precision == "tf32"  # (flat and implicit GEMMs on: config.py)
     hopper = target is not None and wgmma_gemm.available(target)
-    convs = profile.implicit_gemms(batch, hopper)
+    convs = profile.implicit_gemms(hopper, tuned_direct)
     if profile.flat_gemm:
         out.append(("flat_gemm", [flat_gemm(convs=convs, tf32=tf32), *fold()]))
     else:  # (by default, with the KxK convolutions as implicit GEMMs the 1x1 ones as 2-D GEMMs)
@@ -181,14 +183,14 @@ def op_counts(mod) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def optimize_module(mod, profile: Profile, target, dump_dir: Path | None = None, batch: int | None = None):
-    """Run the phases on one module (a bucket of `batch` images); returns
-    (module, per-phase report)."""
+def optimize_module(mod, profile: Profile, target, dump_dir: Path | None = None, tuned_direct: bool = False):
+    """Run the phases on one module (a bucket; `tuned_direct`: see
+    `phases`); returns (module, per-phase report)."""
     from .tvm_compat import PassContext, Sequential, tirx
 
     report = [{"phase": "input", "ops": op_counts(mod)}]
     with target, PassContext(opt_level=3):
-        for name, passes in phases(profile, target, batch):
+        for name, passes in phases(profile, target, tuned_direct):
             mod = Sequential(passes, name=name)(mod)
             entry = {"phase": name, "ops": op_counts(mod)}
             if name == "fusion":
@@ -204,12 +206,12 @@ def _optimize_bucket(job) -> list[dict]:
     process-pool entry as well)."""
     from .tvm_compat import load_json, save_json
 
-    module_path, profile, target_info, dump_dir, out, batch = job
+    module_path, profile, target_info, dump_dir, out, tuned_direct = job
     if dump_dir is not None:
         Path(dump_dir).mkdir(parents=True)
     mod = load_json(Path(module_path).read_text())
     mod, report = optimize_module(mod, profile, target_info.tvm_target(), None if dump_dir is None else Path(dump_dir),
-                                  batch)
+                                  tuned_direct)
     Path(out).write_text(save_json(mod))
     return report
 
@@ -221,8 +223,11 @@ def _optimize_bucket(job) -> list[dict]:
 PARALLEL_MODULE_BYTES = 16 << 20
 
 
-def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, dump_ir: bool = False) -> OptimizeArtifact:
-    """Every bucket the frontend imported of the profile's batch sizes."""
+def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, dump_ir: bool = False,
+        tuned_direct: frozenset = frozenset()) -> OptimizeArtifact:
+    """Every bucket the frontend imported of the profile's batch sizes
+    (`tuned_direct`: the buckets whose databases were tuned on direct
+    convolutions, pipeline.tuned_direct)."""
     if profile.precision == "tf32":
         from .passes import mma_gemm
 
@@ -239,7 +244,10 @@ def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, du
     with artifacts.staged_dir(folder) as tmp:
         files = {b: f"b{b.label}.relax.json" for b in buckets}
         jobs = [(str(front.modules[b]), profile, target_info, str(tmp / "ir" / f"b{b.label}") if dump_ir else None,
-                 str(tmp / files[b]), b.batch) for b in buckets]
+                 str(tmp / files[b]), b in tuned_direct) for b in buckets]
+        from .passes import wgmma_gemm
+
+        hopper = wgmma_gemm.available(target_info.tvm_target())
         workers = parallel_workers(front.modules[buckets[0]], len(jobs), PARALLEL_MODULE_BYTES)
         if workers > 1:
             log.info("optimize: %d buckets in %d processes", len(jobs), workers)
@@ -256,6 +264,8 @@ def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, du
                 "profile": dataclasses.asdict(profile),
                 "target": target_info.key(),
                 "buckets": {b.label: f for b, f in files.items()},
+                # (each bucket's convolutions: what a database first tuned on it records, tuning/graph.py)
+                "implicit_gemms": {b.label: profile.implicit_gemms(hopper, b in tuned_direct) for b in buckets},
                 "report": reports,
                 "processes": workers,
             },

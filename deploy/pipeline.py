@@ -22,7 +22,7 @@ from .errors import BuildError, DeployError, error_line
 from .shapes import all_buckets, parse
 from .targets import TargetInfo
 from .tuning import database as dbs
-from .tuning import tune
+from .tuning import graph, tune
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,18 @@ def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: 
     return keys, dirs
 
 
+def tuned_direct(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path, dims: tuple = ()
+                 ) -> frozenset:
+    """The buckets whose databases were tuned on direct convolutions
+    (tuning/graph.py): the optimize stage keeps theirs direct."""
+    _, dirs = db_keys(cfg, profile, target, inputs, db_root, dims)
+    direct = frozenset(b for b, d in dirs.items() if graph.tuned_direct(d, b.batch))
+    if direct and profile.implicit_gemm is None and target.kind == "cuda":
+        log.info("optimize: bucket(s) %s keep direct convolutions: their tuning databases were tuned on them "
+                 "(--implicit-gemm makes them implicit GEMMs)", ", ".join(str(b) for b in sorted(direct)))
+    return direct
+
+
 SUMMARY_BUCKET_KEYS = ("tuned_kernels", "kernels", "compile_seconds", "schedules", "fallbacks", "store")
 
 
@@ -157,7 +169,8 @@ def run(
 
     exported = timed("export", export.run, cfg, ws.export)
     front = timed("frontend", frontend.run, profile, exported, ws.frontend)
-    opt = timed("optimize", optimize.run, profile, target, front, ws.optimize, dump_ir=dump_ir)
+    direct = tuned_direct(cfg, profile, target, exported.inputs, db_root, exported.dims)
+    opt = timed("optimize", optimize.run, profile, target, front, ws.optimize, dump_ir=dump_ir, tuned_direct=direct)
     tune_summary = None
     if profile.trials > 0 and profile.tune_buckets:
         if not target.has_device and pool is None:

@@ -7,7 +7,8 @@ the values set here.
 
 SETTINGS: comma-separated `module.NAME=value` under deploy.passes (or
 `config.NAME=value`: deploy.config, the build profile's defaults, e.g.
-`config.CONV_GEMM_BATCH=1`), each value a Python literal without a
+`config.CONV_GEMM_BATCH=1`: older databases then count as tuned on
+implicit GEMMs, tuning/graph.py), each value a Python literal without a
 comma; empty: the code as it is. A name
 the module does not have is refused (exit 2, one line). Only what the
 passes read when they run is reached: a constant another module copied

@@ -147,7 +147,8 @@ def test_a_resumed_run_with_other_settings_is_refused_in_one_line(tmp_path, caps
 
 
 # The convolutional models whose large-batch buckets on sm_90 get the implicit GEMMs by default
-# (config.CONV_GEMM_BATCH), the wgmma kernel taking their gathers: built here as on the H200.
+# (at every batch where no database was tuned on direct convolutions: tuning/graph.py), the wgmma kernel
+# taking their gathers: built here as on the H200.
 LARGE_BATCH = ["resnet50", "mobilenet_v3", "unet", "densenet"]
 
 

@@ -1,6 +1,5 @@
 """The GPU machine's shell helpers, run here with a fake nvidia-smi."""
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -197,7 +196,7 @@ def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
         assert not log.exists()
 
 
-def test_with_settings_sets_our_passes_constants_and_refuses_the_rest():
+def test_with_settings_sets_our_passes_constants_and_refuses_the_rest(tmp_path):
     """scripts/with_settings.py: `module.NAME=value` under deploy.passes,
     Python literals; a name the module lacks, a module that is not there, a
     value that is not a literal, or no `=` refused; empty sets nothing."""
@@ -205,6 +204,7 @@ def test_with_settings_sets_our_passes_constants_and_refuses_the_rest():
 
     from deploy import config
     from deploy.passes import implicit_gemm, wgmma_gemm
+    from deploy.tuning import graph
 
     before = (implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE, config.CONV_GEMM_BATCH)
     try:
@@ -213,11 +213,13 @@ def test_with_settings_sets_our_passes_constants_and_refuses_the_rest():
         assert done == [("implicit_gemm.FEW_CHANNELS", 0), ("wgmma_gemm.EPILOGUE", "registers"),
                         ("config.CONV_GEMM_BATCH", 1)]
         assert (implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE) == (0, "registers")
-        # the build profile reads the module's value when it decides
-        assert dataclasses.replace(config.CUDA_DEFAULTS, precision="fp16").implicit_gemms(1, hopper=True) is True
+        # read when a database's graph is decided (tuning/graph.py): a batch-8 database without graph.json
+        (tmp_path / "db" / "database_tuning_record.json").parent.mkdir()
+        (tmp_path / "db" / "database_tuning_record.json").write_text("")
+        assert graph.tuned_direct(tmp_path / "db", 8) is False
     finally:
         implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE, config.CONV_GEMM_BATCH = before
-    assert dataclasses.replace(config.CUDA_DEFAULTS, precision="fp16").implicit_gemms(1, hopper=True) is False
+    assert graph.tuned_direct(tmp_path / "db", 8) is True
     assert with_settings.apply("") == []
     for bad, why in [("wgmma_gemm.NOPE=1", "has no NOPE"), ("nope.X=1", "no module"),
                      ("wgmma_gemm.SMS=os.sep", "literal"),

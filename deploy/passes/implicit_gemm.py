@@ -1,8 +1,9 @@
 """KxK convolutions as implicit GEMMs: the tensor-core GEMM schedule for them.
 
-Our own rewrite (the profile's `implicit_gemm`; by default on sm_90 in fp16
-from batch 32, where our wgmma kernel takes them: config.Profile.implicit_gemms;
-not a workaround). On ResNet-50 at batch 64 on the H200 the 3x3 convolutions are
+Our own rewrite (the profile's `implicit_gemm`; by default on sm_90 in fp16,
+where our wgmma kernel takes them, but in a bucket whose database was tuned
+on direct convolutions: config.Profile.implicit_gemms, tuning/graph.py; not
+a workaround). On ResNet-50 at batch 64 on the H200 the 3x3 convolutions are
 where TVM loses to cuDNN: 1.4x to 2.5x its time each, 1.35 ms of the model's
 ~3.85 ms against cuDNN's 0.73 (results/h200/2026-12-04/conv-vs-cudnn/). Six
 of the seven run DLight's default; MetaSchedule's tensor-core rules give a

@@ -44,6 +44,7 @@ from ..targets import TargetInfo
 from . import builder as candidates
 from . import check as kernel_check
 from . import database as dbs
+from . import graph
 from . import journal as tuning_journal
 from . import lanes as tuning_lanes
 from . import pool as rpc_pool
@@ -337,6 +338,9 @@ def run(
             # The budget is shared: each bucket gets an equal part of what is
             # left (one that is done sooner leaves its time to the next).
             share = None if deadline is None else time.time() + max(0.0, deadline - time.time()) / (len(order) - k)
+            implicit = opt.manifest.get("implicit_gemms", {}).get(bucket.label)
+            if implicit is not None:  # (a new database: the graph it is tuned on, which later builds then make)
+                graph.record(db_dir, implicit)
             summaries[bucket.label] = tune_bucket(
                 opt.load_module(bucket), db_dir, key, target, profile, share, tmp, seed, pool, n_servers, db_root
             )

@@ -290,31 +290,30 @@ def test_the_probe_builds_a_convolution_here_and_says_what_it_could_not(tmp_path
     assert "| 2x8x8x64-64-3-s1 | 128x64x32-w2x2-s4 |" in (tmp_path / "probe.md").read_text()
 
 
-@pytest.mark.parametrize("cuda, arch, batch, want", [
-    ({}, "sm_90", 32, True),  # the default: the wgmma kernel in use, 32 images or more
-    ({}, "sm_90", 64, True),
-    ({}, "sm_90", 8, False),  # (batch 1 measured slower so: config.CONV_GEMM_BATCH)
-    ({}, "sm_80", 64, False),  # no wgmma kernel there
-    ({"wgmma_gemm": False}, "sm_90", 64, False),
-    ({"precision": "fp32"}, "sm_90", 64, False),
-    ({"accumulate": "fp16"}, "sm_90", 64, False),  # (an fp16 sum: no GEMM the kernel takes)
-    ({"implicit_gemm": False}, "sm_90", 64, False),  # asked: as asked
-    ({"implicit_gemm": True}, "sm_80", 1, True),
+@pytest.mark.parametrize("cuda, arch, direct, want", [
+    ({}, "sm_90", False, True),  # the default: the wgmma kernel in use
+    ({}, "sm_90", True, False),  # (a database tuned on direct convolutions: tuning/graph.py)
+    ({}, "sm_80", False, False),  # no wgmma kernel there
+    ({"wgmma_gemm": False}, "sm_90", False, False),
+    ({"precision": "fp32"}, "sm_90", False, False),
+    ({"accumulate": "fp16"}, "sm_90", False, False),  # (an fp16 sum: no GEMM the kernel takes)
+    ({"implicit_gemm": False}, "sm_90", False, False),  # asked: as asked
+    ({"implicit_gemm": True}, "sm_80", True, True),
 ])
-def test_by_default_convolutions_become_gemms_on_sm90_from_32_images(cuda, arch, batch, want):
+def test_by_default_convolutions_become_gemms_on_sm90(cuda, arch, direct, want):
     """By default the optimize stage makes a bucket's convolutions GEMMs
     (KxK ones implicit GEMMs, 1x1 ones 2-D GEMMs) on sm_90 where the wgmma
-    kernel is in use, from 32 images; elsewhere, or where the profile says,
-    as it says."""
+    kernel is in use, unless the bucket's database was tuned on direct
+    convolutions; elsewhere, or where the profile says, as it says."""
     from deploy import optimize
 
     cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": cuda})
     target = targets.resolve(f"cuda:{arch}").tvm_target()
-    assert cfg.cuda.implicit_gemms(batch, arch == "sm_90") is want
-    assert ("implicit_gemm" in [n for n, _ in phases(cfg.cuda, target, batch)]) is want
+    assert cfg.cuda.implicit_gemms(arch == "sm_90", direct) is want
+    assert ("implicit_gemm" in [n for n, _ in phases(cfg.cuda, target, direct)]) is want
     if cuda:
         return
-    mod, _ = optimize.optimize_module(_bottleneck(n=batch // 8, k=3, o=32), cfg.cuda, target, batch=batch)
+    mod, _ = optimize.optimize_module(_bottleneck(n=4, k=3, o=32), cfg.cuda, target, tuned_direct=direct)
     assert any(n.startswith("fused_conv2d_gemm") for n in _kernels(mod)) is want, _kernels(mod).keys()
 
 

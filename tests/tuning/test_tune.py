@@ -44,6 +44,8 @@ def test_tune_one_task_then_resume(tmp_path, llvm_target, tiny_opt):
     assert s1["new_trials"] == 2 and s1["trials_after"] == 2
     assert s1["tasks"][name]["best_us"] is not None
     assert s1["valid_fraction"] == 1.0
+    # a new database says which graph it was tuned on (tuning/graph.py): on the CPU, direct convolutions
+    assert json.loads((a1.databases[1] / "graph.json").read_text()) == {"convolutions": "direct"}
     # the tuned kernel was built alone and compared with its default schedule, on this device
     # and timed against it (which is faster on this machine decides, so either count is right)
     kc = s1["kernel_check"]
