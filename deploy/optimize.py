@@ -256,6 +256,9 @@ def run(profile: Profile, target_info, front: FrontendArtifact, folder: Path, du
         for bucket, report in zip(buckets, results):
             reports[bucket.label] = report
             log.info("optimize: bucket %s: %s", bucket, summarize(report))
+            if bucket in tuned_direct and report[0]["ops"].get("nn.conv2d") and profile.implicit_gemms(hopper):
+                log.info("optimize: bucket %s keeps direct convolutions: its tuning database was tuned on them "
+                         "(--implicit-gemm makes them implicit GEMMs)", bucket)
         artifacts.write_manifest(
             tmp,
             STAGE,

@@ -124,11 +124,7 @@ def tuned_direct(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_r
     """The buckets whose databases were tuned on direct convolutions
     (tuning/graph.py): the optimize stage keeps theirs direct."""
     _, dirs = db_keys(cfg, profile, target, inputs, db_root, dims)
-    direct = frozenset(b for b, d in dirs.items() if graph.tuned_direct(d, b.batch))
-    if direct and profile.implicit_gemm is None and target.kind == "cuda":
-        log.info("optimize: bucket(s) %s keep direct convolutions: their tuning databases were tuned on them "
-                 "(--implicit-gemm makes them implicit GEMMs)", ", ".join(str(b) for b in sorted(direct)))
-    return direct
+    return frozenset(b for b, d in dirs.items() if graph.tuned_direct(d, b.batch))
 
 
 SUMMARY_BUCKET_KEYS = ("tuned_kernels", "kernels", "compile_seconds", "schedules", "fallbacks", "store")

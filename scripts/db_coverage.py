@@ -37,7 +37,7 @@ def coverage(folder: Path, target_name: str, work: Path) -> dict:
     from deploy import build, config, export, frontend, optimize, targets
     from deploy.errors import error_line
     from deploy.tuning import database as dbs
-    from deploy.tuning import store
+    from deploy.tuning import graph, store
     from deploy.tvm_compat import tirx
 
     key = json.loads((folder / "key.json").read_text())
@@ -55,9 +55,11 @@ def coverage(folder: Path, target_name: str, work: Path) -> dict:
         profile = cfg.profile(target.kind)
         ex = export.run(cfg, work / "export")
         fe = frontend.run(profile, ex, work / "frontend")
-        opt = optimize.run(profile, target, fe, work / "optimize")
         shapes = [i["shape"] for i in key["inputs"]]
         (bucket,) = [b for b in ex.buckets(profile) if [[b.batch, *i.shape] for i in ex.bucket_inputs(b)] == shapes]
+        # (the graph the build makes for this database's bucket: direct convolutions where it was tuned on them)
+        direct = frozenset({bucket}) if graph.tuned_direct(folder, batch) else frozenset()
+        opt = optimize.run(profile, target, fe, work / "optimize", tuned_direct=direct)
         mod = opt.load_module(bucket)
         # counted as the build counts them: its kernels are the module's PrimFuncs, and the records it
         # applies leave out those whose default schedule was faster (database.open_readonly)

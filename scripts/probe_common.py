@@ -19,7 +19,7 @@ def optimize_model(name: str, target, batch: int, precision: str, work: Path, im
     """A corpus model's optimize artifact for one batch on `target` (a
     TargetInfo), as the pipeline makes it: export, frontend, optimize in
     `work`, the profile's implicit_gemm as asked (false: off, also where
-    the default would make them on sm_90 from batch 32)."""
+    the default would make them on sm_90)."""
     from deploy import config, export, frontend, optimize
 
     cfg = config.from_dict({"model": {"source": name},

@@ -25,8 +25,9 @@ carries the epilogue (bias, residual, ReLU) in 2-D after it, so that the
 fused kernel is the 2-D GEMM that passes.mma_gemm and the `mma.sync` rule take.
 
 It changes those kernels' workloads, so a database tuned without it does not
-cover them; hence off by default elsewhere (at batch 1 the plain graph's
-tuned kernels are faster: results/h200/2026-12-06/gathers-row-k/).
+cover them: a bucket whose database was tuned on direct convolutions keeps
+them (tuning/graph.py; at batch 1 the plain graph's tuned kernels are
+faster: results/h200/2026-12-06/gathers-row-k/).
 """
 
 from __future__ import annotations

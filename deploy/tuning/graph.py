@@ -33,24 +33,26 @@ GRAPH_FILE = "graph.json"
 
 def tuned_direct(folder: Path, batch: int) -> bool:
     """Whether the database in `folder` (of a bucket of `batch` images) was
-    tuned with the convolutions direct: its graph.json says so, or it has
-    records, no graph.json, and is for fewer than CONV_GEMM_BATCH images."""
+    tuned with the convolutions direct: it has records, and its graph.json
+    says so, or it has none and is for fewer than CONV_GEMM_BATCH images."""
     path = Path(folder) / GRAPH_FILE
+    if not dbs.has_records(folder):
+        return False  # (nothing tuned yet: the default graph)
     if path.is_file():
         try:
             return json.loads(path.read_text()).get("convolutions") == "direct"
         except (json.JSONDecodeError, AttributeError):
             return False  # (unreadable: the default graph, as for a new database)
-    return batch < config.CONV_GEMM_BATCH and dbs.has_records(folder)
+    return batch < config.CONV_GEMM_BATCH
 
 
 def record(folder: Path, implicit: bool) -> None:
-    """Writes graph.json into a database about to be tuned for the first
-    time (no records, no graph.json); a database keeps the graph it was
-    first tuned on, and an older one without the file keeps what
-    `tuned_direct` reads it as."""
+    """Writes graph.json into a database about to be tuned that has no
+    records yet (a first run stopped before its first record is replaced);
+    a database with records keeps the graph it was first tuned on, and an
+    older one without the file keeps what `tuned_direct` reads it as."""
     folder = Path(folder)
-    if (folder / GRAPH_FILE).is_file() or dbs.has_records(folder):
+    if dbs.has_records(folder):
         return
     folder.mkdir(parents=True, exist_ok=True)
     artifacts.write_json_atomic(folder / GRAPH_FILE, {"convolutions": "implicit-gemm" if implicit else "direct"})

@@ -24,7 +24,8 @@ def _task(work, model, shape, name_part):
                       input_names=["x"], dynamic_axes={"x": {0: "n"}})
     cfg = config.from_dict({
         "model": {"source": str(path), "inputs": [{"name": "x", "shape": list(shape)}]},
-        "cuda": {"buckets": [1], "precision": "fp16", "accumulate": "fp32", "layout": "NHWC"},
+        # (direct convolutions, as the committed batch-1 databases were tuned: tuning/graph.py)
+        "cuda": {"buckets": [1], "precision": "fp16", "accumulate": "fp32", "layout": "NHWC", "implicit_gemm": False},
     })
     target = targets.resolve("cuda:sm_90")
     ex = export.run(cfg, work / "export")

@@ -34,21 +34,31 @@ def test_a_database_says_or_its_age_tells_which_graph_it_was_tuned_on(tmp_path, 
     assert graph.tuned_direct(_db(tmp_path / "db", records, says), batch) is want
 
 
-def test_the_graph_is_recorded_once_and_only_in_a_new_database(tmp_path):
+def test_the_graph_is_recorded_until_the_database_has_records(tmp_path):
+    """A database keeps the graph it was first tuned on; one whose first run
+    stopped before any record takes the next run's; an old one (records, no
+    graph.json) is left as it is."""
     new = tmp_path / "new"
-    graph.record(new, implicit=True)
-    graph.record(new, implicit=False)  # (kept: a database keeps the graph it was first tuned on)
+    graph.record(new, implicit=False)
+    graph.record(new, implicit=True)  # (no records yet: the run that tunes it says)
     assert json.loads((new / graph.GRAPH_FILE).read_text()) == {"convolutions": "implicit-gemm"}
+    assert not graph.tuned_direct(new, 1)
+    (new / (dbs.RECORDS + dbs.PACKED)).write_bytes(b"")
+    graph.record(new, implicit=False)
+    assert json.loads((new / graph.GRAPH_FILE).read_text()) == {"convolutions": "implicit-gemm"}
+    stopped = tmp_path / "stopped"
+    graph.record(stopped, implicit=False)  # (says direct, but nothing was tuned: the default graph)
+    assert not graph.tuned_direct(stopped, 1)
     old = _db(tmp_path / "old")
-    graph.record(old, implicit=True)  # (records and no graph.json: as old as the rule, left as it is)
+    graph.record(old, implicit=True)
     assert not (old / graph.GRAPH_FILE).exists() and graph.tuned_direct(old, 1)
 
 
-def test_the_optimize_stage_keeps_direct_convolutions_where_a_database_was_tuned_on_them(tmp_path, caplog):
+def test_the_buckets_whose_databases_were_tuned_on_direct_convolutions(tmp_path):
     """With databases under the root: an old batch-1 one (direct), a batch-8
     one that says implicit GEMMs, an old batch-32 one: only batch 1 keeps
-    direct convolutions, and the log says so once; --implicit-gemm or
-    --no-implicit-gemm (the profile's implicit_gemm) decides regardless."""
+    direct convolutions; --implicit-gemm or --no-implicit-gemm (the
+    profile's implicit_gemm) decides regardless."""
     cfg = config.from_dict({"model": {"source": "tiny_cnn"}})
     target = targets.resolve("cuda:sm_90")
     inputs = (InputSpec("input", (3, 32, 32), "float32"),)
@@ -57,13 +67,30 @@ def test_the_optimize_stage_keeps_direct_convolutions_where_a_database_was_tuned
     _db(dirs[one])
     _db(dirs[eight], says="implicit-gemm")
     _db(dirs[many])
-    with caplog.at_level("INFO"):
-        direct = pipeline.tuned_direct(cfg, cfg.cuda, target, inputs, tmp_path)
+    direct = pipeline.tuned_direct(cfg, cfg.cuda, target, inputs, tmp_path)
     assert direct == frozenset({one})
-    assert [r.message for r in caplog.records if "keep direct convolutions" in r.message] == [
-        "optimize: bucket(s) 1 keep direct convolutions: their tuning databases were tuned on them "
-        "(--implicit-gemm makes them implicit GEMMs)"]
     hopper = True
     assert not cfg.cuda.implicit_gemms(hopper, one in direct) and cfg.cuda.implicit_gemms(hopper, eight in direct)
     asked = config.apply_overrides(cfg, "cuda", implicit_gemm=True)
     assert asked.cuda.implicit_gemms(hopper, one in direct)
+
+
+def test_the_optimize_stage_makes_the_graph_each_bucket_was_tuned_on(tmp_path, caplog):
+    """optimize.run with batch 1 tuned direct: its convolutions stay
+    convolutions, the manifest says so (what tune records in a new
+    database), and the log says why once; without, implicit GEMMs."""
+    from deploy import export, frontend, optimize
+
+    cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"buckets": [1], "trials": 0}})
+    target = targets.resolve("cuda:sm_90")
+    fe = frontend.run(cfg.cuda, export.run(cfg, tmp_path / "export"), tmp_path / "frontend")
+    one = shapes.parse("1")
+    with caplog.at_level("INFO"):
+        kept = optimize.run(cfg.cuda, target, fe, tmp_path / "direct", tuned_direct=frozenset({one}))
+    made = optimize.run(cfg.cuda, target, fe, tmp_path / "implicit")
+    assert kept.manifest["implicit_gemms"] == {"1": False} and made.manifest["implicit_gemms"] == {"1": True}
+    phases = [[p["phase"] for p in a.manifest["report"]["1"]] for a in (kept, made)]
+    assert "implicit_gemm" not in phases[0] and "implicit_gemm" in phases[1]
+    assert [r.message for r in caplog.records if "keeps direct" in r.message] == [
+        "optimize: bucket 1 keeps direct convolutions: its tuning database was tuned on them "
+        "(--implicit-gemm makes them implicit GEMMs)"]
