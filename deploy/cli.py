@@ -278,7 +278,8 @@ def _run_stage(args, cfg, target, workdir, db_root, profile, ws) -> int:
     elif stage == "build":
         ex = export.load(ws.export)
         keys, existing = existing_databases(cfg, profile, target, ex.inputs, db_root, ex.dims)
-        a = build.run(profile, target, ex, optimize.load(ws.optimize), existing, keys, ws.package, cfg.model.name)
+        a = build.run(profile, target, ex, optimize.load(ws.optimize), existing, keys, ws.package, cfg.model.name,
+                      db_root)  # (the kernel store under the databases' root, as `deploy run` applies it)
         print(f"build: package {a.folder}")
     elif stage == "profile":
         from .bench import profile as profile_mod

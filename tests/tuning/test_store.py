@@ -83,3 +83,24 @@ def test_seeded_records_guide_the_search_but_never_enter_the_database(tmp_path, 
     assert not (d / dbs.SEEDED).exists()
     r = [json.loads(x)[1][0] for x in dbs._packed_lines(d / (dbs.RECORDS + dbs.PACKED))]
     assert r == ["o1", "n1"]
+
+
+def test_the_build_stage_applies_the_kernel_store_as_run_does(monkeypatch, tmp_path):
+    """`deploy build` (the stage alone) gives the build the databases' root,
+    whose kernel store it applies, as `deploy run` does (it gave none)."""
+    import types
+
+    from deploy import build, cli, config, export, optimize, pipeline, targets
+
+    seen = {}
+    monkeypatch.setattr(cli, "_same_dims", lambda cfg, ws: None)
+    monkeypatch.setattr(export, "load", lambda folder: types.SimpleNamespace(inputs=(), dims=()))
+    monkeypatch.setattr(optimize, "load", lambda folder: "opt")
+    monkeypatch.setattr(pipeline, "existing_databases", lambda *a, **k: ({}, {}))
+    monkeypatch.setattr(build, "run", lambda *a, **k: seen.update(args=a, kwargs=k) or types.SimpleNamespace(
+        folder=tmp_path / "pkg"))
+    cfg = config.from_dict({"model": {"source": "tiny_cnn"}})
+    ws = types.SimpleNamespace(export=tmp_path / "e", optimize=tmp_path / "o", package=tmp_path / "pkg")
+    args = types.SimpleNamespace(command="build")
+    assert cli._run_stage(args, cfg, targets.resolve("llvm"), tmp_path, tmp_path / "db", cfg.llvm, ws) == 0
+    assert tmp_path / "db" in (*seen["args"][8:], seen["kwargs"].get("store_root"))
