@@ -8,7 +8,7 @@
 #        "sixteen:wgmma_gemm.MULTIPLE=16,implicit_gemm.FEW_CHANNELS=0"
 #
 # SETTINGS: comma-separated module.NAME=value (a Python literal; empty: the code as it is; scripts/
-# with_settings.py sets them). The packages are
+# with_settings.py sets them), or deploy's own flags without a value (`direct:--no-implicit-gemm`). The packages are
 # built one after the other (`deploy run --trials 0`, validated: where the databases hold records the build
 # times them against the default schedules on the GPU and keeps its choices in DB_ROOT, so builds at once
 # would disturb each other's timings and choices; PARALLEL=1 builds them at once, each mostly one thread),

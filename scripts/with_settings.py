@@ -9,7 +9,8 @@ SETTINGS: comma-separated `module.NAME=value` under deploy.passes (or
 `config.NAME=value`: deploy.config, the build profile's defaults, e.g.
 `config.CONV_GEMM_BATCH=1`: older databases then count as tuned on
 implicit GEMMs, tuning/graph.py), each value a Python literal without a
-comma; empty: the code as it is. A name
+comma, or a flag of deploy's command line without a value (`--no-implicit-gemm`:
+given to the subcommand); empty: the code as it is. A name
 the module does not have is refused (exit 2, one line). Only what the
 passes read when they run is reached: a constant another module copied
 at import (`wgmma_gemm.SHARED_MEMORY` from mma_gemm's table) or a
@@ -20,17 +21,26 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def flags(settings: str) -> list[str]:
+    """The command-line flags among `settings` (`--name`, no value)."""
+    return [s.strip() for s in settings.split(",") if re.fullmatch(r"--[a-z0-9][a-z0-9-]*", s.strip())]
+
+
 def apply(settings: str) -> list[tuple[str, object]]:
-    """Sets each `module.NAME=value` of `settings`; returns what was set.
-    Raises ValueError on a setting that is not one."""
+    """Sets each `module.NAME=value` of `settings` (its flags are left to
+    `flags`); returns what was set. Raises ValueError on a setting that is
+    not one."""
     done = []
     for item in filter(None, (s.strip() for s in settings.split(","))):
+        if item in flags(item):
+            continue
         key, eq, text = item.partition("=")
         module, dot, name = key.rpartition(".")
         if not eq or not dot:
@@ -59,11 +69,13 @@ def main(argv: list[str]) -> int:
     try:
         apply(argv[0])
     except ValueError as e:
-        print(f"error: {e} | settings are comma-separated module.NAME=value under deploy.passes, or config.NAME=value", file=sys.stderr)
+        print(f"error: {e} | settings are comma-separated module.NAME=value under deploy.passes, config.NAME=value, "
+              "or --flags of deploy's command line", file=sys.stderr)
         return 2
     from deploy.cli import main as deploy
 
-    return deploy(argv[1:])
+    args = argv[1:]
+    return deploy([*args[:1], *flags(argv[0]), *args[1:]])  # (the flags after the subcommand)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
         assert not log.exists()
 
 
-def test_with_settings_sets_our_passes_constants_and_refuses_the_rest(tmp_path):
+def test_with_settings_sets_our_passes_constants_and_refuses_the_rest(tmp_path, monkeypatch):
     """scripts/with_settings.py: `module.NAME=value` under deploy.passes,
     Python literals; a name the module lacks, a module that is not there, a
     value that is not a literal, or no `=` refused; empty sets nothing."""
@@ -221,6 +221,18 @@ def test_with_settings_sets_our_passes_constants_and_refuses_the_rest(tmp_path):
         implicit_gemm.FEW_CHANNELS, wgmma_gemm.EPILOGUE, config.CONV_GEMM_BATCH = before
     assert graph.tuned_direct(tmp_path / "db", 8) is True
     assert with_settings.apply("") == []
+    # deploy's own flags pass through, after the subcommand; a flag with a value or in capitals is no flag
+    assert with_settings.apply("--no-implicit-gemm,implicit_gemm.FEW_CHANNELS=8") == [("implicit_gemm.FEW_CHANNELS", 8)]
+    assert with_settings.flags("--no-implicit-gemm, implicit_gemm.FEW_CHANNELS=8") == ["--no-implicit-gemm"]
+    for bad in ("--budget=5m", "--X"):
+        with pytest.raises(ValueError):
+            with_settings.apply(bad)
+    seen = []
+    import deploy.cli
+
+    monkeypatch.setattr(deploy.cli, "main", lambda args: seen.append(args) or 0)
+    assert with_settings.main(["--no-implicit-gemm", "run", "--model", "resnet50"]) == 0
+    assert seen == [["run", "--no-implicit-gemm", "--model", "resnet50"]]
     for bad, why in [("wgmma_gemm.NOPE=1", "has no NOPE"), ("nope.X=1", "no module"),
                      ("wgmma_gemm.SMS=os.sep", "literal"),
                      ("wgmma_gemm.SMS", "not module.NAME=value"), ("SMS=1", "not module.NAME=value")]:
