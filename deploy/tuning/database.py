@@ -7,6 +7,7 @@ A database folder, `tuning_logs/<model>/<target>-<gpu>/<variant>/`, holds
                                      a different key is refused
   database_workload.json.xz          TVM's JSONDatabase files, xz-compressed:
   database_tuning_record.json.xz     the committed form
+  graph.json                         the graph it was first tuned on (tuning/graph.py)
 A record is 35-47 KB of JSON (tensorized traces embed layout maps), so a
 fully tuned ResNet-50 is ~70 MB as plain JSON; the records repeat each other
 so much that xz keeps it to a few hundred KB (430x on a real database).
