@@ -20,8 +20,8 @@ element).
 
 It applies to a kernel without a reduction that is one block once its
 producers and consumers are inlined, writing one buffer whose last axis has
-2 or more elements of at most 32 bytes in all (past 16, in pieces of 16
-bytes, a thread each: the stem's input blocked in 2 x 2 pixels,
+2 or more elements of at most 16 bytes in all, or of 32 (in two pieces of
+16 bytes, a thread each: the stem's input blocked in 2 x 2 pixels,
 passes/implicit_gemm.space_to_depth, 16 fp16 channels), where some read's
 last index follows the axis before that one, and another of its indices
 follows that one (a transpose into it, read coalesced by neighbouring
@@ -52,7 +52,7 @@ import math
 
 THREAD_CHOICES = (256, 128, 64)  # threads a block: the first that divides the rows, else the first
 # (not 32: an H100 holds 32 blocks an SM, so blocks of 32 threads would fill half of it)
-MAX_ROW_BYTES = 32  # a row at most this long (past 16 bytes: cut in 16-byte pieces, a thread each)
+MAX_ROW_BYTES = 32  # a row at most this long (past 16 bytes: whole 16-byte pieces, a thread each)
 PIECE_BYTES = 16
 VECTOR_BYTES = (4, 8, 16)  # rows stored as one vector; others element by element
 VECTOR_DTYPES = ("float16", "bfloat16", "float32", "int32")  # (CUDA's codegen prints no bool or int64 vectors)
