@@ -28,9 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def _is_flag(item: str) -> bool:
+    return re.fullmatch(r"--[a-z0-9][a-z0-9-]*", item) is not None
+
+
 def flags(settings: str) -> list[str]:
     """The command-line flags among `settings` (`--name`, no value)."""
-    return [s.strip() for s in settings.split(",") if re.fullmatch(r"--[a-z0-9][a-z0-9-]*", s.strip())]
+    return [s.strip() for s in settings.split(",") if _is_flag(s.strip())]
 
 
 def apply(settings: str) -> list[tuple[str, object]]:
@@ -39,7 +43,7 @@ def apply(settings: str) -> list[tuple[str, object]]:
     not one."""
     done = []
     for item in filter(None, (s.strip() for s in settings.split(","))):
-        if item in flags(item):
+        if _is_flag(item):
             continue
         key, eq, text = item.partition("=")
         module, dot, name = key.rpartition(".")

@@ -249,7 +249,7 @@ def flat_gemm(gemms: bool = True, pad_rows: bool = False, convs: bool = False, t
         o, r, s, c = ws
         blocked = implicit_gemm.space_to_depth(xs, ws, call.attrs.strides, call.attrs.padding, ys)
         if blocked is not None:
-            return wgmma_gemm.takes(ys[0] * ys[1] * ys[2], o, math.prod(blocked["w_blocks"][1][1:]))
+            return wgmma_gemm.takes(ys[0] * ys[1] * ys[2], o, blocked["k"])
         return wgmma_gemm.takes(ys[0] * ys[1] * ys[2], o, r * s * implicit_gemm.padded_channels(c))
 
     # The 4-D views nothing reads any more go: a dead consumer of the GEMM

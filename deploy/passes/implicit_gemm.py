@@ -111,8 +111,8 @@ def space_to_depth(xs, ws, strides, padding, ys) -> dict | None:
     `ws`, `ys`: the NHWC data's, the OHWI weights' and the output's shapes;
     `padding`: [top, left, bottom, right]. Returns `channels` (c padded to
     an even count: 4c a multiple of 8), `x_pad` (the data's pad widths,
-    before and after each axis), `w_pad` (the weights'), `kernel` and the
-    blocked shapes `x_blocks` and `w_blocks`. None where the blocked K
+    before and after each axis), `w_pad` (the weights'), `kernel`, the
+    blocked shapes `x_blocks` and `w_blocks`, and the GEMM's `k`. None where the blocked K
     exceeds the padded one (5 to 7 channels), or where the blocked data
     would have to be cropped (an even kernel over an odd size, unpadded)."""
     if not SPACE_TO_DEPTH or [int(v) for v in strides] != [2, 2]:
@@ -129,9 +129,10 @@ def space_to_depth(xs, ws, strides, padding, ys) -> dict | None:
     if bottom < 0 or right < 0:
         return None
     cb = c + c % 2
-    if r2 * s2 * 4 * cb > r * s * padded_channels(c):  # (5 to 7 channels: more products than padding them to 8)
+    k = r2 * s2 * 4 * cb
+    if k > r * s * padded_channels(c):  # (5 to 7 channels: more products than padding them to 8)
         return None
-    return {"channels": cb, "kernel": (r2, s2),
+    return {"channels": cb, "kernel": (r2, s2), "k": k,
             "x_pad": [0, 0, top, bottom, left, right, 0, cb - c],
             "w_pad": [0, 0, 0, 2 * r2 - r, 0, 2 * s2 - s, 0, cb - c],
             "x_blocks": ([n, hp // 2, 2, wp // 2, 2, cb], [n, hp // 2, wp // 2, 4 * cb]),
