@@ -49,6 +49,7 @@ from .frontend import FrontendArtifact, parallel_workers
 from .passes import nchwc
 from .passes.attention import fuse_attention
 from .passes.clip import clip_kernels_to_ops
+from .passes.conv_transpose import conv_transpose_gemm
 from .passes.depthwise_layout import depthwise_channels_last
 from .passes.exact_power import power_to_multiply
 from .passes.fast_math import fast_math
@@ -111,7 +112,7 @@ def phases(profile: Profile, target=None, tuned_direct: bool = False) -> list[tu
         # (cancel_transposes: a model's own NCHW <-> NHWC permutes meet ConvertLayout's; passes/transposes.py.
         # In fp16 after mixed precision, whose casts it would otherwise change: see there.)
         cancel = [] if profile.precision == "fp16" else [cancel_transposes()]
-        out.append(("layout", [convert_to_nhwc(), depthwise_channels_last(), *cancel, *fold()]))
+        out.append(("layout", [convert_to_nhwc(), depthwise_channels_last(), conv_transpose_gemm(), *cancel, *fold()]))
     elif profile.layout == "NCHWc":
         out.append(("layout", [clip_kernels_to_ops(), nchwc.convert(), *fold()]))
     if profile.fast_math:
