@@ -1,6 +1,6 @@
-"""Our schedules of transposes (`deploy/passes/gpu_movement.py`: ShortInnerAxis,
-TiledTranspose) against DLight's Fallback, which took these kernels before,
-on the corpus's transposes: each kernel built both ways, checked against the
+"""Our schedules of movement (`deploy/passes/gpu_movement.py`: ShortInnerAxis,
+TiledTranspose, VectorRows) against DLight's Fallback, which took these kernels before,
+on the corpus's transposes, resizes and casts: each kernel built both ways, checked against the
 other (bit for bit: both only move and cast), and timed with TVM's
 time_evaluator. Needs a GPU.
 
@@ -40,7 +40,17 @@ def _cases():
                                                  "float16"),
         "UNet b32 features made NCHW": ("tiled", lambda x: perm(x, [0, 3, 1, 2]), (32, 128, 128, 64), "float16"),
         "Swin-T b32 keys transposed": ("tiled", lambda x: perm(x, [0, 1, 3, 2]), (2048, 3, 49, 32), "float16"),
+        "UNet b32 upsampling, nearest x2 (NHWC)": ("vector", lambda x: relax.op.image.resize2d(
+            x, (256, 256), layout="NHWC", method="nearest_neighbor", coordinate_transformation_mode="asymmetric",
+            rounding_method="floor"), (32, 128, 128, 64), "float16"),
+        "NHWC features padded by a pixel": ("vector", lambda x: relax.op.nn.pad(x, [0, 0, 1, 1, 1, 1, 0, 0]),
+                                            (32, 56, 56, 64), "float16"),
+        "NHWC features cast fp32 -> fp16": ("vector", lambda x: relax.op.astype(x, "float16"), (32, 56, 56, 64),
+                                            "float32"),
     }
+
+
+RULES = {"short": "ShortInnerAxis", "tiled": "TiledTranspose", "vector": "VectorRows"}
 
 
 def main(argv=None) -> int:
@@ -51,7 +61,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from deploy import targets
-    from deploy.passes.gpu_movement import ShortInnerAxis, TiledTranspose
+    from deploy.passes import gpu_movement
     from deploy.tvm_compat import dlight, tvm
 
     info = targets.resolve("cuda")
@@ -60,7 +70,7 @@ def main(argv=None) -> int:
     for name, (rule, build, shape, dtype) in _cases().items():
         func = probe_common.fused_kernel(build, shape, dtype, target)
         with target:
-            ours = (ShortInnerAxis() if rule == "short" else TiledTranspose()).apply(func, target)
+            ours = getattr(gpu_movement, RULES[rule])().apply(func, target)
             theirs = dlight.ApplyDefaultSchedule(dlight.gpu.Fallback())(tvm.IRModule({"main": func}))
         row = {"kernel": name, "rule": rule, "shape": "x".join(map(str, shape))}
         if ours is None:

@@ -44,6 +44,22 @@ index is one of the block's iterators (not the last), which another of its
 indices follows with a stride of 1 (a strided slice, a reshape's division or
 a resize's arithmetic there would make the tile's region far larger than the
 tile).
+
+`VectorRows`, last, takes the kernels that move or compute without
+transposing, whose rows are whole 16-byte pieces (8 fp16 channels or more):
+a nearest resize, a pad, a cast, a leftover elementwise operator. Fallback
+gives each element a thread (2-byte loads and stores, the index arithmetic
+of a 4-D position an element); ours gives each thread a 16-byte piece of a
+row, loaded and stored as vectors (one `uint4` each way), the position
+worked out once a piece. It takes a kernel only where TVM's vectorizer
+keeps the piece a vector (checked by running it: a condition along the row,
+a concatenation's, makes it fall back to a loop of scalars, no better than
+Fallback) and every read along the row is aligned to the piece (its index
+there the row's own plus a multiple of the piece, in rows a whole number of
+pieces long), so that a vector load never straddles 16 bytes. U-Net's
+upsampling at batch 32 took 0.40 ms a run on Fallback at 25% of the memory
+roofline (results/h100/2026-12-06/corpus-baselines/profiles-b32/unet/).
+`VECTOR_ROWS = False` leaves those kernels to Fallback (A/Bs).
 """
 
 from __future__ import annotations
@@ -59,6 +75,7 @@ VECTOR_DTYPES = ("float16", "bfloat16", "float32", "int32")  # (CUDA's codegen p
 TILE = 32  # TiledTranspose's tiles: TILE x TILE elements (fewer along an axis shorter than TILE)
 TILE_THREADS = 256
 MIN_TILE_ROWS = 8  # the transposed axis's extent at least this (a tile TILE x this or more)
+VECTOR_ROWS = True  # VectorRows takes what it can; False: Fallback does
 
 
 def _row(block) -> tuple[int, int, bool] | None:
@@ -257,3 +274,76 @@ class TiledTranspose:
         except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
             return None
         return sch
+
+
+def _aligned_reads(block, lanes: int) -> bool:
+    """Whether each read of `block` along its row is a vector load of
+    `lanes` elements aligned to them: the row's iterator in its last index
+    alone, that index the iterator plus a multiple of `lanes`, the buffer's
+    last axis a multiple of `lanes`. A read the row's iterator is not in (a
+    broadcast along the row) is one scalar load."""
+    from ..tvm_compat import sym, tirx
+    from .kernel_shape import static_int, vars_of
+
+    analyzer = sym.Analyzer()
+    for iv in block.iter_vars:
+        analyzer.bind(iv.var, iv.dom)
+    last = block.iter_vars[-1].var
+    for r in block.reads:
+        indices = [analyzer.simplify(x.min) for x in r.region]
+        if not any(last in vars_of(i) for i in indices):
+            continue
+        if any(last in vars_of(i) for i in indices[:-1]) or static_int(r.source.shape[-1]) is None:
+            return False
+        offset = analyzer.simplify(indices[-1] - last)
+        if not isinstance(offset, tirx.IntImm) or int(offset) % lanes or static_int(r.source.shape[-1]) % lanes:
+            return False
+    return True
+
+
+def _vectorized(mod, vector_dtype: str) -> bool:
+    """Whether TVM's vectorizer keeps the scheduled kernel's vector loop
+    `vector_dtype` wide (where it cannot, it makes a loop of scalars)."""
+    from ..tvm_compat import s_tir, tirx, tvm
+
+    S = s_tir.transform
+    lowered = tvm.transform.Sequential([S.LowerInitBlock(), S.ConvertBlocksToOpaque(), S.LowerOpaqueBlock(),
+                                        tirx.transform.VectorizeLoop()])(mod)
+    text = lowered.script()  # (a store of a whole piece indexes with a Ramp, or prints a slice of one)
+    return "T.Ramp(" in text or vector_dtype in text
+
+
+class VectorRows:
+    """A DLight-style rule (`apply(func, target, tunable)` returns a
+    schedule, or None where it does not apply)."""
+
+    def apply(self, func, target, _tunable=False):
+        from .kernel_shape import static_int
+
+        if not VECTOR_ROWS:
+            return None
+        got = _injective_block(func, target)
+        if got is None:
+            return None
+        sch, block_rv, (n, size, _) = got
+        block = sch.get(block_rv)
+        dtype = block.writes[0].source.dtype
+        if str(dtype) not in VECTOR_DTYPES or size < PIECE_BYTES or size % PIECE_BYTES:
+            return None
+        lanes = PIECE_BYTES * 8 // dtype.bits
+        if not _aligned_reads(block, lanes):
+            return None
+        pieces = math.prod(static_int(iv.dom.extent) or 0 for iv in block.iter_vars[:-1]) * (n // lanes)
+        # (where none divides the pieces, the last block's idle threads are masked by a predicate on the
+        # piece, not on its elements: the piece stays a vector)
+        threads = next((t for t in THREAD_CHOICES if pieces and pieces % t == 0), THREAD_CHOICES[0])
+        try:
+            loops = sch.get_loops(block_rv)
+            outer, lane = sch.split(loops[-1], [None, lanes])
+            bx, tx = sch.split(sch.fuse(*loops[:-1], outer), [None, threads])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+            sch.vectorize(lane)
+        except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
+            return None
+        return sch if _vectorized(sch.mod, f"{dtype}x{lanes}") else None

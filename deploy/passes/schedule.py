@@ -39,6 +39,7 @@ SHORT_ROWS = "short-rows"  # our CUDA schedule of normalizations over short rows
 MMA_GEMM = "mma-gemm"  # our CUDA mma.sync GEMM in a default configuration (passes/mma_gemm.py)
 SHORT_INNER = "short-inner-axis"  # our CUDA schedule of transposes into a short last axis (passes/gpu_movement.py)
 TILED_TRANSPOSE = "tiled-transpose"  # our CUDA schedule of other transposes, through shared memory (the same)
+VECTOR_ROWS = "vector-rows"  # our CUDA schedule of other movement, 16-byte pieces of rows a thread (the same)
 # Our schedule of the fused attention kernels (passes/attention_schedule.py):
 # not a rule of the chain but tried first on those kernels alone (they are
 # never tuned), the chain behind it. So the chain, which the kernel check
@@ -59,7 +60,7 @@ FUSED_ATTENTION = "fused-attention"
 # one whose rows no tile divides has them padded to a multiple of 64 inside the kernel; N = 96 takes 128x96 tiles;
 # 3: a GEMM over [1, M, K] rows, a transformer's dense layer at batch 1, as a 2-D one: passes/unit_batch.py.)
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
-                 MMA_GEMM: 3, SHORT_INNER: 1, TILED_TRANSPOSE: 1}
+                 MMA_GEMM: 3, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 1}
 
 
 @dataclasses.dataclass
@@ -87,7 +88,7 @@ class UnbuildableKernelError(Exception):
 # before DLight's reduction rules: they give a depthwise convolution one thread
 # block per output. Our ShortRows just before DLight's GeneralReduction: it
 # gives a normalization over short rows a warp a row, where GeneralReduction
-# gives each row a block of 256 threads. Our BroadcastEpilogue, ShortInnerAxis and TiledTranspose just before Fallback:
+# gives each row a block of 256 threads. Our BroadcastEpilogue, ShortInnerAxis, TiledTranspose and VectorRows just before Fallback:
 # they take only kernels the rest leave to it (gpu_default.py, gpu_movement.py). CPU: DLight's GEMV rule is
 # left out: its schedule of a squeeze-excitation kernel (1x1 convolution to
 # 1152 channels, sigmoid, broadcast multiply) does not finish compiling
@@ -96,7 +97,8 @@ class UnbuildableKernelError(Exception):
 # takes the GEMV-shaped kernels.
 CHAINS = {
     "cuda": [FEW_OUTPUTS, MMA_GEMM, "dlight.Matmul", "dlight.GEMV", SHORT_REDUCTION, "dlight.Reduction", SHORT_ROWS,
-             "dlight.GeneralReduction", BROADCAST_EPILOGUE, SHORT_INNER, TILED_TRANSPOSE, "dlight.Fallback"],
+             "dlight.GeneralReduction", BROADCAST_EPILOGUE, SHORT_INNER, TILED_TRANSPOSE, VECTOR_ROWS,
+             "dlight.Fallback"],
     "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
 }
 
@@ -110,7 +112,7 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
 
     if _chain_kind(target_kind) == "cuda":
         from .gpu_default import BroadcastEpilogue, FewOutputs, ShortReduction
-        from .gpu_movement import ShortInnerAxis, TiledTranspose
+        from .gpu_movement import ShortInnerAxis, TiledTranspose, VectorRows
         from .gpu_rows import ShortRows
         from .mma_gemm import Default as MmaGemm
 
@@ -118,7 +120,8 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
         make = {FEW_OUTPUTS: FewOutputs, MMA_GEMM: MmaGemm, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
                 SHORT_REDUCTION: ShortReduction, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
                 "dlight.GeneralReduction": g.GeneralReduction, BROADCAST_EPILOGUE: BroadcastEpilogue,
-                SHORT_INNER: ShortInnerAxis, TILED_TRANSPOSE: TiledTranspose, "dlight.Fallback": g.Fallback}
+                SHORT_INNER: ShortInnerAxis, TILED_TRANSPOSE: TiledTranspose, VECTOR_ROWS: VectorRows,
+                "dlight.Fallback": g.Fallback}
     else:
         from .cpu_default import ContractionTiling, InjectiveParallel
 

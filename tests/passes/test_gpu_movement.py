@@ -1,5 +1,6 @@
-"""Our CUDA schedules of transposes (passes/gpu_movement.py): into a short
-last axis (ShortInnerAxis), and through shared memory (TiledTranspose)."""
+"""Our CUDA schedules of movement (passes/gpu_movement.py): transposes into
+a short last axis (ShortInnerAxis) and through shared memory
+(TiledTranspose); rows in 16-byte vectors (VectorRows)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 
 from deploy import targets
 from deploy.build import build_kernel
-from deploy.passes import schedule
-from deploy.passes.gpu_movement import ShortInnerAxis, TiledTranspose
+from deploy.passes import gpu_movement, schedule
+from deploy.passes.gpu_movement import ShortInnerAxis, TiledTranspose, VectorRows
 from deploy.tvm_compat import relax, tvm
 
 from .test_gpu_default import _kernels
@@ -215,7 +216,7 @@ def test_the_probes_kernels_are_each_taken_by_the_rule_it_times(sm90):
     for name, (rule, build, shape, dtype) in probe._cases().items():
         func = common.fused_kernel(build, shape, dtype, sm90)
         with sm90:
-            assert (ShortInnerAxis() if rule == "short" else TiledTranspose()).apply(func, sm90) is not None, name
+            assert getattr(gpu_movement, probe.RULES[rule])().apply(func, sm90) is not None, name
 
 
 @pytest.mark.gpu
@@ -244,3 +245,72 @@ def test_the_tiled_read_is_a_plain_transpose(sm90, what, build, shape, found):
 
     sch, block, _ = _injective_block(_kernel(build, sm90, shape, "float16"), sm90)
     assert (_transposed_read(sch.get(block)) is not None) == found, what
+
+
+def _resize(x):
+    return relax.op.image.resize2d(x, (64, 64), layout="NHWC", method="nearest_neighbor",
+                                   coordinate_transformation_mode="asymmetric", rounding_method="floor")
+
+
+VECTOR = [  # (what, build, input shape, dtype)
+    ("a nearest resize x2, NHWC", _resize, (2, 32, 32, 64), "float16"),
+    ("a spatial pad", lambda x: relax.op.nn.pad(x, [0, 0, 1, 1, 2, 2, 0, 0]), (2, 10, 12, 24), "float16"),
+    ("a cast fp32 -> fp16", lambda x: relax.op.astype(x, "float16"), (2, 7, 9, 64), "float32"),
+    ("fp32 rows of 4", lambda x: relax.op.nn.relu(x), (3, 5, 4), "float32"),
+    ("a slice at channel 8, added to a per-channel constant", lambda x: relax.op.add(
+        relax.op.strided_slice(x, axes=[3], begin=[8], end=[40]),
+        relax.const(np.arange(32, dtype="float16"))), (2, 6, 6, 48), "float16"),
+]
+
+
+@pytest.mark.parametrize("what, build, shape, dtype", VECTOR, ids=[c[0] for c in VECTOR])
+def test_rows_in_vectors_compute_what_tvms_plain_lowering_does(what, build, shape, dtype):
+    _check(VectorRows, build, shape, dtype)
+
+
+def test_a_row_piece_is_one_vector_load_and_store_and_vector_rows_is_next_to_last(sm90):
+    func = _kernel(_resize, sm90, (2, 32, 32, 64), "float16")
+    gv = tvm.ir.GlobalVar("main")
+    with sm90:
+        name, sch = next(s for s in schedule._sources(gv, func, None, sm90, "cuda") if not isinstance(s[1], Exception))
+    assert name == schedule.VECTOR_ROWS
+    assert schedule.CHAINS["cuda"][-2:] == [schedule.VECTOR_ROWS, "dlight.Fallback"]
+    from .. import emulation
+
+    src = emulation.source(sch, sm90)
+    body = src[src.index("main_kernel("):]
+    assert body.count("*(uint4*)(") == 2, body  # the piece's load and its store
+
+
+@pytest.mark.parametrize("what, build, shape, dtype", [
+    ("a concatenation along the row (its condition scalarizes the piece)",
+     lambda x: relax.op.concat([x, relax.op.multiply(x, relax.const(2.0, "float16"))], axis=3), (2, 6, 6, 32),
+     "float16"),
+    ("a slice at channel 4 (a vector load across 16 bytes)",
+     lambda x: relax.op.strided_slice(x, axes=[3], begin=[4], end=[36]), (2, 6, 6, 48), "float16"),
+    ("rows of 8 bytes", lambda x: relax.op.nn.relu(x), (2, 6, 6, 4), "float16"),
+    ("rows of 24 bytes", lambda x: relax.op.nn.relu(x), (2, 6, 6, 12), "float16"),
+    ("a transpose", lambda x: relax.op.permute_dims(x, [0, 2, 1]), (2, 40, 64), "float16"),
+    ("int64 rows", lambda x: relax.op.add(x, relax.const(1, "int64")), (2, 6, 16), "int64"),
+])
+def test_other_kernels_are_not_taken_by_vector_rows(sm90, what, build, shape, dtype):
+    func = _kernel(build, sm90, shape, dtype)
+    with sm90:
+        assert VectorRows().apply(func, sm90) is None, what
+
+
+def test_vector_rows_off_leaves_fallback_its_kernels(sm90, monkeypatch):
+    monkeypatch.setattr(gpu_movement, "VECTOR_ROWS", False)
+    with sm90:
+        assert VectorRows().apply(_kernel(_resize, sm90, (2, 32, 32, 64), "float16"), sm90) is None
+
+
+# (a bilinear resize: its int64 index arithmetic and fp32 vectors are more C than tests/cuda_emu.py reads)
+VECTOR_GPU = VECTOR + [("a bilinear resize, NHWC", lambda x: relax.op.image.resize2d(x, (48, 48), layout="NHWC"),
+                        (2, 32, 32, 16), "float16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what, build, shape, dtype", VECTOR_GPU, ids=[c[0] for c in VECTOR_GPU])
+def test_gpu_rows_in_vectors(what, build, shape, dtype):
+    _check(VectorRows, build, shape, dtype, on_gpu=True)
