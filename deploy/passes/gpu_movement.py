@@ -278,7 +278,8 @@ class TiledTranspose:
 
 def _aligned_reads(block, lanes: int) -> bool:
     """Whether each read of `block` along its row is a vector load of
-    `lanes` elements aligned to them: the row's iterator in its last index
+    `lanes` elements aligned to them: each read one element (its region a
+    point, so its indices are the read's own), the row's iterator in its last index
     alone, that index the iterator plus a multiple of `lanes`, the buffer's
     last axis a multiple of `lanes`. A read the row's iterator is not in (a
     broadcast along the row) is one scalar load."""
@@ -290,6 +291,8 @@ def _aligned_reads(block, lanes: int) -> bool:
         analyzer.bind(iv.var, iv.dom)
     last = block.iter_vars[-1].var
     for r in block.reads:
+        if any(static_int(x.extent) != 1 for x in r.region):
+            return False  # (a region, not an element: an index too involved to be read exactly, a resize's float)
         indices = [analyzer.simplify(x.min) for x in r.region]
         if not any(last in vars_of(i) for i in indices):
             continue

@@ -292,6 +292,11 @@ def test_a_row_piece_is_one_vector_load_and_store_and_vector_rows_is_next_to_las
     ("rows of 24 bytes", lambda x: relax.op.nn.relu(x), (2, 6, 6, 12), "float16"),
     ("a transpose", lambda x: relax.op.permute_dims(x, [0, 2, 1]), (2, 40, 64), "float16"),
     ("int64 rows", lambda x: relax.op.add(x, relax.const(1, "int64")), (2, 6, 16), "int64"),
+    ("a bilinear resize (its reads' regions bounds of float arithmetic, not elements)",
+     lambda x: relax.op.image.resize2d(x, (48, 48), layout="NHWC"), (2, 32, 32, 16), "float16"),
+    ("DeepLab's bilinear upsampling made NCHW (the region of its read did not follow the row: built, it failed)",
+     lambda x: relax.op.astype(relax.op.permute_dims(relax.op.image.resize2d(x, (64, 64), layout="NHWC"),
+                                                     [0, 3, 1, 2]), "float32"), (2, 16, 16, 24), "float16"),
 ])
 def test_other_kernels_are_not_taken_by_vector_rows(sm90, what, build, shape, dtype):
     func = _kernel(build, sm90, shape, dtype)
@@ -305,12 +310,7 @@ def test_vector_rows_off_leaves_fallback_its_kernels(sm90, monkeypatch):
         assert VectorRows().apply(_kernel(_resize, sm90, (2, 32, 32, 64), "float16"), sm90) is None
 
 
-# (a bilinear resize: its int64 index arithmetic and fp32 vectors are more C than tests/cuda_emu.py reads)
-VECTOR_GPU = VECTOR + [("a bilinear resize, NHWC", lambda x: relax.op.image.resize2d(x, (48, 48), layout="NHWC"),
-                        (2, 32, 32, 16), "float16")]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("what, build, shape, dtype", VECTOR_GPU, ids=[c[0] for c in VECTOR_GPU])
+@pytest.mark.parametrize("what, build, shape, dtype", VECTOR, ids=[c[0] for c in VECTOR])
 def test_gpu_rows_in_vectors(what, build, shape, dtype):
     _check(VectorRows, build, shape, dtype, on_gpu=True)
