@@ -699,10 +699,10 @@ class Emu:
             assert x.dtype == np.float32
             with np.errstate(all="ignore"):
                 return (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)
-        if fn == "max":
+        if fn in ("max", "min"):
             a, b = np.asarray(self.rv(args[0], m)), np.asarray(self.rv(args[1], m))
             assert a.dtype == b.dtype and a.dtype in (np.float32, np.float16)
-            return np.fmax(a, b)  # fmaxf; TVM's `half max(half, half)`: a > b ? a : b
+            return (np.fmax if fn == "max" else np.fmin)(a, b)  # fmaxf; TVM's `half max(half, half)`: a > b ? a : b
         if fn == "make_float4":
             parts = [np.broadcast_to(np.asarray(self.rv(a, m), np.float32), (self.T,)) for a in args]
             return Bytes(np.ascontiguousarray(np.stack(parts, 1)).view(np.uint8).reshape(self.T, 16), "float4")

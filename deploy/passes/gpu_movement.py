@@ -304,16 +304,14 @@ def _aligned_reads(block, lanes: int) -> bool:
     return True
 
 
-def _vectorized(mod, vector_dtype: str) -> bool:
-    """Whether TVM's vectorizer keeps the scheduled kernel's vector loop
-    `vector_dtype` wide (where it cannot, it makes a loop of scalars)."""
+def _lowered_vectors(mod) -> str:
+    """The scheduled kernel after TVM's vectorizer (where it cannot keep a
+    vector loop, it makes a loop of scalars), as TVMScript."""
     from ..tvm_compat import s_tir, tirx, tvm
 
     S = s_tir.transform
-    lowered = tvm.transform.Sequential([S.LowerInitBlock(), S.ConvertBlocksToOpaque(), S.LowerOpaqueBlock(),
-                                        tirx.transform.VectorizeLoop()])(mod)
-    text = lowered.script()  # (a store of a whole piece indexes with a Ramp, or prints a slice of one)
-    return "T.Ramp(" in text or vector_dtype in text
+    return tvm.transform.Sequential([S.LowerInitBlock(), S.ConvertBlocksToOpaque(), S.LowerOpaqueBlock(),
+                                     tirx.transform.VectorizeLoop()])(mod).script()
 
 
 class VectorRows:
@@ -321,19 +319,37 @@ class VectorRows:
     schedule, or None where it does not apply)."""
 
     def apply(self, func, target, _tunable=False):
-        from .kernel_shape import static_int
-
         if not VECTOR_ROWS:
             return None
         got = _injective_block(func, target)
         if got is None:
             return None
         sch, block_rv, (n, size, _) = got
-        block = sch.get(block_rv)
-        dtype = block.writes[0].source.dtype
+        dtype = sch.get(block_rv).writes[0].source.dtype
         if str(dtype) not in VECTOR_DTYPES or size < PIECE_BYTES or size % PIECE_BYTES:
             return None
-        lanes = PIECE_BYTES * 8 // dtype.bits
+        # Pieces of 16 bytes; of 8 where 16 would hold 8 fp32 lanes and a value broadcast along them: TVM
+        # 0.27's CUDA codegen prints such a broadcast as `make_ulonglong4` of 8 arguments, which nvcc
+        # rejects (the workaround of passes/attention_schedule.py's `_copy_vector`, and its test).
+        for piece in (PIECE_BYTES, PIECE_BYTES // 2):
+            lanes = piece * 8 // dtype.bits
+            sch = self._schedule(func, target, n, lanes)
+            if sch is None:
+                return None
+            text = _lowered_vectors(sch.mod)
+            if "T.Ramp(" not in text and f"{dtype}x{lanes}" not in text:
+                return None  # (scalarized: a condition along the row, a concatenation's)
+            if lanes < 8 or "T.Broadcast(" not in text or "float32" not in text:
+                return sch
+        return None
+
+    @staticmethod
+    def _schedule(func, target, n: int, lanes: int):
+        """A piece of `lanes` elements a thread, vectorized; None where the reads are not aligned to it."""
+        from .kernel_shape import static_int
+
+        sch, block_rv, _ = _injective_block(func, target)
+        block = sch.get(block_rv)
         if not _aligned_reads(block, lanes):
             return None
         pieces = math.prod(static_int(iv.dom.extent) or 0 for iv in block.iter_vars[:-1]) * (n // lanes)
@@ -349,4 +365,4 @@ class VectorRows:
             sch.vectorize(lane)
         except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
             return None
-        return sch if _vectorized(sch.mod, f"{dtype}x{lanes}") else None
+        return sch

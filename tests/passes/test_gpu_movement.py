@@ -252,11 +252,18 @@ def _resize(x):
                                    coordinate_transformation_mode="asymmetric", rounding_method="floor")
 
 
+def _relu6(x):
+    """MobileNet-V2's ReLU6 after mixed precision: clipped in fp32 between two fp32 constants."""
+    y = relax.op.maximum(relax.op.astype(x, "float32"), relax.const(0.0, "float32"))
+    return relax.op.astype(relax.op.minimum(y, relax.const(6.0, "float32")), "float16")
+
+
 VECTOR = [  # (what, build, input shape, dtype)
     ("a nearest resize x2, NHWC", _resize, (2, 32, 32, 64), "float16"),
     ("a spatial pad", lambda x: relax.op.nn.pad(x, [0, 0, 1, 1, 2, 2, 0, 0]), (2, 10, 12, 24), "float16"),
     ("a cast fp32 -> fp16", lambda x: relax.op.astype(x, "float16"), (2, 7, 9, 64), "float32"),
     ("fp32 rows of 4", lambda x: relax.op.nn.relu(x), (3, 5, 4), "float32"),
+    ("ReLU6 in fp32 of fp16 rows (pieces of 8 bytes)", _relu6, (2, 6, 6, 64), "float16"),
     ("a slice at channel 8, added to a per-channel constant", lambda x: relax.op.add(
         relax.op.strided_slice(x, axes=[3], begin=[8], end=[40]),
         relax.const(np.arange(32, dtype="float16"))), (2, 6, 6, 48), "float16"),
@@ -280,6 +287,20 @@ def test_a_row_piece_is_one_vector_load_and_store_and_vector_rows_is_next_to_las
     src = emulation.source(sch, sm90)
     body = src[src.index("main_kernel("):]
     assert body.count("*(uint4*)(") == 2, body  # the piece's load and its store
+
+
+def test_eight_fp32_lanes_with_a_broadcast_become_two_pieces_of_four(sm90):
+    """TVM 0.27 prints a broadcast of 8 fp32 lanes as `make_ulonglong4`
+    of 8 arguments, which nvcc rejects (passes/attention_schedule.py's
+    workaround, tests/passes/test_attention.py's test of it): ReLU6's pieces
+    are 8 bytes, 4 lanes, and its CUDA calls no make_ulonglong4."""
+    func = _kernel(_relu6, sm90, (2, 6, 6, 64), "float16")
+    with sm90:
+        sch = VectorRows().apply(func, sm90)
+    from .. import emulation
+
+    src = emulation.source(sch.mod["main"], sm90)
+    assert "make_ulonglong4(" not in src and "make_float4(" in src, src[src.index("main_kernel("):]
 
 
 @pytest.mark.parametrize("what, build, shape, dtype", [
