@@ -91,10 +91,12 @@ def conv_transpose_gemm():
             return call
 
         def _nhwc(self, x):
-            """`x` (NCHW) in NHWC: the tensor ConvertLayout transposed where it is one."""
+            """`x` (NCHW) in NHWC: the tensor ConvertLayout transposed where it is
+            one (and in scope here: not a dataflow var of an earlier block)."""
             value = self.lookup_binding(x) if isinstance(x, relax.Var) else None
             if isinstance(value, relax.Call) and value.op == permute and value.attrs.axes is not None \
-                    and [int(a) for a in value.attrs.axes] == [0, 3, 1, 2]:
+                    and [int(a) for a in value.attrs.axes] == [0, 3, 1, 2] \
+                    and (isinstance(x, relax.DataflowVar) or not isinstance(value.args[0], relax.DataflowVar)):
                 return value.args[0]
             return self.builder_.emit(op.permute_dims(x, [0, 2, 3, 1]))
 
