@@ -1,4 +1,5 @@
-"""Default CUDA schedules of ours for kernels that transpose: into a short
+"""Default CUDA schedules of ours for kernels that only move data (and cast
+or compute elementwise on the way). Those that transpose: into a short
 last axis (`ShortInnerAxis`: an image's NCHW input made NHWC, its 3 channels
 padded to 8 for the stem's implicit GEMM, passes/implicit_gemm.py, cast to
 fp16 on the way), and through shared-memory tiles (`TiledTranspose`, below).
@@ -50,7 +51,7 @@ transposing, whose rows are whole 16-byte pieces (8 fp16 channels or more):
 a nearest resize, a pad, a cast, a leftover elementwise operator. Fallback
 gives each element a thread (2-byte loads and stores, the index arithmetic
 of a 4-D position an element); ours gives each thread a 16-byte piece of a
-row, loaded and stored as vectors (one `uint4` each way), the position
+row, loaded and stored as vectors (a `uint4` of fp16s each way), the position
 worked out once a piece. It takes a kernel only where TVM's vectorizer
 keeps the piece a vector (checked by running it: a condition along the row,
 a concatenation's, makes it fall back to a loop of scalars, no better than
@@ -65,6 +66,7 @@ roofline (results/h100/2026-12-06/corpus-baselines/profiles-b32/unet/).
 from __future__ import annotations
 
 import math
+import re
 
 THREAD_CHOICES = (256, 128, 64)  # threads a block: the first that divides the rows, else the first
 # (not 32: an H100 holds 32 blocks an SM, so blocks of 32 threads would fill half of it)
@@ -76,6 +78,9 @@ TILE = 32  # TiledTranspose's tiles: TILE x TILE elements (fewer along an axis s
 TILE_THREADS = 256
 MIN_TILE_ROWS = 8  # the transposed axis's extent at least this (a tile TILE x this or more)
 VECTOR_ROWS = True  # VectorRows takes what it can; False: Fallback does
+WIDE_BUFFER = re.compile(r'T\.Buffer\(\(.*?\), "(bool|u?int64|float64)"\)')  # elements whose 8-lane vectors
+COMPARISON = re.compile(r" (<|>|<=|>=|==|!=) |T\.Select\(")  # (or whose comparisons' bool vectors) do not print
+WIDE_CAST = re.compile(r'T\.Cast\("(bool|u?int64|float64)x\d+"')  # a vector cast to them: not printed at any width
 
 
 def _row(block) -> tuple[int, int, bool] | None:
@@ -314,6 +319,19 @@ def _lowered_vectors(mod) -> str:
                                      tirx.transform.VectorizeLoop()])(mod).script()
 
 
+def _unprintable_8(func, lowered: str) -> bool:
+    """Whether the kernel's 8-lane vectors (`lowered`: after the vectorizer)
+    would hold what TVM 0.27's CUDA codegen cannot print, or prints as C
+    nvcc rejects: a value broadcast along 8 fp32 lanes (`make_ulonglong4` of
+    8 arguments), a vector of 8 bools (a comparison along the row:
+    LeakyReLU's; "Cannot convert type T.boolx8 to CUDA type"), of 8 int64s
+    or float64s (a read of such a buffer). Judged on the text: a line of
+    vectors with a comparison in it, a buffer of such elements."""
+    vectors = [line for line in lowered.splitlines() if "T.Ramp(" in line or "T.Broadcast(" in line]
+    return (("float32" in lowered and any("T.Broadcast(" in line for line in vectors))
+            or any(COMPARISON.search(line) for line in vectors) or bool(WIDE_BUFFER.search(func.script())))
+
+
 class VectorRows:
     """A DLight-style rule (`apply(func, target, tunable)` returns a
     schedule, or None where it does not apply)."""
@@ -328,9 +346,11 @@ class VectorRows:
         dtype = sch.get(block_rv).writes[0].source.dtype
         if str(dtype) not in VECTOR_DTYPES or size < PIECE_BYTES or size % PIECE_BYTES:
             return None
-        # Pieces of 16 bytes; of 8 where 16 would hold 8 fp32 lanes and a value broadcast along them: TVM
-        # 0.27's CUDA codegen prints such a broadcast as `make_ulonglong4` of 8 arguments, which nvcc
-        # rejects (the workaround of passes/attention_schedule.py's `_copy_vector`, and its test).
+        # Pieces of 16 bytes; of 8 where 16 would hold 8 lanes TVM 0.27's CUDA codegen cannot print: 8
+        # fp32 lanes with a value broadcast along them (it prints the broadcast as `make_ulonglong4` of 8
+        # arguments, which nvcc rejects: the workaround of passes/attention_schedule.py's `_copy_vector`,
+        # and its test), or a vector of 8 bools, int64s or float64s (a comparison's: LeakyReLU; an int64
+        # or float64 input's: "Cannot convert type T.boolx8 to CUDA type"). Of 4 lanes, each prints.
         for piece in (PIECE_BYTES, PIECE_BYTES // 2):
             lanes = piece * 8 // dtype.bits
             sch = self._schedule(func, target, n, lanes)
@@ -339,7 +359,9 @@ class VectorRows:
             text = _lowered_vectors(sch.mod)
             if "T.Ramp(" not in text and f"{dtype}x{lanes}" not in text:
                 return None  # (scalarized: a condition along the row, a concatenation's)
-            if lanes < 8 or "T.Broadcast(" not in text or "float32" not in text:
+            if WIDE_CAST.search(text):
+                return None  # ("Check failed: (!type_name.empty())" in TVM 0.27's CUDA codegen)
+            if lanes < 8 or not _unprintable_8(func, text):
                 return sch
         return None
 

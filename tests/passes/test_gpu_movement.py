@@ -303,6 +303,37 @@ def test_eight_fp32_lanes_with_a_broadcast_become_two_pieces_of_four(sm90):
     assert "make_ulonglong4(" not in src and "make_float4(" in src, src[src.index("main_kernel("):]
 
 
+PRINTED = [  # kernels whose 8-lane vectors TVM 0.27's CUDA codegen cannot print (bool, int64, float64)
+    ("LeakyReLU (a comparison along the row)", lambda x: relax.op.nn.leakyrelu(x, 0.1), (2, 6, 32), "float16"),
+    ("LeakyReLU in bf16", lambda x: relax.op.nn.leakyrelu(x, 0.1), (2, 6, 32), "bfloat16"),
+    ("PReLU", lambda x: relax.op.nn.prelu(x, relax.const(np.full((32,), 0.2, "float16")), axis=2), (2, 6, 32),
+     "float16"),
+    ("a where along the row", lambda x: relax.op.where(relax.op.greater(x, relax.const(0.0, "float16")), x,
+                                                       relax.op.multiply(x, x)), (2, 6, 32), "float16"),
+    ("x * (x > 0)", lambda x: relax.op.multiply(x, relax.op.astype(
+        relax.op.greater(x, relax.const(0.0, "float16")), "float16")), (2, 6, 32), "float16"),
+    ("bool to fp16", lambda x: relax.op.astype(x, "float16"), (2, 6, 16), "bool"),
+    ("int64 to fp16", lambda x: relax.op.astype(x, "float16"), (2, 6, 16), "int64"),
+    ("fp16 through int64", lambda x: relax.op.astype(relax.op.astype(x, "int64"), "float16"), (2, 6, 16), "float16"),
+    ("float64 to fp16", lambda x: relax.op.astype(x, "float16"), (2, 6, 16), "float64"),
+]
+
+
+@pytest.mark.parametrize("what, build, shape, dtype", PRINTED, ids=[c[0] for c in PRINTED])
+def test_what_vector_rows_takes_tvm_prints_as_cuda(sm90, what, build, shape, dtype):
+    """Declined, or smaller pieces: each kernel it takes has CUDA source
+    (TVM 0.27: "Cannot convert type T.boolx8 to CUDA type" and the like
+    for 8 lanes of a comparison, an int64 or a float64 read, any vector
+    cast to int64)."""
+    func = _kernel(build, sm90, shape, dtype)
+    with sm90:
+        sch = VectorRows().apply(func, sm90)
+    if sch is not None:
+        from .. import emulation
+
+        assert "main_kernel(" in emulation.source(sch.mod["main"], sm90)
+
+
 @pytest.mark.parametrize("what, build, shape, dtype", [
     ("a concatenation along the row (its condition scalarizes the piece)",
      lambda x: relax.op.concat([x, relax.op.multiply(x, relax.const(2.0, "float16"))], axis=3), (2, 6, 6, 32),
