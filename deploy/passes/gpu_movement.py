@@ -55,9 +55,13 @@ row, loaded and stored as vectors (a `uint4` of fp16s each way), the position
 worked out once a piece. It takes a kernel only where TVM's vectorizer
 keeps the piece a vector (checked by running it: a condition along the row,
 a concatenation's, makes it fall back to a loop of scalars, no better than
-Fallback) and every read along the row is aligned to the piece (its index
-there the row's own plus a multiple of the piece, in rows a whole number of
-pieces long), so that a vector load never straddles 16 bytes. U-Net's
+Fallback) and every read along the row is one element aligned to the piece
+(its index there the row's own plus a multiple of the piece, in rows a
+whole number of pieces long), so that each load is one vector (TVM gathers
+the lanes of a load it cannot prove aligned one by one). Pieces are 8 bytes
+where 8 lanes would hold what TVM 0.27's CUDA codegen cannot print
+(`_unprintable_8`: LeakyReLU's comparisons, MobileNet-V2's fp32 ReLU6
+bounds), and a kernel casting a vector to int64 is declined. U-Net's
 upsampling at batch 32 took 0.40 ms a run on Fallback at 25% of the memory
 roofline (results/h100/2026-12-06/corpus-baselines/profiles-b32/unet/).
 `VECTOR_ROWS = False` leaves those kernels to Fallback (A/Bs).
