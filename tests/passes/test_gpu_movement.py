@@ -366,3 +366,23 @@ def test_vector_rows_off_leaves_fallback_its_kernels(sm90, monkeypatch):
 @pytest.mark.parametrize("what, build, shape, dtype", VECTOR, ids=[c[0] for c in VECTOR])
 def test_gpu_rows_in_vectors(what, build, shape, dtype):
     _check(VectorRows, build, shape, dtype, on_gpu=True)
+
+
+def test_rule_kernels_emulates_and_compiles_what_a_rule_takes(sm90):
+    """scripts/rule_kernels.py, the corpus-wide check of a rule's kernels:
+    a kernel of ours emulated equal and compiled by nvcc; the C TVM 0.27
+    prints for 8 fp32 lanes of a broadcast refused by nvcc."""
+    import shutil
+
+    from ..conftest import load_script
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc here")
+    script = load_script("rule_kernels")
+    func = _kernel(_resize, sm90, (2, 32, 32, 64), "float16")
+    with sm90:
+        found, ok = script.check(func, VectorRows().apply(func, sm90), sm90, emulate=True)
+    assert ok and found == "equal; nvcc ok", found
+    bad = ('extern "C" __global__ void k(float* p, unsigned long long* o) '
+           "{ ulonglong4 v = make_ulonglong4(p[0], p[0], p[0], p[0], p[0], p[0], p[0], p[0]); o[0] = v.x; }")
+    assert "too many arguments" in script.nvcc_error(bad)
