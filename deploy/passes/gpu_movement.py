@@ -61,7 +61,7 @@ whole number of pieces long), so that each load is one vector (TVM gathers
 the lanes of a load it cannot prove aligned one by one). Pieces are 8 bytes
 where 8 lanes would hold what TVM 0.27's CUDA codegen cannot print
 (`_unprintable_8`: LeakyReLU's comparisons, MobileNet-V2's fp32 ReLU6
-bounds), and a kernel casting a vector to int64 is declined. U-Net's
+bounds, a cast through int64). U-Net's
 upsampling at batch 32 took 0.40 ms a run on Fallback at 25% of the memory
 roofline (results/h100/2026-12-06/corpus-baselines/profiles-b32/unet/).
 `VECTOR_ROWS = False` leaves those kernels to Fallback (A/Bs).
@@ -84,7 +84,7 @@ MIN_TILE_ROWS = 8  # the transposed axis's extent at least this (a tile TILE x t
 VECTOR_ROWS = True  # VectorRows takes what it can; False: Fallback does
 WIDE_BUFFER = re.compile(r'T\.Buffer\(\(.*?\), "(bool|u?int64|float64)"\)')  # elements whose 8-lane vectors
 COMPARISON = re.compile(r" (<|>|<=|>=|==|!=) |T\.Select\(")  # (or whose comparisons' bool vectors) do not print
-WIDE_CAST = re.compile(r'T\.Cast\("(bool|u?int64|float64)x\d+"')  # a vector cast to them: not printed at any width
+WIDE_CAST = re.compile(r'T\.Cast\("(bool|u?int64|float64)x8"')  # (and a cast to 8 of them)
 
 
 def _row(block) -> tuple[int, int, bool] | None:
@@ -329,11 +329,13 @@ def _unprintable_8(func, lowered: str) -> bool:
     nvcc rejects: a value broadcast along 8 fp32 lanes (`make_ulonglong4` of
     8 arguments), a vector of 8 bools (a comparison along the row:
     LeakyReLU's; "Cannot convert type T.boolx8 to CUDA type"), of 8 int64s
-    or float64s (a read of such a buffer). Judged on the text: a line of
-    vectors with a comparison in it, a buffer of such elements."""
+    or float64s (a read of such a buffer, a cast to them: "Check failed:
+    (!type_name.empty())"). Judged on the text: a line of vectors with a
+    comparison in it, a buffer of such elements, a cast to 8 of them."""
     vectors = [line for line in lowered.splitlines() if "T.Ramp(" in line or "T.Broadcast(" in line]
     return (("float32" in lowered and any("T.Broadcast(" in line for line in vectors))
-            or any(COMPARISON.search(line) for line in vectors) or bool(WIDE_BUFFER.search(func.script())))
+            or any(COMPARISON.search(line) for line in vectors) or bool(WIDE_BUFFER.search(func.script()))
+            or bool(WIDE_CAST.search(lowered)))
 
 
 class VectorRows:
@@ -354,7 +356,8 @@ class VectorRows:
         # fp32 lanes with a value broadcast along them (it prints the broadcast as `make_ulonglong4` of 8
         # arguments, which nvcc rejects: the workaround of passes/attention_schedule.py's `_copy_vector`,
         # and its test), or a vector of 8 bools, int64s or float64s (a comparison's: LeakyReLU; an int64
-        # or float64 input's: "Cannot convert type T.boolx8 to CUDA type"). Of 4 lanes, each prints.
+        # or float64 input's or cast's: "Cannot convert type T.boolx8 to CUDA type"). Of 4 lanes, each
+        # prints (tests/passes/test_gpu_movement.py::test_tvm_cannot_print_these_vectors_in_cuda).
         for piece in (PIECE_BYTES, PIECE_BYTES // 2):
             lanes = piece * 8 // dtype.bits
             sch = self._schedule(func, target, n, lanes)
@@ -363,8 +366,6 @@ class VectorRows:
             text = _lowered_vectors(sch.mod)
             if "T.Ramp(" not in text and f"{dtype}x{lanes}" not in text:
                 return None  # (scalarized: a condition along the row, a concatenation's)
-            if WIDE_CAST.search(text):
-                return None  # ("Check failed: (!type_name.empty())" in TVM 0.27's CUDA codegen)
             if lanes < 8 or not _unprintable_8(func, text):
                 return sch
         return None
