@@ -664,7 +664,8 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
     monkeypatch.setattr(schedule, "RULE_VERSIONS", dict.fromkeys(v, 1))
     monkeypatch.setitem(schedule.CHAINS, "cuda", [c for c in schedule.CHAINS["cuda"]
                                                   if c not in (schedule.SHORT_ROWS, schedule.MMA_GEMM,
-                                                               schedule.SHORT_INNER, schedule.TILED_TRANSPOSE)])
+                                                               schedule.SHORT_INNER, schedule.TILED_TRANSPOSE,
+                                                               schedule.VECTOR_ROWS)])
     got = read(legacy)
     assert got["timed"] == {"a": None} and got["default_us"] == {"w": 3.0} and got["chain"] == schedule.default_chain(
         "cuda")
