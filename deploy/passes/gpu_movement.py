@@ -348,8 +348,8 @@ class VectorRows:
         got = _injective_block(func, target)
         if got is None:
             return None
-        sch, block_rv, (n, size, _) = got
-        dtype = sch.get(block_rv).writes[0].source.dtype
+        base, block_rv, (n, size, _) = got
+        dtype = base.get(block_rv).writes[0].source.dtype
         if str(dtype) not in VECTOR_DTYPES or size < PIECE_BYTES or size % PIECE_BYTES:
             return None
         # Pieces of 16 bytes; of 8 where 16 would hold 8 lanes TVM 0.27's CUDA codegen cannot print: 8
@@ -360,7 +360,7 @@ class VectorRows:
         # prints (tests/passes/test_gpu_movement.py::test_tvm_cannot_print_these_vectors_in_cuda).
         for piece in (PIECE_BYTES, PIECE_BYTES // 2):
             lanes = piece * 8 // dtype.bits
-            sch = self._schedule(func, target, n, lanes)
+            sch = self._schedule(base.copy(), block_rv, n, lanes)
             if sch is None:
                 return None
             text = _lowered_vectors(sch.mod)
@@ -371,11 +371,11 @@ class VectorRows:
         return None
 
     @staticmethod
-    def _schedule(func, target, n: int, lanes: int):
-        """A piece of `lanes` elements a thread, vectorized; None where the reads are not aligned to it."""
+    def _schedule(sch, block_rv, n: int, lanes: int):
+        """`sch` (its injective block `block_rv`, rows of `n`) with a piece of `lanes`
+        elements a thread, vectorized; None where the reads are not aligned to it."""
         from .kernel_shape import static_int
 
-        sch, block_rv, _ = _injective_block(func, target)
         block = sch.get(block_rv)
         if not _aligned_reads(block, lanes):
             return None

@@ -406,6 +406,7 @@ def test_tvm_cannot_print_these_vectors_in_cuda(sm90, what, build, shape, dtype,
 
     func = _kernel(build, sm90, shape, dtype)
     with sm90:
-        sch = VectorRows._schedule(func, sm90, shape[-1], 8)
+        base, block, _ = gpu_movement._injective_block(func, sm90)
+        sch = VectorRows._schedule(base, block, shape[-1], 8)
     with pytest.raises(Exception, match=re.escape(error)):
         emulation.source(sch.mod["main"], sm90)
