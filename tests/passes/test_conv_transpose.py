@@ -20,8 +20,6 @@ def _module(n=2, c=6, h=5, w=3, o=4, k=(2, 2), stride=(2, 2), padding=(0, 0, 0, 
             groups=1, bias=(1, 4, 1, 1), nhwc=False, dtype="float32"):
     """A conv2d_transpose (NCHW/IOHW, as TOPI lowers it) and a bias add; with
     `nhwc`, between the transposes ConvertLayout puts around it."""
-    ho = (h - 1) * stride[0] + k[0] - padding[0] - padding[2] + output_padding[0]
-    wo = (w - 1) * stride[1] + k[1] - padding[1] - padding[3] + output_padding[1]
     x_shape, into = ((n, h, w, c), "xi = R.permute_dims(x, axes=[0, 3, 1, 2])") if nhwc else ((n, c, h, w), "xi = x")
     out = "z = R.permute_dims(y, axes=[0, 2, 3, 1])" if nhwc else "z = y"
     return _parse(f"""
@@ -38,7 +36,7 @@ class Mod:
             {out}
             R.output(z)
         return z
-""") if (ho, wo) else None
+""")
 
 
 def _same(mod, new):
