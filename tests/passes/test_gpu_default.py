@@ -218,8 +218,8 @@ def _excite_kernel(batch, c, target):
     return func
 
 
-@pytest.mark.parametrize("batch,c,lanes,vector_type", [(32, 144, 8, "uint4"), (5, 36, 4, "half4")],
-                         ids=["b32-8-lanes", "b5-4-lanes-bounds-checked"])
+@pytest.mark.parametrize("batch,c,lanes,vector_type", [(32, 144, 8, "uint4"), (5, 36, 4, "half4"), (1, 144, 8, "uint4")],
+                         ids=["b32-8-lanes", "b5-4-lanes-bounds-checked", "b1-before-gemv"])
 def test_the_excite_kernel_reads_and_writes_its_feature_map_in_vectors(sm90, batch, c, lanes, vector_type):
     """BroadcastEpilogue: where DLight leaves the excite kernel to Fallback
     (scalar loads, a thread per element), the broadcast multiply gets up to 8
@@ -239,8 +239,23 @@ def test_the_excite_kernel_reads_and_writes_its_feature_map_in_vectors(sm90, bat
         "the output is not written in vectors"
 
 
-def test_at_batch_1_dlights_gemv_keeps_the_excite_kernel(sm90):
-    assert _first_source(_excite_kernel(1, 144, sm90), sm90)[0] == "dlight.GEMV"
+def test_dlights_gemv_gives_the_excite_kernel_at_batch_1_a_block_a_few_channels(sm90):
+    """Why BroadcastEpilogue comes before DLight's GEMV in the chain: at
+    batch 1 GEMV takes the excite kernel and computes the broadcast multiply
+    over the whole feature map in the blocks of the reduction, one block per
+    16 channels: EfficientNet-B0's first (112x112x32 features, 2 blocks) took
+    0.317 ms a call on an H100 for 1.6 MB
+    (results/h100/2026-12-06/verify-conv-transpose-vector-rows/profile-efficientnet_b0-b1/).
+    Fails once GEMV spreads the epilogue over more blocks; then time GEMV
+    against ours again."""
+    from deploy.tvm_compat import dlight
+
+    func = _excite_kernel(1, 144, sm90)
+    with sm90:
+        mod = dlight.ApplyDefaultSchedule(dlight.gpu.GEMV())(tvm.IRModule({"main": func}))
+    text = mod["main"].script()
+    assert 'T.thread_binding(T.int64(9), thread="blockIdx.x")' in text  # 144 channels, 16 a block
+    assert text.count('thread="blockIdx') == 1
 
 
 def test_dlight_leaves_the_excite_kernel_to_fallback(sm90):
