@@ -1,6 +1,6 @@
 """Our schedules of movement (`deploy/passes/gpu_movement.py`: ShortInnerAxis,
 TiledTranspose, VectorRows) against DLight's Fallback, which took these kernels before,
-on the corpus's transposes, resizes and casts: each kernel built both ways, checked against the
+on the corpus's transposes, resizes, casts and concatenations: each kernel built both ways, checked against the
 other (bit for bit: both only move and cast), and timed with TVM's
 time_evaluator. Needs a GPU.
 
@@ -32,7 +32,7 @@ def _cases():
     from deploy.tvm_compat import relax
 
     perm = relax.op.permute_dims
-    return {  # name: (rule, build, input shape, input dtype)
+    return {  # name: (rule, build, input shape, input dtype[, more inputs' shapes])
         "ResNet-50 b64 input, NCHW fp32 -> NHWC fp16 padded to 8": ("short", lambda x: _nhwc(x, 5),
                                                                     (64, 3, 224, 224), "float32"),
         "ResNet-50 b1 input, NCHW fp32 -> NHWC fp16": ("short", _nhwc, (1, 3, 224, 224), "float32"),
@@ -47,6 +47,11 @@ def _cases():
                                             (32, 56, 56, 64), "float16"),
         "NHWC features cast fp32 -> fp16": ("vector", lambda x: relax.op.astype(x, "float16"), (32, 56, 56, 64),
                                             "float32"),
+        # (more inputs: their shapes after the dtype)
+        "UNet b32 skip concatenation, 32 + 32 channels": ("vector", lambda *xs: relax.op.concat(list(xs), axis=3),
+                                                         (32, 256, 256, 32), "float16", [(32, 256, 256, 32)]),
+        "DenseNet b32 concatenation, 128 + 3 x 32 channels": ("vector", lambda *xs: relax.op.concat(list(xs), axis=3),
+                                                              (32, 28, 28, 128), "float16", [(32, 28, 28, 32)] * 3),
     }
 
 
@@ -67,8 +72,8 @@ def main(argv=None) -> int:
     info = targets.resolve("cuda")
     target = info.tvm_target()
     rows = []
-    for name, (rule, build, shape, dtype) in _cases().items():
-        func = probe_common.fused_kernel(build, shape, dtype, target)
+    for name, (rule, build, shape, dtype, *more) in _cases().items():
+        func = probe_common.fused_kernel(build, shape, dtype, target, *more)
         with target:
             ours = getattr(gpu_movement, RULES[rule])().apply(func, target)
             theirs = dlight.ApplyDefaultSchedule(dlight.gpu.Fallback())(tvm.IRModule({"main": func}))

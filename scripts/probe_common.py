@@ -129,17 +129,17 @@ def run_and_time(lib, inputs: list, out_shape, out_dtype: str, ref, flop: float)
             "tflops": round(flop / t_us / 1e6, 1)}
 
 
-def fused_kernel(build, shape, dtype: str, target):
+def fused_kernel(build, shape, dtype: str, target, more=()):
     """The one fused PrimFunc of a Relax function of one input `x` (`shape`,
     `dtype`) whose body is `build(x)`, legalized and fused as the pipeline
-    does."""
+    does; `more`: the shapes of more inputs of `dtype`, `build(x, *those)`."""
     from deploy.tvm_compat import PassContext, relax, tirx
 
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, dtype))
-    with bb.function("main", [x]):
+    xs = [relax.Var(f"x{i}" if i else "x", relax.TensorType(s, dtype)) for i, s in enumerate([shape, *more])]
+    with bb.function("main", xs):
         with bb.dataflow():
-            out = bb.emit_output(build(x))
+            out = bb.emit_output(build(*xs))
         bb.emit_func_output(out)
     with target, PassContext(opt_level=3):
         mod = relax.transform.LegalizeOps()(bb.get())

@@ -53,17 +53,28 @@ gives each element a thread (2-byte loads and stores, the index arithmetic
 of a 4-D position an element); ours gives each thread a 16-byte piece of a
 row, loaded and stored as vectors (a `uint4` of fp16s each way), the position
 worked out once a piece. It takes a kernel only where TVM's vectorizer
-keeps the piece a vector (checked by running it: a condition along the row,
-a concatenation's, makes it fall back to a loop of scalars, no better than
+keeps the piece a vector (checked by running it: a condition that varies
+within the piece makes it fall back to a loop of scalars, no better than
 Fallback) and every read along the row is one element aligned to the piece
 (its index there the row's own plus a multiple of the piece, in rows a
 whole number of pieces long), so that each load is one vector (TVM gathers
-the lanes of a load it cannot prove aligned one by one). Pieces are 8 bytes
-where 8 lanes would hold what TVM 0.27's CUDA codegen cannot print
-(`_unprintable_8`: LeakyReLU's comparisons, MobileNet-V2's fp32 ReLU6
-bounds, a cast through int64). U-Net's
+the lanes of a load it cannot prove aligned one by one). A concatenation
+along the row (DenseNet's, U-Net's skip connections) tests the position
+against each input's first channel: where those are multiples of the
+piece, `_piece_conditions` makes each test one of the piece (`64 <= c` as
+`8 <= c // 8`), which the simplifier turns into the piece's index before
+TVM vectorizes, so a piece is read from the one input it lies in, as one
+vector (TVM 0.27 vectorizes before it simplifies the test as written:
+tests/passes/test_gpu_movement.py::test_tvms_vectorizer_gives_up_a_concatenations_piece).
+Pieces are 8 bytes where the reads are aligned to 8 bytes, not 16 (a slice
+or a concatenation at channel 4 of fp16), or where 8 lanes would hold what
+TVM 0.27's CUDA codegen cannot print (`_unprintable_8`: LeakyReLU's
+comparisons, MobileNet-V2's fp32 ReLU6 bounds, a cast through int64). U-Net's
 upsampling at batch 32 took 0.40 ms a run on Fallback at 25% of the memory
-roofline (results/h100/2026-12-06/corpus-baselines/profiles-b32/unet/).
+roofline (results/h100/2026-12-06/corpus-baselines/profiles-b32/unet/);
+with VectorRows 0.116 ms, and U-Net b32 1.08x faster in all
+(results/h100/2026-12-06/verify-conv-transpose-vector-rows/). Its skip
+concatenations were left at 32-34% of the memory roofline, 0.84 of 4.46 ms.
 `VECTOR_ROWS = False` leaves those kernels to Fallback (A/Bs).
 """
 
@@ -289,10 +300,11 @@ def _aligned_reads(block, lanes: int) -> bool:
     """Whether each read of `block` along its row is a vector load of
     `lanes` elements aligned to them: each read one element (its region a
     point, so its indices are the read's own), the row's iterator in its last index
-    alone, that index the iterator plus a multiple of `lanes`, the buffer's
-    last axis a multiple of `lanes`. A read the row's iterator is not in (a
+    alone, that index the iterator plus a multiple of `lanes` (a constant, or
+    other iterators times multiples of it), the buffer's last axis a multiple
+    of `lanes`. A read the row's iterator is not in (a
     broadcast along the row) is one scalar load."""
-    from ..tvm_compat import sym, tirx
+    from ..tvm_compat import sym
     from .kernel_shape import static_int, vars_of
 
     analyzer = sym.Analyzer()
@@ -307,20 +319,91 @@ def _aligned_reads(block, lanes: int) -> bool:
             continue
         if any(last in vars_of(i) for i in indices[:-1]) or static_int(r.source.shape[-1]) is None:
             return False
-        offset = analyzer.simplify(indices[-1] - last)
-        if not isinstance(offset, tirx.IntImm) or int(offset) % lanes or static_int(r.source.shape[-1]) % lanes:
+        # (the offset's residue modulo the piece, as TVM's CUDA codegen judges a vector load aligned: a
+        # constant, or a sum of multiples of it, a depth to space's (i * 2 + j) * channels)
+        offset = analyzer.modular_set(analyzer.simplify(indices[-1] - last))
+        if int(offset.coeff) % lanes or int(offset.base) % lanes or static_int(r.source.shape[-1]) % lanes:
             return False
     return True
 
 
 def _lowered_vectors(mod) -> str:
     """The scheduled kernel after TVM's vectorizer (where it cannot keep a
-    vector loop, it makes a loop of scalars), as TVMScript."""
+    vector loop, it makes a loop of scalars), as TVMScript. The simplifier
+    runs first, as in TVM's lowering: it makes a piece's condition one of
+    the piece (`_piece_conditions`)."""
     from ..tvm_compat import s_tir, tirx, tvm
 
     S = s_tir.transform
-    return tvm.transform.Sequential([S.LowerInitBlock(), S.ConvertBlocksToOpaque(), S.LowerOpaqueBlock(),
-                                     tirx.transform.VectorizeLoop()])(mod).script()
+    return tvm.transform.Sequential([S.LowerInitBlock(), S.ConvertBlocksToOpaque(), S.StmtSimplify(),
+                                     S.LowerOpaqueBlock(), tirx.transform.VectorizeLoop()])(mod).script()
+
+
+_BEFORE = r"(?:(?<=\()|(?<=, )|(?<= and )|(?<= or )|(?<=not ))"  # a comparison's operand starts here
+_AFTER = r"(?=,|\)| and | or )"  # and ends here (Python's precedence: nothing binds looser than these)
+_CONST = r"(T\.int64\(\d+\)|\d+)"
+
+
+def _piece_conditions(func, var: str, lanes: int):
+    """`func` (TVMScript's round trip) with each comparison of the row's
+    iterator `var` with a multiple of `lanes` in it made one of the piece
+    (`C <= v` as `C // lanes <= v // lanes`; with C a multiple of lanes the
+    same for every element): a concatenation along the row tests its
+    position against each input's first channel, and a condition that
+    varies within a piece makes TVM's vectorizer give up the vector. After
+    the piece's split the simplifier makes `(p * lanes + lane) // lanes`
+    the piece `p`, and each piece is read and written as one vector. None
+    where there is no such comparison. Comparisons of other forms stay as
+    they are (the vectorizer then gives the piece up, and the rule
+    declines)."""
+    from ..tvm_compat import tvm
+
+    def const(text: str, value: int) -> str:
+        return f"T.int64({value})" if text.startswith("T.") else str(value)
+
+    def value(text: str) -> int:
+        return int(re.sub(r"\D", "", text.replace("T.int64", "")))
+
+    def left(m):  # C <= v, C > v
+        c = value(m.group(1))
+        return m.group(0) if c % lanes else f"{const(m.group(1), c // lanes)} {m.group(2)} {var} // {const(m.group(1), lanes)}"
+
+    def right(m):  # v < C, v >= C
+        c = value(m.group(2))
+        return m.group(0) if c % lanes else f"{var} // {const(m.group(2), lanes)} {m.group(1)} {const(m.group(2), c // lanes)}"
+
+    v = re.escape(var)
+    text = func.script()
+    new = re.sub(_BEFORE + _CONST + r" (<=|>) " + v + _AFTER, left, text)
+    new = re.sub(_BEFORE + v + r" (<|>=) " + _CONST + _AFTER, right, new)
+    if new == text:
+        return None
+    try:
+        return tvm.script.from_source(new)
+    except Exception:  # noqa: BLE001 - not TVMScript that parses back: leave the kernel as it is
+        return None
+
+
+def _vectors(lowered: str, dtype, lanes: int) -> bool:
+    """Whether the vectorizer kept the piece a vector (`lowered`: after it)."""
+    return "T.Ramp(" in lowered or f"{dtype}x{lanes}" in lowered
+
+
+def _scalar_conditions(line: str) -> str:
+    """`line` of TVMScript without the conditions of its `T.if_then_else`s
+    that hold no vector (one of the whole piece: it selects whole vectors)."""
+    out, i = [], 0
+    while (j := line.find("T.if_then_else(", i)) >= 0:
+        start = j + len("T.if_then_else(")
+        depth, k = 0, start
+        while k < len(line) and not (depth == 0 and line[k] == ","):
+            depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(line[k], 0)
+            k += 1
+        condition = line[start:k]
+        out.append(line[i:start] + ("" if "T.Ramp(" not in condition and "T.Broadcast(" not in condition
+                                    else condition))
+        i = k
+    return "".join(out) + line[i:]
 
 
 def _unprintable_8(func, lowered: str) -> bool:
@@ -331,8 +414,9 @@ def _unprintable_8(func, lowered: str) -> bool:
     LeakyReLU's; "Cannot convert type T.boolx8 to CUDA type"), of 8 int64s
     or float64s (a read of such a buffer, a cast to them: "Check failed:
     (!type_name.empty())"). Judged on the text: a line of vectors with a
-    comparison in it, a buffer of such elements, a cast to 8 of them."""
-    vectors = [line for line in lowered.splitlines() if "T.Ramp(" in line or "T.Broadcast(" in line]
+    comparison in it (other than a condition of the whole piece,
+    `_scalar_conditions`), a buffer of such elements, a cast to 8 of them."""
+    vectors = [_scalar_conditions(line) for line in lowered.splitlines() if "T.Ramp(" in line or "T.Broadcast(" in line]
     return (("float32" in lowered and any("T.Broadcast(" in line for line in vectors))
             or any(COMPARISON.search(line) for line in vectors) or bool(WIDE_BUFFER.search(func.script()))
             or bool(WIDE_CAST.search(lowered)))
@@ -362,13 +446,35 @@ class VectorRows:
             lanes = piece * 8 // dtype.bits
             sch = self._schedule(base.copy(), block_rv, n, lanes)
             if sch is None:
-                return None
+                continue  # (a read not aligned to the piece: to half of it, perhaps)
             text = _lowered_vectors(sch.mod)
-            if "T.Ramp(" not in text and f"{dtype}x{lanes}" not in text:
-                return None  # (scalarized: a condition along the row, a concatenation's)
+            if not _vectors(text, dtype, lanes):  # (scalarized: a condition along the row, a concatenation's)
+                sch = self._piecewise(base, block_rv, n, lanes)
+                if sch is None:
+                    return None
+                text = _lowered_vectors(sch.mod)
             if lanes < 8 or not _unprintable_8(func, text):
                 return sch
         return None
+
+    def _piecewise(self, base, block_rv, n: int, lanes: int):
+        """The schedule of `base`'s kernel with its conditions along the row
+        made the piece's (`_piece_conditions`), where that keeps each piece
+        a vector; else None."""
+        from ..tvm_compat import s_tir
+
+        block = base.get(block_rv)
+        func = _piece_conditions(base.mod["main"], block.iter_vars[-1].var.name, lanes)
+        if func is None:
+            return None
+        sch = s_tir.Schedule(func)
+        try:
+            block_rv = sch.get_sblock(block.name_hint)
+        except Exception:  # noqa: BLE001 - the block not found again: leave the kernel
+            return None
+        sch = self._schedule(sch, block_rv, n, lanes)
+        dtype = block.writes[0].source.dtype
+        return sch if sch is not None and _vectors(_lowered_vectors(sch.mod), dtype, lanes) else None
 
     @staticmethod
     def _schedule(sch, block_rv, n: int, lanes: int):
