@@ -90,6 +90,13 @@ GRID_BLOCKS = 128  # about a block per SM: an H200 has 132, an A100 108
 # than SMALL_ROWS rows are a GEMV's, left to DLight.
 ROW_TILE = 64
 SMALL_ROWS = 32
+# Where no tile divides its columns or K either (EfficientNet-B0's 1x1 convolutions at batch 1: 196 or 784
+# rows, 40, 80 or 112 channels), those are padded too, to multiples of COL_TILE and K_TILE: its padded
+# columns and K read zeros, and are never written out. On the H100 DLight's Matmul ran them at 0.5-1.7
+# TFLOP/s, 20-45 us a call (results/h100/2026-12-06/verify-conv-transpose-vector-rows/profile-efficientnet_b0-b1/).
+COL_TILE = 64
+K_TILE = 32
+SMALL_COLS = 32  # (fewer columns, a classifier's 10, are not padded: most of the tile would be padding)
 
 # Dynamic shared memory a block may opt in to, by architecture (CUDA
 # programming guide, "Technical Specifications per Compute Capability").
@@ -234,18 +241,21 @@ def configs_for(gemm: Gemm) -> list[str]:
 
 def plan(func, tf32: bool = False) -> tuple[Gemm, list | None] | None:
     """(the GEMM this schedule takes in `func`, pad_einsum's padding of its
-    rows or None), or None where no configuration tiles it: `match`'s GEMM
+    loops or None), or None where no configuration tiles it: `match`'s GEMM
     as it is where one does, else with its rows padded to a multiple of
     ROW_TILE (from SMALL_ROWS rows; the padded rows read zeros and are
-    never written out, as pad_gemm's)."""
+    never written out, as pad_gemm's), else with its columns (from
+    SMALL_COLS) and K padded too, to multiples of COL_TILE and K_TILE."""
     from ..tvm_compat import s_tir, tvm
-    from .pad_gemm import pad_rows_in, row_padding
+    from .pad_gemm import pad_rows_in, row_padding, tile_padding
 
     gemm = match(func, tf32)
     if gemm is not None and (configs_for(gemm) or default_config(gemm)):
         return gemm, None
-    padding = row_padding(func, ROW_TILE, SMALL_ROWS)
-    if padding is not None:
+    for padding in (row_padding(func, ROW_TILE, SMALL_ROWS),
+                    tile_padding(func, {"m": ROW_TILE, "n": COL_TILE, "k": K_TILE}, SMALL_ROWS, SMALL_COLS)):
+        if padding is None:
+            continue
         try:
             sch = s_tir.Schedule(tvm.IRModule({"main": func}), debug_mask=0)
             pad_rows_in(sch, padding)

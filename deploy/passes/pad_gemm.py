@@ -111,6 +111,15 @@ def row_padding(func, multiple: int, min_rows: int) -> list[int] | None:
     the first operand alone) to a multiple of `multiple`, where there are at
     least `min_rows` and `multiple` does not divide them; None otherwise
     (passes/mma_gemm.py pads a small GEMM this way inside its schedule)."""
+    return tile_padding(func, {"m": multiple}, min_rows)
+
+
+def tile_padding(func, multiples: dict, min_rows: int, min_cols: int = 1) -> list[int] | None:
+    """pad_einsum's padding of this kernel's GEMM loops to multiples of
+    `multiples` by role ("m": rows, "n": columns, "k": the reduction; one
+    loop of each role padded), where there are at least `min_rows` rows and
+    `min_cols` columns and some such loop is not a multiple already; None
+    otherwise."""
     from ..tvm_compat import s_tir, tvm
 
     try:
@@ -120,10 +129,14 @@ def row_padding(func, multiple: int, min_rows: int) -> list[int] | None:
     if found is None:
         return None
     _, extents, roles, _ = found
-    rows = [i for i, r in enumerate(roles) if r == "m"]
-    if len(rows) != 1 or extents[rows[0]] < min_rows or extents[rows[0]] % multiple == 0:
+    if roles.count("m") != 1 or extents[roles.index("m")] < min_rows:
         return None
-    return [multiple if i == rows[0] else 1 for i in range(len(extents))]
+    if "n" in roles and extents[roles.index("n")] < min_cols:
+        return None
+    if any(roles.count(role) != 1 for role in multiples):
+        return None
+    padding = [multiples[r] if r in multiples and e % multiples[r] else 1 for e, r in zip(extents, roles)]
+    return padding if any(p > 1 for p in padding) else None
 
 
 def pad_rows_in(sch, padding: list[int]) -> None:

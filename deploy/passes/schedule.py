@@ -58,11 +58,12 @@ FUSED_ATTENTION = "fused-attention"
 # convolution's four adjacent outputs a thread.
 # MMA_GEMM 2: a GEMM whose K is two tiles of 32 takes the default tiles in a 3-stage pipeline, and
 # one whose rows no tile divides has them padded to a multiple of 64 inside the kernel; N = 96 takes 128x96 tiles;
-# 3: a GEMM over [1, M, K] rows, a transformer's dense layer at batch 1, as a 2-D one: passes/unit_batch.py.
+# 3: a GEMM over [1, M, K] rows, a transformer's dense layer at batch 1, as a 2-D one: passes/unit_batch.py;
+# 4: a GEMM whose columns or K no tile divides has them padded too (mma_gemm.COL_TILE, K_TILE).
 # VECTOR_ROWS 2: concatenations along the row, each piece's condition made the piece's; pieces of 8 bytes where
 # reads are aligned to 8 bytes, not 16.)
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
-                 MMA_GEMM: 3, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2}
+                 MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2}
 
 
 @dataclasses.dataclass

@@ -141,3 +141,20 @@ def test_the_emulation_sees_a_tile_read_before_its_copy_has_landed(sm90, probe):
     broken = src.replace(loop, loop.replace("__syncthreads();", ";", 1))
     _, _, problems, _ = _emulate(func, scheduled, sm90, broken)
     assert any("RACE WAR cp.async" in p for p in problems), sorted(problems)[:5]
+
+
+@pytest.mark.parametrize("m, n, k", [(100, 80, 96), (196, 112, 40)], ids=["columns", "columns-and-k"])
+def test_a_gemm_whose_columns_and_k_no_tile_divides_is_padded_inside_the_kernel(sm90, probe, m, n, k):
+    """EfficientNet-B0's 1x1 convolutions at batch 1 (40 to 112 channels):
+    rows, columns and K padded to multiples of ROW_TILE, COL_TILE and
+    K_TILE inside the kernel (`plan`); the padding reads zeros and is
+    never written out."""
+    func = probe.gemm_func(m, n, k, "bias")
+    gemm, padding = mma_gemm.plan(func)
+    assert (gemm.m, gemm.n, gemm.k) == (-(-m // 64) * 64, -(-n // 64) * 64, -(-k // 32) * 32)
+    assert padding is not None and padding.count(1) == (k % 32 == 0)
+    config = mma_gemm.default_config(gemm, sm90)
+    scheduled = mma_gemm.schedule(func, gemm, config, padding).mod["main"].with_attr("global_symbol", "main")
+    got, want, problems, _ = _emulate(func, scheduled, sm90)
+    assert not problems, sorted(problems)[:5]
+    np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2e-3, atol=2e-3)

@@ -282,7 +282,8 @@ def test_the_build_chain_gives_a_gemm_our_schedule_before_dlights_matmul(sm90):
     assert "cp.async.cg" in src and "ldmatrix" in src and "mma.sync" in src
     sm75 = tvm.target.Target({"kind": "cuda", "arch": "sm_75"})
     assert mma_gemm.Default().apply(func, sm75) is None
-    assert mma_gemm.Default().apply(_gemm(n=48), sm90) is None
+    assert mma_gemm.Default().apply(_gemm(n=48), sm90) is not None  # (48 columns padded to 64: COL_TILE)
+    assert mma_gemm.Default().apply(_gemm(m=20, padded=20), sm90) is None  # (fewer than SMALL_ROWS rows)
 
 
 def test_the_kernel_check_compares_a_gemm_with_dlight_not_with_our_own_default(sm90):
