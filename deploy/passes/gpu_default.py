@@ -350,6 +350,23 @@ MIN_BROADCAST = 4  # the epilogue writes at least this many times the reduction'
 VECTOR = (8, 4, 2)  # elements per thread in the epilogue: 16 bytes of the output at most
 
 
+def _broadcast_along_rows(blocks) -> bool:
+    """Whether the epilogue's blocks broadcast the reduction over other
+    axes than the last: in each, a read of a buffer smaller than the one it
+    writes is indexed along its last axis by the block's last iterator (the
+    excite kernel's channels, NHWC). A reduction broadcast along the row
+    (an RMS norm's, `x - mean(x)`'s) is DLight's Reduction's, a block a row."""
+    for block in blocks:
+        written = math.prod(static_int(d) or 0 for d in block.writes[0].source.shape)
+        last_iv = block.iter_vars[-1].var
+        for r in block.reads:
+            if math.prod(static_int(d) or 0 for d in r.source.shape) >= written:
+                continue  # (read element for element)
+            if last_iv not in vars_of(r.region[-1].min):
+                return False
+    return True
+
+
 class BroadcastEpilogue:
     """A small reduction whose epilogue broadcasts it over a larger tensor:
     the squeeze-excitation "excite" kernel, a 1x1 convolution of the squeezed
@@ -395,10 +412,7 @@ class BroadcastEpilogue:
         out = [static_int(d) for d in written.shape]
         if None in out or math.prod(out) < MIN_BROADCAST * math.prod(extents[:n_s]):
             return None
-        # (broadcast over other axes than the last, which it shares with the reduction's outputs: the
-        # excite kernel's channels. A row's reduction broadcast along the row, an RMS norm's, is
-        # GeneralReduction's, a block a row.)
-        if out[-1] < 2 or static_int(block.writes[0].source.shape[-1]) != out[-1]:
+        if out[-1] < 2 or not _broadcast_along_rows([sch.get(c.block_rv) for c in consumers]):
             return None
         # Floating-point buffers only (CUDA's codegen prints no 8-lane bool,
         # int64 or float64 vector), and at most 16 bytes of the output a thread.

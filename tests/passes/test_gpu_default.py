@@ -521,3 +521,22 @@ def test_gpu_the_grouped_schedule_computes_what_tvms_plain_lowering_does(sm90, c
     lib["k"](*got)
     np.testing.assert_allclose(got[-1].numpy().astype("float32"), want[-1].numpy().astype("float32"),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("what, build, shape", [
+    ("an RMS norm, rows as many as its channels", lambda bb, x: relax.op.nn.rms_norm(
+        x, relax.const(np.ones((256,), "float16")), axes=[-1]), (256, 256)),
+    ("an RMS norm over 128 channels", lambda bb, x: relax.op.nn.rms_norm(
+        x, relax.const(np.ones((128,), "float16")), axes=[-1]), (2, 128, 128)),
+])
+def test_a_reduction_broadcast_along_the_row_is_not_an_excite_kernel(sm90, what, build, shape):
+    """BroadcastEpilogue comes before DLight's reductions in the chain: it
+    takes only a broadcast over other axes than the last (the excite
+    kernel's), not a row's reduction broadcast along the row. (`x -
+    mean(x)` over NHWC's pixels is the excite kernel's shape: taken, its
+    threads reading neighbouring channels.)"""
+    from deploy.passes.gpu_default import BroadcastEpilogue
+
+    for name, func in _kernels(build, sm90, shape).items():
+        assert BroadcastEpilogue().apply(func, sm90) is None, name
+        assert _first_source(func, sm90)[0] != schedule.BROADCAST_EPILOGUE, name

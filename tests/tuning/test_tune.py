@@ -638,7 +638,7 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
     assert read(state) == state  # made under today's chain: kept as it is
     # a new rule just before Fallback: only the workload Fallback scheduled is timed again
     v = schedule.RULE_VERSIONS
-    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**v, schedule.BROADCAST_EPILOGUE: v[schedule.BROADCAST_EPILOGUE] + 1})
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", {**v, schedule.VECTOR_ROWS: v[schedule.VECTOR_ROWS] + 1})
     got = read(state)
     assert got["timed"] == {"a": "w_mm"} and got["default_rule"] == {"w_mm": "dlight.Matmul", "w_sr": "short-reduction"}
     assert got["default_us"] == {"w_mm": 3.0, "w_sr": 5.0} and [e["workload"] for e in got["default_faster"]] == ["w_mm"]
@@ -656,16 +656,17 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
     got = read(state)
     assert got["timed"] == {} and got["default_faster"] == [] and got["default_us"] == {}
     monkeypatch.undo()
-    # before rules had versions: CUDA 4 is the chain of then with every rule at 1 (short-rows, mma-gemm and the movement rules came later; its timings name no workload and no
+    # before rules had versions: CUDA 4 is the chain of then with every rule at 1 (short-rows, mma-gemm and the
+    # movement rules came later, and broadcast-epilogue came after the reductions then; its timings name no workload and no
     # rule, so the next change of the chain drops them all, as short-reduction@2 did); CUDA 3 and older are
     # dropped now; another kind is its own
     legacy = {"passed": ["a"], "rejected": [], "timed": ["a"], "defaults": 4, "default_us": {"w": 3.0},
               "default_faster": [{"record": "a", "workload": "w", "record_secs": 1.0}]}
     monkeypatch.setattr(schedule, "RULE_VERSIONS", dict.fromkeys(v, 1))
-    monkeypatch.setitem(schedule.CHAINS, "cuda", [c for c in schedule.CHAINS["cuda"]
-                                                  if c not in (schedule.SHORT_ROWS, schedule.MMA_GEMM,
-                                                               schedule.SHORT_INNER, schedule.TILED_TRANSPOSE,
-                                                               schedule.VECTOR_ROWS)])
+    monkeypatch.setitem(schedule.CHAINS, "cuda", [schedule.FEW_OUTPUTS, "dlight.Matmul", "dlight.GEMV",
+                                                  schedule.SHORT_REDUCTION, "dlight.Reduction",
+                                                  "dlight.GeneralReduction", schedule.BROADCAST_EPILOGUE,
+                                                  "dlight.Fallback"])
     got = read(legacy)
     assert got["timed"] == {"a": None} and got["default_us"] == {"w": 3.0} and got["chain"] == schedule.default_chain(
         "cuda")
