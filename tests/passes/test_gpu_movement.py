@@ -472,7 +472,7 @@ def test_a_concatenation_along_the_row_is_moved_in_vectors(sm90, what, build, sh
     body = src[src.index("main_kernel("):]
     vector = {16: "uint4", 8: "half4"}[piece]
     assert f"*({vector}*)(T_concat_intermediate_ptr + " in body, body
-    assert body.count(f"*({vector}*)(") >= 3, body  # (a load from each input, the store)
+    assert body.count(f"*({vector}*)(") == len(func.params), body  # (a load from each input, the store)
 
 
 def test_tvms_vectorizer_gives_up_a_concatenations_piece(sm90):
@@ -501,12 +501,16 @@ def test_only_a_comparison_of_the_iterator_alone_with_a_multiple_of_the_piece_is
                         T.int64(16) <= vj - T.int64(8), a[vi, vj] * T.float16(3), T.if_then_else(
                             vj >= T.int64(24) and vi < T.int64(2), a[vi, vj], T.float16(0)))))
 
-    got = gpu_movement._piece_conditions(kernel, "vj", 8).script()
+    from deploy.tvm_compat import s_tir
+
+    sch = s_tir.Schedule(kernel)
+    vi, vj = [iv.var for iv in sch.get(sch.get_sblock("k")).iter_vars]
+    got = gpu_movement._piece_conditions(kernel, vj, 8).script()
     assert "T.int64(4) <= vj // T.int64(8)" in got  # 32 <= vj
     assert "vj < T.int64(12)" in got  # (12 is not a multiple of 8)
     assert "T.int64(16) <= vj - T.int64(8)" in got  # (vj - 8 is not vj alone)
     assert "vj // T.int64(8) >= T.int64(3)" in got  # 24 <= vj, in a conjunction
-    assert gpu_movement._piece_conditions(kernel, "vi", 8) is None  # (vi < 2: 2 is not a multiple of 8)
+    assert gpu_movement._piece_conditions(kernel, vi, 8) is None  # (vi < 2: 2 is not a multiple of 8)
 
 
 def test_a_concatenation_with_a_comparison_in_a_branch_takes_pieces_tvm_prints(sm90):
