@@ -37,8 +37,9 @@ what the blocks before it made of it) element-wise, at its own [i, j], the
 last writing the kernel's output.
 A GEMM whose rows no configuration tiles has them padded to a multiple of
 64 inside the schedule (`plan`: ViT's 197 tokens and ConvNeXt-T's 196
-pixels at batch 1). Batched matmuls (attention) and GEMMs with columns or
-a K that 16 does not divide are left to MetaSchedule's rules; 1x1 convolutions and
+pixels at batch 1), and where its columns or K are not tiled either, those
+to multiples of 64 and 32 (EfficientNet-B0's 40 to 112 channels).
+Batched matmuls (attention) are left to MetaSchedule's rules; 1x1 convolutions and
 `[batch, seq, K]` matmuls take this schedule once `--flat-gemm` makes them
 2-D.
 
@@ -252,8 +253,9 @@ def plan(func, tf32: bool = False) -> tuple[Gemm, list | None] | None:
     gemm = match(func, tf32)
     if gemm is not None and (configs_for(gemm) or default_config(gemm)):
         return gemm, None
-    for padding in (row_padding(func, ROW_TILE, SMALL_ROWS),
-                    tile_padding(func, {"m": ROW_TILE, "n": COL_TILE, "k": K_TILE}, SMALL_ROWS, SMALL_COLS)):
+    for pad in (lambda: row_padding(func, ROW_TILE, SMALL_ROWS),
+                lambda: tile_padding(func, {"m": ROW_TILE, "n": COL_TILE, "k": K_TILE}, SMALL_ROWS, SMALL_COLS)):
+        padding = pad()
         if padding is None:
             continue
         try:
@@ -306,7 +308,7 @@ def default_config(gemm: Gemm, target=None) -> str | None:
 
 
 def plan_any(func, tf32: bool = False) -> tuple[Gemm, list | None, object] | None:
-    """(the GEMM, its row padding, the function to schedule): `plan` of
+    """(the GEMM, its padding, the function to schedule): `plan` of
     `func`, else of its GEMM over [1, M, K] rows made 2-D
     (passes/unit_batch.py: the same parameters, its blocks rewritten); None
     where neither applies. For the untuned default and TF32's marking, not
@@ -354,7 +356,7 @@ def available(target) -> bool:
 
 def schedule(func, gemm: Gemm, config: str | tuple, padding: list | None = None):
     """The schedule of `func` under one configuration, a name in CONFIGS or
-    its tuple (scripts/mma_gemm_probe.py tries others), its rows first
+    its tuple (scripts/mma_gemm_probe.py tries others), its loops first
     padded by `padding` where `plan` gives one (`gemm` is then the padded
     GEMM); raises a ScheduleError where it does not apply. A tuple may go on with the
     blocks per SM to compile for (`__launch_bounds__`' second argument, 0

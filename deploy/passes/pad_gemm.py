@@ -140,7 +140,7 @@ def tile_padding(func, multiples: dict, min_rows: int, min_cols: int = 1) -> lis
 
 
 def pad_rows_in(sch, padding: list[int]) -> None:
-    """Pad the GEMM of schedule `sch` by `padding` (from row_padding), as
+    """Pad the GEMM of schedule `sch` by `padding` (from row_padding or tile_padding), as
     the schedule's first step: its trace replays onto the kernel."""
     block, _, roles, im2col = _gemm_loops(sch)
     _apply(sch, block, padding, roles, im2col)
