@@ -454,7 +454,7 @@ CONCATS = [  # (what, build, input shape, piece bytes)
 @pytest.mark.parametrize("what, build, shape, piece", CONCATS, ids=[c[0] for c in CONCATS])
 def test_a_concatenation_along_the_row_is_moved_in_vectors(sm90, what, build, shape, piece):
     """VectorRows on concatenations: each piece's condition made the piece's
-    (`_piece_conditions`), so each piece is loaded from the one input it
+    (passes/piece_conditions.py), so each piece is loaded from the one input it
     lies in and stored as one vector; emulated against TVM's plain lowering
     (equal bit for bit), and its CUDA's loads and stores vectors of the
     piece (`uint4` of 16 bytes, `half4` of 8)."""
@@ -476,7 +476,7 @@ def test_a_concatenation_along_the_row_is_moved_in_vectors(sm90, what, build, sh
 
 
 def test_tvms_vectorizer_gives_up_a_concatenations_piece(sm90):
-    """Why `_piece_conditions` exists: TVM 0.27 vectorizes before it
+    """Why passes/piece_conditions.py exists: TVM 0.27 vectorizes before it
     simplifies `64 <= p * 8 + lane` (lane < 8) to `8 <= p`, so a
     concatenation's condition, which varies within the piece, makes its
     vectorizer fall back to a loop of scalars. Fails once TVM keeps the
@@ -501,16 +501,17 @@ def test_only_a_comparison_of_the_iterator_alone_with_a_multiple_of_the_piece_is
                         T.int64(16) <= vj - T.int64(8), a[vi, vj] * T.float16(3), T.if_then_else(
                             vj >= T.int64(24) and vi < T.int64(2), a[vi, vj], T.float16(0)))))
 
+    from deploy.passes import piece_conditions
     from deploy.tvm_compat import s_tir
 
     sch = s_tir.Schedule(kernel)
     vi, vj = [iv.var for iv in sch.get(sch.get_sblock("k")).iter_vars]
-    got = gpu_movement._piece_conditions(kernel, vj, 8).script()
+    got = piece_conditions.piece_conditions(kernel, vj, 8).script()
     assert "T.int64(4) <= vj // T.int64(8)" in got  # 32 <= vj
     assert "vj < T.int64(12)" in got  # (12 is not a multiple of 8)
     assert "T.int64(16) <= vj - T.int64(8)" in got  # (vj - 8 is not vj alone)
     assert "vj // T.int64(8) >= T.int64(3)" in got  # 24 <= vj, in a conjunction
-    assert gpu_movement._piece_conditions(kernel, vi, 8) is None  # (vi < 2: 2 is not a multiple of 8)
+    assert piece_conditions.piece_conditions(kernel, vi, 8) is None  # (vi < 2: 2 is not a multiple of 8)
 
 
 def test_a_concatenation_with_a_comparison_in_a_branch_takes_pieces_tvm_prints(sm90):
