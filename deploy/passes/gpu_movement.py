@@ -405,17 +405,17 @@ class VectorRows:
             text = _lowered_vectors(sch.mod)
             if not _vectors(text, dtype, lanes):  # (scalarized: a condition along the row, a concatenation's)
                 sch = self._piecewise(base, block_rv, n, lanes)
-                if sch is None:
+                text = _lowered_vectors(sch.mod) if sch is not None else ""
+                if not _vectors(text, dtype, lanes):
                     return None
-                text = _lowered_vectors(sch.mod)
             if lanes < 8 or not _unprintable_8(func, text):
                 return sch
         return None
 
     def _piecewise(self, base, block_rv, n: int, lanes: int):
         """The schedule of `base`'s kernel with its conditions along the row
-        made the piece's (`piece_conditions`), where that keeps each piece
-        a vector; else None."""
+        made the piece's (`piece_conditions`); None where there are none to
+        make so, or the reads are not aligned to the piece."""
         from ..tvm_compat import s_tir
         from .piece_conditions import piece_conditions
 
@@ -428,9 +428,7 @@ class VectorRows:
             block_rv = sch.get_sblock(block.name_hint)
         except Exception:  # noqa: BLE001 - the block not found again: leave the kernel
             return None
-        sch = self._schedule(sch, block_rv, n, lanes)
-        dtype = block.writes[0].source.dtype
-        return sch if sch is not None and _vectors(_lowered_vectors(sch.mod), dtype, lanes) else None
+        return self._schedule(sch, block_rv, n, lanes)
 
     @staticmethod
     def _schedule(sch, block_rv, n: int, lanes: int):
