@@ -44,14 +44,16 @@ def _reference(func):
     return args, want[-1].numpy()
 
 
-def _check(rule, build, shape, dtype, on_gpu=False):
-    """`rule`'s schedule of the kernel `build` makes, run in emulation (or on
+def _check(rule, build, shape, dtype, on_gpu=False, kernel=None):
+    """`rule`'s schedule of the kernel `build` makes (`kernel(build, target,
+    shape, dtype)` picks it, `_kernel` by default), run in emulation (or on
     the GPU) against TVM's plain lowering of it for the CPU: equal bit for
     bit (both only move and cast), and in emulation no problem found (a
-    shared-memory race, a read of an element never written)."""
+    shared-memory race, a read of an element never written). Returns the
+    schedule."""
     info = targets.resolve("cuda:sm_90")
     target = info.tvm_target()
-    func = _kernel(build, target, shape, dtype)
+    func = (kernel or _kernel)(build, target, shape, dtype)
     args, want = _reference(func)
     with target:
         sch = rule().apply(func, target)
@@ -67,6 +69,7 @@ def _check(rule, build, shape, dtype, on_gpu=False):
         got, problems = emulation.run(func, sch.mod["main"], target, args)
     assert not problems, problems
     np.testing.assert_array_equal(got, want)
+    return sch
 
 
 def _blocked(n, h, w):
@@ -460,19 +463,12 @@ def test_a_concatenation_along_the_row_is_moved_in_vectors(sm90, what, build, sh
     piece (`uint4` of 16 bytes, `half4` of 8)."""
     from .. import emulation
 
-    func = _concat_kernel(build, sm90, shape)
-    args, want = _reference(func)
-    with sm90:
-        sch = VectorRows().apply(func, sm90)
-    assert sch is not None
-    got, problems = emulation.run(func, sch.mod["main"], sm90, args)
-    assert not problems, problems
-    np.testing.assert_array_equal(got, want)
+    sch = _check(VectorRows, build, shape, "float16", kernel=_concat_kernel)
     src = emulation.source(sch.mod["main"], sm90)
     body = src[src.index("main_kernel("):]
     vector = {16: "uint4", 8: "half4"}[piece]
     assert f"*({vector}*)(T_concat_intermediate_ptr + " in body, body
-    assert body.count(f"*({vector}*)(") == len(func.params), body  # (a load from each input, the store)
+    assert body.count(f"*({vector}*)(") == len(sch.mod["main"].params), body  # (a load from each input, the store)
 
 
 def test_tvms_vectorizer_gives_up_a_concatenations_piece(sm90):
@@ -536,13 +532,4 @@ def test_a_concatenation_with_a_comparison_in_a_branch_takes_pieces_tvm_prints(s
 @pytest.mark.gpu
 @pytest.mark.parametrize("what, build, shape, piece", CONCATS, ids=[c[0] for c in CONCATS])
 def test_gpu_a_concatenation_in_vectors(what, build, shape, piece):
-    info = targets.resolve("cuda:sm_90")
-    target = info.tvm_target()
-    func = _concat_kernel(build, target, shape)
-    args, want = _reference(func)
-    with target:
-        sch = VectorRows().apply(func, target)
-    lib = build_kernel("k", sch.mod["main"], info)
-    got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args]
-    lib["k"](*got)
-    np.testing.assert_array_equal(got[-1].numpy(), want)
+    _check(VectorRows, build, shape, "float16", on_gpu=True, kernel=_concat_kernel)
