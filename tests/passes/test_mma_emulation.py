@@ -34,8 +34,8 @@ def probe():
     return load_script("mma_gemm_probe")
 
 
-def _scheduled(func, config):
-    sch = mma_gemm.schedule(func, mma_gemm.match(func), config)
+def _scheduled(func, config, gemm=None, padding=None):
+    sch = mma_gemm.schedule(func, gemm or mma_gemm.match(func), config, padding)
     return sch.mod["main"].with_attr("global_symbol", "main")
 
 
@@ -153,8 +153,7 @@ def test_a_gemm_whose_columns_and_k_no_tile_divides_is_padded_inside_the_kernel(
     gemm, padding = mma_gemm.plan(func)
     assert (gemm.m, gemm.n, gemm.k) == (-(-m // 64) * 64, -(-n // 64) * 64, -(-k // 32) * 32)
     assert padding is not None and padding.count(1) == (k % 32 == 0)
-    config = mma_gemm.default_config(gemm, sm90)
-    scheduled = mma_gemm.schedule(func, gemm, config, padding).mod["main"].with_attr("global_symbol", "main")
+    scheduled = _scheduled(func, mma_gemm.default_config(gemm, sm90), gemm, padding)
     got, want, problems, _ = _emulate(func, scheduled, sm90)
     assert not problems, sorted(problems)[:5]
     np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2e-3, atol=2e-3)
