@@ -35,6 +35,7 @@ INJECTIVE = "injective"  # our CPU schedule of kernels without a reduction (pass
 SHORT_REDUCTION = "short-reduction"  # our CUDA schedule of depthwise convolutions and pools (passes/gpu_default.py)
 FEW_OUTPUTS = "few-outputs"  # DLight's GeneralReduction for contractions with few outputs (passes/gpu_default.py)
 BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excitation "excite" kernels (passes/gpu_default.py)
+COLUMN_SUMS = "column-sums"  # our CUDA schedule of sums and means over pixels, channels kept (passes/gpu_columns.py)
 SHORT_ROWS = "short-rows"  # our CUDA schedule of normalizations over short rows, a warp a row (passes/gpu_rows.py)
 MMA_GEMM = "mma-gemm"  # our CUDA mma.sync GEMM in a default configuration (passes/mma_gemm.py)
 SHORT_INNER = "short-inner-axis"  # our CUDA schedule of transposes into a short last axis (passes/gpu_movement.py)
@@ -60,10 +61,11 @@ FUSED_ATTENTION = "fused-attention"
 # one whose rows no tile divides has them padded to a multiple of 64 inside the kernel; N = 96 takes 128x96 tiles;
 # 3: a GEMM over [1, M, K] rows, a transformer's dense layer at batch 1, as a 2-D one: passes/unit_batch.py;
 # 4: a GEMM whose columns or K no tile divides has them padded too (mma_gemm.COL_TILE, K_TILE).
+# COLUMN_SUMS 1: new, just before DLight's Reduction (which took those kernels).
 # VECTOR_ROWS 2: concatenations along the row, each piece's condition made the piece's; pieces of 8 bytes where
 # reads are aligned to 8 bytes, not 16.)
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
-                 MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2}
+                 MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2, COLUMN_SUMS: 1}
 
 
 @dataclasses.dataclass
@@ -91,7 +93,9 @@ class UnbuildableKernelError(Exception):
 # before DLight's reduction rules: they give a depthwise convolution one thread
 # block per output. Our ShortRows just before DLight's GeneralReduction: it
 # gives a normalization over short rows a warp a row, where GeneralReduction
-# gives each row a block of 256 threads. Our BroadcastEpilogue just before DLight's GEMV: at batch 1 GEMV
+# gives each row a block of 256 threads. Our ColumnSums just before DLight's Reduction: it gives a mean over
+# an NHWC feature map's pixels a block of up to 512 threads for 4 channels, where Reduction gives 16 channels
+# 16 threads that walk every pixel (gpu_columns.py). Our BroadcastEpilogue just before DLight's GEMV: at batch 1 GEMV
 # takes the squeeze-excitation "excite" kernel and computes its broadcast over the whole feature map in a
 # block per 16 channels (0.317 ms for 1.6 MB, gpu_default.py); elsewhere DLight leaves that kernel to
 # Fallback. Our ShortInnerAxis, TiledTranspose and VectorRows just before Fallback:
@@ -103,7 +107,7 @@ class UnbuildableKernelError(Exception):
 # takes the GEMV-shaped kernels.
 CHAINS = {
     "cuda": [FEW_OUTPUTS, MMA_GEMM, "dlight.Matmul", BROADCAST_EPILOGUE, "dlight.GEMV", SHORT_REDUCTION,
-             "dlight.Reduction", SHORT_ROWS, "dlight.GeneralReduction", SHORT_INNER, TILED_TRANSPOSE, VECTOR_ROWS,
+             COLUMN_SUMS, "dlight.Reduction", SHORT_ROWS, "dlight.GeneralReduction", SHORT_INNER, TILED_TRANSPOSE, VECTOR_ROWS,
              "dlight.Fallback"],
     "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
 }
@@ -117,6 +121,7 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
     from ..tvm_compat import dlight
 
     if _chain_kind(target_kind) == "cuda":
+        from .gpu_columns import ColumnSums
         from .gpu_default import BroadcastEpilogue, FewOutputs, ShortReduction
         from .gpu_movement import ShortInnerAxis, TiledTranspose, VectorRows
         from .gpu_rows import ShortRows
@@ -124,7 +129,7 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
 
         g = dlight.gpu
         make = {FEW_OUTPUTS: FewOutputs, MMA_GEMM: MmaGemm, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
-                SHORT_REDUCTION: ShortReduction, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
+                SHORT_REDUCTION: ShortReduction, COLUMN_SUMS: ColumnSums, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
                 "dlight.GeneralReduction": g.GeneralReduction, BROADCAST_EPILOGUE: BroadcastEpilogue,
                 SHORT_INNER: ShortInnerAxis, TILED_TRANSPOSE: TiledTranspose, VECTOR_ROWS: VectorRows,
                 "dlight.Fallback": g.Fallback}
