@@ -147,7 +147,7 @@ class P:
             self.expect(";")
             return ("asm", s.replace("\\n", "\n"), outs, ins)
         if tk in ("alignas", "__shared__", "extern", "uint4", "float", "ulonglong4", "unsigned", "uint", "half", "int",
-                  "half4", "float4"):
+                  "half2", "half4", "float2", "float4"):
             return self.decl()
         e = self.expr()
         if self.peek() == ";":  # a call for its effect: tvm_builtin_ptx_cp_async_commit_group_...();
@@ -212,9 +212,10 @@ class P:
         return e
 
     def is_cast(self):
-        if self.peek() != "(" or self.peek(1) not in TYPES:
+        q = 1 if self.peek(1) == "volatile" else 0  # (a qualifier: the emulator's memory is never cached)
+        if self.peek() != "(" or self.peek(1 + q) not in TYPES:
             return False
-        j = 2
+        j = 2 + q
         while self.peek(j) == "*":
             j += 1
         return self.peek(j) == ")"
@@ -232,6 +233,8 @@ class P:
             return ("addr", self.unary())
         if self.is_cast():
             self.next()
+            if self.peek() == "volatile":
+                self.next()
             ty = self.next()
             ptr = 0
             while self.peek() == "*":
@@ -502,9 +505,13 @@ class Emu:
                 self.scopes[-1][name] = ("ptr", Ptr("shared", name, 0, ty))
                 return
             if shared:  # a shared array of its own (a kernel whose one shared buffer was not merged)
-                # (declared once a block: a declaration in a loop would reset its race tracking)
-                assert name not in self.sh, f"__shared__ {name} declared twice in a block"
+                # (one array a block, as CUDA allocates it: declared again in a loop, TVM's cross-thread
+                # reduction's staging, it is the same array, its contents and race tracking kept)
                 size = TYPES[ty] * n
+                if name in self.sh:
+                    assert len(self.sh[name]) == size, f"__shared__ {name} declared again with another size"
+                    self.scopes[-1][name] = ("ptr", Ptr("shared", name, 0, ty))
+                    return
                 self.sh[name] = np.full(size, 0xFF, np.uint8)
                 self.init[name], self.pending[name] = np.zeros(size, bool), np.zeros(size, np.int32)
                 self.wthr[name], self.rthr[name] = np.full(size, -1, np.int64), np.full(size, -1, np.int64)
@@ -701,11 +708,14 @@ class Emu:
                 return (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)
         if fn in ("max", "min"):
             a, b = np.asarray(self.rv(args[0], m)), np.asarray(self.rv(args[1], m))
+            if a.dtype.kind in "iu" and b.dtype.kind in "iu":  # (an index's: the integer min/max)
+                return (np.maximum if fn == "max" else np.minimum)(a, b)
             assert a.dtype == b.dtype and a.dtype in (np.float32, np.float16)
             return (np.fmax if fn == "max" else np.fmin)(a, b)  # fmaxf; TVM's `half max(half, half)`: a > b ? a : b
-        if fn == "make_float4":
+        if fn in ("make_float2", "make_float4"):
             parts = [np.broadcast_to(np.asarray(self.rv(a, m), np.float32), (self.T,)) for a in args]
-            return Bytes(np.ascontiguousarray(np.stack(parts, 1)).view(np.uint8).reshape(self.T, 16), "float4")
+            return Bytes(np.ascontiguousarray(np.stack(parts, 1)).view(np.uint8).reshape(self.T, 4 * len(args)),
+                         fn[len("make_"):])
         if fn == "make_half4":
             parts = [np.broadcast_to(np.asarray(self.rv(a, m), np.float16), (self.T,)) for a in args]
             return Bytes(np.ascontiguousarray(np.stack(parts, 1)).view(np.uint8).reshape(self.T, 8), "half4")
