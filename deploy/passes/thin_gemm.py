@@ -61,13 +61,11 @@ class ThinGemm:
 def columns_a_thread(m: int, n: int) -> int:
     """The columns of a row one thread computes: all `n`, or where that
     leaves fewer than WANT_THREADS threads (EfficientNet-B0's 12,544
-    pixels at batch 1), halves of them, down to MIN_COLUMNS: the threads
-    of a row then read its A at the same addresses (L1 serves the
-    others)."""
-    cols = n
-    while cols % 2 == 0 and cols // 2 >= MIN_COLUMNS and m * (n // cols) < WANT_THREADS:
-        cols //= 2
-    return cols
+    pixels at batch 1), the largest divisor of `n` that gives that many,
+    else the smallest of at least MIN_COLUMNS: the threads of a row then
+    read its A at the same addresses (L1 serves the others)."""
+    allowed = [c for c in range(n, 0, -1) if n % c == 0 and (c >= MIN_COLUMNS or c == n)]
+    return next((c for c in allowed if m * (n // c) >= WANT_THREADS), allowed[-1])
 
 
 def schedule(func, gemm):

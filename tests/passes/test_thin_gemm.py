@@ -33,6 +33,7 @@ CASES = [
     ("24 channels over K = 96, a transposed weight", 4096, 24, 96, True, True, 4096),
     ("no epilogue: the fp32 sums are the output", 4096, 8, 40, False, False, 4096),
     ("a padded input (a producer) and K no vector divides", 4100, 6, 18, False, True, 4104),
+    ("21 classes, 7 columns a thread", 4096, 21, 64, False, True, 4096),
 ]
 
 
@@ -54,8 +55,8 @@ def test_a_thin_gemm_gets_a_thread_a_row_and_computes_what_tvms_plain_lowering_d
     assert np.array_equal(got, args[-1]) and not problems, (what, problems)
 
 
-@pytest.mark.parametrize("m, n, want", [(2097152, 3, 3), (401408, 16, 16), (12544, 16, 4), (3136, 24, 6),
-                                        (4096, 6, 6), (8192, 21, 21)])
+@pytest.mark.parametrize("m, n, want", [(2097152, 3, 3), (401408, 16, 16), (12544, 16, 4), (3136, 24, 4),
+                                        (4096, 6, 6), (8192, 21, 7), (16384, 24, 6)])
 def test_few_rows_split_their_columns_over_threads(m, n, want):
     assert thin_gemm.columns_a_thread(m, n) == want
 
