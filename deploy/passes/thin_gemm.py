@@ -21,10 +21,11 @@ writes stay coalesced across a warp's rows.
 
 It applies to the GEMMs `mma_gemm.match` takes (one reduction block
 `C[i, j] += A[i, k] * B[k, j]` or `B[j, k]`, fp16 in and fp32 sums, its
-producers injective, its epilogue element-wise at [i, j]; fp32 inputs
-where TF32 is allowed are left to mma_gemm), with fewer than
-`mma_gemm.SMALL_COLS` columns, at most `MAX_K` steps and at least
-`MIN_ROWS` rows. In the CUDA chain (passes/schedule.py) it comes just
+producers injective, its epilogue element-wise at [i, j]), with fewer than
+`mma_gemm.SMALL_COLS` columns, at most `MAX_K` steps, a B of at most
+`MAX_B_BYTES` and at least `MIN_ROWS` rows. An fp32 GEMM that TF32 is
+allowed for (`PRECISION=tf32`, passes/tf32.py) is computed in strict fp32
+here: there is no tensor core in this schedule. In the CUDA chain (passes/schedule.py) it comes just
 after our mma.sync GEMM and before DLight's Matmul.
 """
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 THIN_GEMM = True  # the rule in the chain (an A/B switch: scripts/with_settings.py)
 MIN_ROWS = 4096  # a thread a row: fewer rows leave the GPU idle (DLight's Matmul splits the columns too)
 MAX_K = 1024  # reduction steps a thread walks
+MAX_B_BYTES = 32768  # B, K x N, staged whole in a block's static shared memory (48 KB at most)
 THREADS = 128
 WANT_THREADS = 65536  # about 4 warps a scheduler on a 132-SM GPU: fewer rows split their columns
 MIN_COLUMNS = 4  # ... each thread keeping at least these (its row's loads shared among fewer sums)
@@ -52,10 +54,16 @@ class ThinGemm:
         gemm = mma_gemm.match(func, multiple=1)
         if gemm is None or gemm.n >= mma_gemm.SMALL_COLS or gemm.k > MAX_K or gemm.m < MIN_ROWS:
             return None
+        if gemm.k * gemm.n * _bytes(gemm.dtype) > MAX_B_BYTES:
+            return None  # (B staged whole in static shared memory)
         try:
             return schedule(func, gemm)
         except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
             return None
+
+
+def _bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
 
 
 def columns_a_thread(m: int, n: int) -> int:
@@ -78,7 +86,8 @@ def schedule(func, gemm):
         sch.compute_inline(sch.get_sblock(name))
     for name in gemm.epilogue[:-1]:
         sch.compute_inline(sch.get_sblock(name))
-    lanes = next(v for v in (8, 4, 2, 1) if gemm.k % v == 0)  # (16 bytes of fp16 at most)
+    widest = 16 // _bytes(gemm.dtype)  # (16 bytes at most: 8 fp16, 4 fp32 of a TF32-marked kernel)
+    lanes = next(v for v in (8, 4, 2, 1) if v <= widest and gemm.k % v == 0)
     cols = columns_a_thread(gemm.m, gemm.n)
     i, j, k = sch.get_loops(main)
     jo, ji = sch.split(j, factors=[None, cols])

@@ -55,6 +55,33 @@ def test_a_thin_gemm_gets_a_thread_a_row_and_computes_what_tvms_plain_lowering_d
     assert np.array_equal(got, args[-1]) and not problems, (what, problems)
 
 
+def _fp32_gemm(m=4096, n=6, k=20):
+    """A TF32-marked fp32 GEMM (PRECISION=tf32's) with a bias: computed in strict fp32 here."""
+    from tvm import te
+
+    from deploy.passes import tf32
+
+    from .test_mma_gemm import _i64
+
+    a = te.placeholder((_i64(m), _i64(k)), "float32", name="A")
+    b = te.placeholder((_i64(k), _i64(n)), "float32", name="B")
+    bias = te.placeholder((_i64(n),), "float32", name="bias")
+    r = te.reduce_axis((_i64(0), _i64(k)), name="k")
+    c = te.compute((_i64(m), _i64(n)), lambda i, j: te.sum(a[i, r] * b[r, j], axis=r), name="C")
+    out = te.compute(c.shape, lambda i, j: c[i, j] + bias[j], name="D")
+    return te.create_prim_func([a, b, bias, out]).with_attr(tf32.ATTR, True)
+
+
+def test_a_tf32_marked_fp32_gemm_is_computed_in_fp32_four_lanes_at_once(sm90):
+    func = _fp32_gemm()
+    scheduled = ThinGemm().apply(func, sm90).mod["main"]
+    src = emulation.source(scheduled, sm90)
+    assert "*(float4*)" in src and "mma" not in src, src
+    args = emulation.reference(func)
+    got, problems = emulation.run(func, scheduled, sm90, args, src)
+    assert np.array_equal(got, args[-1]) and not problems, problems
+
+
 @pytest.mark.parametrize("m, n, want", [(2097152, 3, 3), (401408, 16, 16), (12544, 16, 4), (3136, 24, 4),
                                         (4096, 6, 6), (8192, 21, 7), (16384, 24, 6)])
 def test_few_rows_split_their_columns_over_threads(m, n, want):
@@ -65,6 +92,7 @@ def test_few_rows_split_their_columns_over_threads(m, n, want):
     ("as many columns as our mma.sync GEMM takes", dict(m=4096, n=mma_gemm.SMALL_COLS, k=32)),
     ("too few rows", dict(m=thin_gemm.MIN_ROWS - 64, n=8, k=32)),
     ("a long reduction", dict(m=4096, n=8, k=thin_gemm.MAX_K + 64)),
+    ("a B larger than its shared memory stage", dict(m=4096, n=31, k=thin_gemm.MAX_K)),
 ])
 def test_other_gemms_are_not_taken(sm90, what, kwargs):
     func = _gemm(padded=kwargs["m"], **kwargs)
