@@ -15,17 +15,20 @@ the `new` profile), where the 134 MB it reads take 40 us.
 `ThinGemm` gives each row a thread: its `n` sums in fp32 registers, its row
 of A read 16 bytes at a time (`lanes` halves) into registers, B (K x n, a
 few KB) staged once a block in shared memory and read by every thread of
-a warp at the same address (a broadcast), the epilogue (cast, bias,
-activation, residual) applied as the thread writes its row. Reads and
-writes stay coalesced across a warp's rows.
+a warp at the same address (a broadcast; where a row's columns are split
+over threads, B stored [N, K] puts their reads in the same banks), the
+epilogue (cast, bias, activation, residual) applied as the thread writes
+its row. A warp's 32 rows are read 16 bytes a row at a time (every sector
+used over the row's loads, from L1), and written side by side.
 
 It applies to the GEMMs `mma_gemm.match` takes (one reduction block
-`C[i, j] += A[i, k] * B[k, j]` or `B[j, k]`, fp16 in and fp32 sums, its
-producers injective, its epilogue element-wise at [i, j]), with fewer than
+`C[i, j] += A[i, k] * B[k, j]` or `B[j, k]`, fp16 or fp32 in and fp32 sums, its
+epilogue element-wise at [i, j]; of producers, only A's row padding: a
+concatenation into A or an implicit GEMM's gather is declined), with fewer than
 `mma_gemm.SMALL_COLS` columns, at most `MAX_K` steps, a B of at most
-`MAX_B_BYTES` and at least `MIN_ROWS` rows. An fp32 GEMM that TF32 is
-allowed for (`PRECISION=tf32`, passes/tf32.py) is computed in strict fp32
-here: there is no tensor core in this schedule. In the CUDA chain (passes/schedule.py) it comes just
+`MAX_B_BYTES` and at least `MIN_ROWS` rows; an fp32 GEMM too (an fp32
+package's, or a TF32 one's: its sums are exact fp32 here, there is no
+tensor core in this schedule). In the CUDA chain (passes/schedule.py) it comes just
 after our mma.sync GEMM and before DLight's Matmul.
 """
 
@@ -51,7 +54,7 @@ class ThinGemm:
 
         if not THIN_GEMM or target.kind.name != "cuda":
             return None
-        gemm = mma_gemm.match(func, multiple=1)
+        gemm = mma_gemm.match(func, tf32=True, multiple=1)  # (fp32 too: its sums are exact fp32 here)
         if gemm is None or gemm.n >= mma_gemm.SMALL_COLS or gemm.k > MAX_K or gemm.m < MIN_ROWS:
             return None
         if gemm.k * gemm.n * _bytes(gemm.dtype) > MAX_B_BYTES:
@@ -76,17 +79,34 @@ def columns_a_thread(m: int, n: int) -> int:
     return next((c for c in allowed if m * (n // c) >= WANT_THREADS), allowed[-1])
 
 
+def _row_padding_input(block, a_buf, b_buf):
+    """The buffer a producer of A reads, where it is a row padding (one
+    2-D buffer read at the block's own [i, k]); raises otherwise: a
+    producer of B, a concatenation's (two inputs), an implicit GEMM's
+    gather (whose rows no vector load reads) are not this schedule's."""
+    from .kernel_shape import point_indices
+
+    written = block.writes[0].source
+    own = [str(v.var) for v in block.iter_vars]
+    if written.same_as(b_buf) or not written.same_as(a_buf) or len(block.reads) != 1 \
+            or [str(x) for x in point_indices(block.reads[0])] != own:
+        raise ValueError("not a row padding of A")
+    return block.reads[0].source
+
+
 def schedule(func, gemm):
     """`func`'s GEMM a thread a row (see the module's docstring)."""
     from ..tvm_compat import s_tir, tvm
 
     sch = s_tir.Schedule(tvm.IRModule({"main": func}))
     main = sch.get_sblock(gemm.name)
-    for name in reversed(gemm.producers):  # (a padding or gather: computed as the row is loaded)
-        sch.compute_inline(sch.get_sblock(name))
+    a_buf, b_buf = (r.source for r in sch.get(main).reads)
+    for name in gemm.producers:
+        a_buf = _row_padding_input(sch.get(sch.get_sblock(name)), a_buf, b_buf)
+        sch.compute_inline(sch.get_sblock(name))  # (the padding: computed as the row is loaded)
     for name in gemm.epilogue[:-1]:
         sch.compute_inline(sch.get_sblock(name))
-    widest = 16 // _bytes(gemm.dtype)  # (16 bytes at most: 8 fp16, 4 fp32 of a TF32-marked kernel)
+    widest = 16 // _bytes(gemm.dtype)  # (16 bytes at most: 8 fp16, 4 fp32)
     lanes = next(v for v in (8, 4, 2, 1) if v <= widest and gemm.k % v == 0)
     cols = columns_a_thread(gemm.m, gemm.n)
     i, j, k = sch.get_loops(main)
@@ -97,13 +117,14 @@ def schedule(func, gemm):
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     # B: once a block in shared memory, copied by all its threads.
-    b_shared = sch.cache_read(main, 1, "shared")
+    reads = [r.source for r in sch.get(main).reads]
+    b_shared = sch.cache_read(main, next(n for n, b in enumerate(reads) if b.same_as(b_buf)), "shared")
     sch.compute_at(b_shared, bx, preserve_unit_loops=True)
     copy = sch.fuse(*sch.get_loops(b_shared)[1:])
     _, copy_tx = sch.split(copy, factors=[None, THREADS])
     sch.bind(copy_tx, "threadIdx.x")
     # A: the row's next `lanes` elements into registers, one vector load.
-    a_local = sch.cache_read(main, 0, "local")
+    a_local = sch.cache_read(main, next(n for n, b in enumerate(reads) if b.same_as(a_buf)), "local")
     sch.compute_at(a_local, ko, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(a_local)[-1])
     # The sums in registers; the epilogue applied as the thread writes its row.

@@ -49,17 +49,15 @@ def test_a_thin_gemm_gets_a_thread_a_row_and_computes_what_tvms_plain_lowering_d
     grid, block, _ = emulation.launch(scheduled, sm90)
     assert block == (thin_gemm.THREADS, 1) and grid == -(-padded * (n // cols) // thin_gemm.THREADS), what
     src = emulation.source(scheduled, sm90)
-    assert "__shared__" in src and ("*(uint4*)" in src if k % 8 == 0 else True), src
+    assert "__shared__ alignas(64) half B_shared_ptr" in src and ("*(uint4*)" in src if k % 8 == 0 else True), src
     args = emulation.reference(func)
     got, problems = emulation.run(func, scheduled, sm90, args, src)
     assert np.array_equal(got, args[-1]) and not problems, (what, problems)
 
 
 def _fp32_gemm(m=4096, n=6, k=20):
-    """A TF32-marked fp32 GEMM (PRECISION=tf32's) with a bias: computed in strict fp32 here."""
+    """An fp32 GEMM (an fp32 package's) with a bias."""
     from tvm import te
-
-    from deploy.passes import tf32
 
     from .test_mma_gemm import _i64
 
@@ -69,10 +67,10 @@ def _fp32_gemm(m=4096, n=6, k=20):
     r = te.reduce_axis((_i64(0), _i64(k)), name="k")
     c = te.compute((_i64(m), _i64(n)), lambda i, j: te.sum(a[i, r] * b[r, j], axis=r), name="C")
     out = te.compute(c.shape, lambda i, j: c[i, j] + bias[j], name="D")
-    return te.create_prim_func([a, b, bias, out]).with_attr(tf32.ATTR, True)
+    return te.create_prim_func([a, b, bias, out])
 
 
-def test_a_tf32_marked_fp32_gemm_is_computed_in_fp32_four_lanes_at_once(sm90):
+def test_an_fp32_gemm_is_computed_in_fp32_four_lanes_at_once(sm90):
     func = _fp32_gemm()
     scheduled = ThinGemm().apply(func, sm90).mod["main"]
     src = emulation.source(scheduled, sm90)
@@ -97,6 +95,67 @@ def test_few_rows_split_their_columns_over_threads(m, n, want):
 def test_other_gemms_are_not_taken(sm90, what, kwargs):
     func = _gemm(padded=kwargs["m"], **kwargs)
     assert ThinGemm().apply(func, sm90) is None, what
+
+
+def _concatenated_rows(m=4096, n=8, k1=16, k2=16):
+    """A GEMM whose A is a concatenation of two inputs along K (a producer reading two buffers)."""
+    from tvm import te
+
+    from .test_mma_gemm import _i64
+
+    x1 = te.placeholder((_i64(m), _i64(k1)), "float16", name="X1")
+    x2 = te.placeholder((_i64(m), _i64(k2)), "float16", name="X2")
+    b = te.placeholder((_i64(k1 + k2), _i64(n)), "float16", name="B")
+    a = te.compute((_i64(m), _i64(k1 + k2)), lambda i, c: tvm.tirx.if_then_else(
+        c < _i64(k1), x1[i, tvm.tirx.min(c, _i64(k1 - 1))], x2[i, tvm.tirx.max(c - _i64(k1), _i64(0))]), name="A")
+    r = te.reduce_axis((_i64(0), _i64(k1 + k2)), name="k")
+    c = te.compute((_i64(m), _i64(n)), lambda i, j: te.sum(
+        a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r), name="C")
+    return te.create_prim_func([x1, x2, b, c])
+
+
+def test_only_a_row_padding_of_a_is_computed_as_the_row_is_loaded(sm90):
+    """A concatenation into A (two inputs: the shared stage would have held
+    one of them, not B) is declined; mma_gemm.match takes it."""
+    func = _concatenated_rows()
+    assert mma_gemm.match(func, multiple=1) is not None
+    assert ThinGemm().apply(func, sm90) is None
+
+
+def test_an_implicit_gemms_gather_is_declined(sm90):
+    """A 3x3 convolution to 16 channels as an implicit GEMM (its im2col a
+    producer of A, passes/implicit_gemm.py): a thread's rows are gathered,
+    not read in vectors. Left to the chain's next rule."""
+    from . import test_implicit_gemm as ig
+
+    mod = ig._parse("""
+@I.ir_module
+class Mod:
+    @R.function
+    def main(x: R.Tensor((4, 32, 32, 16), "float16"), w: R.Tensor((16, 3, 3, 16), "float16")):
+        with R.dataflow():
+            y = R.nn.conv2d(x, w, padding=[1, 1, 1, 1], data_layout="NHWC", kernel_layout="OHWI",
+                            out_layout="NHWC", out_dtype="float32")
+            z = R.astype(y, "float16")
+            R.output(z)
+        return z
+""")
+    kernels = ig._kernels(ig._fused(ig.flat_epilogues(convs=True)(mod)))
+    (func,) = [f for n, f in kernels.items() if n.startswith("fused_conv2d_gemm")]
+    gemm = mma_gemm.match(func, multiple=1)
+    assert gemm is not None and gemm.producers == ["im2col"] and (gemm.m, gemm.n) == (4096, 16)
+    assert ThinGemm().apply(func, sm90) is None
+
+
+def test_the_largest_b_taken_fits_its_static_shared_memory_and_nvcc_compiles_it(sm90):
+    from ..conftest import load_script
+
+    n = 16
+    k = thin_gemm.MAX_B_BYTES // (2 * n)  # (1,024: at the cap)
+    func = _gemm(m=4096, n=n, k=k, padded=4096)
+    sch = ThinGemm().apply(func, sm90)
+    assert sch is not None
+    assert load_script("rule_kernels").nvcc_error(emulation.source(sch.mod["main"], sm90)) is None
 
 
 def test_dlight_pads_the_columns_to_its_64_column_tile(sm90):
