@@ -121,9 +121,9 @@ def _tiny_cuda_module(tmp_path, sm90):
 
 def test_a_tuned_kernel_that_does_not_build_falls_back(tmp_path, sm90):
     """A tuning record whose schedule does not build (made to fail here: the
-    build of any module holding it raises as TVM does) falls back to DLight
-    for that kernel alone; the other kernels keep their records, and the
-    fallback is reported with TVM's line."""
+    build of any module holding it raises as TVM does) falls back to the
+    default chain (DLight's rules and ours) for that kernel alone; the other
+    kernels keep their records, and the fallback is reported with TVM's line."""
     from deploy import build
 
     mod, cfg = _tiny_cuda_module(tmp_path, sm90)
@@ -150,7 +150,7 @@ def test_a_tuned_kernel_that_does_not_build_falls_back(tmp_path, sm90):
         _, kernels = schedule.build(mod, tuned, t, "cuda", compile_fn=compile_fn, kernel_builds=kernel_builds)
     by_name = {k.name: k for k in kernels}
     k = by_name[broken.name_hint]
-    assert k.source.startswith("dlight.") and [f["source"] for f in k.fallbacks] == [schedule.TUNED]
+    assert k.source in schedule.CHAINS["cuda"] and [f["source"] for f in k.fallbacks] == [schedule.TUNED]
     assert k.fallbacks[0]["reason"] == "Check failed: (x) is false: tvm_access_ptr element type must match"
     assert all(o.source == schedule.TUNED and not o.fallbacks for n, o in by_name.items() if n != broken.name_hint)
     assert schedule.summarize(kernels)["fallbacks"][0]["kernel"] == broken.name_hint
