@@ -26,9 +26,10 @@ It applies to the GEMMs `mma_gemm.match` takes (one reduction block
 epilogue element-wise at [i, j]; of producers, only A's row padding: a
 concatenation into A or an implicit GEMM's gather is declined), with fewer than
 `mma_gemm.SMALL_COLS` columns, at most `MAX_K` steps, a B of at most
-`MAX_B_BYTES` and at least `MIN_ROWS` rows; an fp32 GEMM too (an fp32
-package's, or a TF32 one's: its sums are exact fp32 here, there is no
-tensor core in this schedule). In the CUDA chain (passes/schedule.py) it comes just
+`MAX_B_BYTES` and at least `MIN_ROWS` rows; an fp32 GEMM too (its sums
+exact fp32: there is no tensor core in this schedule), though the corpus's
+fp32 packages have none (their 1x1 convolutions stay convolutions:
+results/cpu/2026-12-07/corpus-thin-gemm/). In the CUDA chain (passes/schedule.py) it comes just
 after our mma.sync GEMM and before DLight's Matmul.
 """
 
