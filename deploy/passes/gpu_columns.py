@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 
+from .gpu_default import _inline_around, elementwise_epilogue, float_buffers
 from .kernel_shape import reduction_loops, rule_kernel, static_int, vars_of
 
 # The rule in the chain (an A/B switch: scripts/with_settings.py). Off, the chain keeps its name
@@ -56,7 +57,6 @@ MIN_THREADS, MAX_THREADS = 32, 512
 # Channels a thread sums: its loads 8 bytes of fp16 or 16 of fp32 at once, its sums one float4 (of 8,
 # TVM 0.27's CUDA codegen prints what nvcc rejects: passes/gpu_movement.py's `_unprintable_8`).
 LANES = 4
-FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def threads_for(steps: int) -> int:
@@ -93,12 +93,9 @@ class ColumnSums:
         read = walked[0]
         if vars_of(read.region[-1].min) != {channel} or vars_of(block.writes[0].region[-1].min) != {channel}:
             return None
-        shape = [static_int(d) for d in block.writes[0].source.shape]
-        if consumers and [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
+        if not elementwise_epilogue(sch, block, consumers):
             return None  # (a broadcast epilogue: not this kernel)
-        dtypes = {str(r.source.dtype) for b in [main, *producers, *consumers]
-                  for r in [*sch.get(b.block_rv).reads, *sch.get(b.block_rv).writes]}
-        if not dtypes <= set(FLOAT_DTYPES):
+        if not float_buffers(sch, [main, *producers, *consumers]):
             return None
         lanes = next(v for v in (LANES, 2, 1) if extents[n_s - 1] % v == 0)
         try:
@@ -108,8 +105,6 @@ class ColumnSums:
 
 
 def _schedule(sch, main, producers, consumers, n_s: int, lanes: int, threads: int):
-    from .gpu_default import _inline_around
-
     _inline_around(sch, producers, consumers)  # (the input's cast: computed as it is loaded)
     loops = sch.get_loops(main.block_rv)
     spatial, reduce = loops[:n_s], loops[n_s:]

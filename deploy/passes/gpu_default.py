@@ -102,8 +102,7 @@ class ShortReduction:
         for r in block.reads:
             if r.region and vars_of(r.region[-1].min) & reduce_vars and not grouped:
                 return None
-        shape = [static_int(d) for d in block.writes[0].source.shape]
-        if consumers and [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] != shape:
+        if not elementwise_epilogue(sch, block, consumers):
             return None  # a broadcast epilogue: not one output per thread
         if grouped:
             try:
@@ -251,6 +250,24 @@ def _schedule_grouped(sch, main, producers, consumers, n_s, extents, x_read, tun
         sch.unroll(loop)
     sch.decompose_reduction(main.block_rv, reduce[0])
     return sch
+
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def float_buffers(sch, blocks) -> bool:
+    """Whether every buffer the blocks (DLight block infos) read or write
+    is of a float type CUDA's codegen prints as a vector (no bool, int64 or
+    float64 lanes)."""
+    return {str(r.source.dtype) for b in blocks
+            for r in [*sch.get(b.block_rv).reads, *sch.get(b.block_rv).writes]} <= set(FLOAT_DTYPES)
+
+
+def elementwise_epilogue(sch, block, consumers) -> bool:
+    """Whether the last epilogue block writes the reduction `block`'s
+    shape (an element for each output, not a broadcast), or there is none."""
+    shape = [static_int(d) for d in block.writes[0].source.shape]
+    return not consumers or [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] == shape
 
 
 def _inline_around(sch, producers, consumers, keep=None):
@@ -416,9 +433,7 @@ class BroadcastEpilogue:
             return None
         # Floating-point buffers only (CUDA's codegen prints no 8-lane bool,
         # int64 or float64 vector), and at most 16 bytes of the output a thread.
-        dtypes = {str(b.dtype) for blk in [main] + producers + consumers
-                  for r in (sch.get(blk.block_rv).reads + sch.get(blk.block_rv).writes) for b in [r.source]}
-        if not dtypes <= {"float16", "bfloat16", "float32"}:
+        if not float_buffers(sch, [main, *producers, *consumers]):
             return None
         widest = 16 // (2 if str(written.dtype) in ("float16", "bfloat16") else 4)
         vector = next((v for v in VECTOR if v <= widest and out[-1] % v == 0), 1)

@@ -67,7 +67,9 @@ class ThinGemm:
 
 
 def _bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
+    from ..tvm_compat import tvm
+
+    return tvm.DataType(dtype).bits // 8
 
 
 def columns_a_thread(m: int, n: int) -> int:
