@@ -13,17 +13,13 @@ from deploy.passes.thin_gemm import ThinGemm
 from deploy.tvm_compat import tvm
 
 from .. import emulation
+from .test_gpu_default import _first_source
 from .test_mma_gemm import _gemm
 
 
 @pytest.fixture(scope="module")
 def sm90():
     return targets.resolve("cuda:sm_90").tvm_target()
-
-
-def _first_source(func, target):
-    gv = tvm.ir.GlobalVar("main")
-    return next(s for s in schedule._sources(gv, func, None, target, "cuda") if not isinstance(s[1], Exception))
 
 
 # (m, n, k, b_transposed, epilogue, padded rows: a producer before the GEMM)
