@@ -12,7 +12,8 @@
 # built one after the other (`deploy run --trials 0`, validated: where the databases hold records the build
 # times them against the default schedules on the GPU and keeps its choices in DB_ROOT, so builds at once
 # would disturb each other's timings and choices; PARALLEL=1 builds them at once, each mostly one thread),
-# then benched (`deploy bench`, TVM alone, 50 iterations x 3 rounds) and profiled (`deploy profile`):
+# then benched (`deploy bench`, TVM alone, 50 iterations x 3 rounds) and profiled (`deploy profile`), in
+# fp16 or PRECISION (PRECISION=fp32 bash scripts/gpu_ab.sh resnet50 64 ...):
 # $OUT/ab-<label>-{run,bench,profile}.log, the benches' folders in $OUT/ab.tgz (the device tool brings back
 # a few files only). Exit 1 where a build, validation, bench or profile failed; 2 on a bad argument.
 set -uo pipefail
@@ -40,7 +41,7 @@ W=${WORK:-/tmp/ab}
 rc=0
 # deploy's command line with the settings made first (the build runs in that process)
 with() { python3 scripts/with_settings.py "$@"; }
-common=(--target cuda --precision fp16 --buckets "$batch" --db-root "$DB_ROOT")
+common=(--target cuda --precision "${PRECISION:-fp16}" --buckets "$batch" --db-root "$DB_ROOT")
 pids=()
 for v in "$@"; do
   label=${v%%:*}

@@ -47,6 +47,8 @@ TYPES = {
     "float2": 8,
     "float4": 16,
     "ulonglong": 8,
+    "int64_t": 8,
+    "int4": 16,
 }
 NP = {
     "half": np.float16,
@@ -56,8 +58,9 @@ NP = {
     "uint": np.uint32,
     "uchar": np.uint8,
     "ulonglong": np.uint64,
+    "int64_t": np.int64,
 }
-MEMBERS = {"uint4": ("unsigned", 4), "ulonglong4": ("ulonglong", 8), "half2": ("half", 2), "half4": ("half", 2),
+MEMBERS = {"uint4": ("unsigned", 4), "int4": ("int", 4), "ulonglong4": ("ulonglong", 8), "half2": ("half", 2), "half4": ("half", 2),
            "float2": ("float", 4), "float4": ("float", 4)}
 
 
@@ -102,7 +105,7 @@ class P:
         if tk == "for":
             self.next()
             self.expect("(")
-            self.expect("int")
+            assert self.next() in ("int", "int64_t")  # (a loop of TVM's int64 extents, e.g. a unit one)
             var = self.next()
             self.expect("=")
             lo = self.expr()
@@ -147,7 +150,7 @@ class P:
             self.expect(";")
             return ("asm", s.replace("\\n", "\n"), outs, ins)
         if tk in ("alignas", "__shared__", "extern", "uint4", "float", "ulonglong4", "unsigned", "uint", "half", "int",
-                  "half2", "half4", "float2", "float4"):
+                  "half2", "half4", "float2", "float4", "int4", "int64_t"):
             return self.decl()
         e = self.expr()
         if self.peek() == ";":  # a call for its effect: tvm_builtin_ptx_cp_async_commit_group_...();
@@ -445,8 +448,8 @@ class Emu:
             self.rthr[name][idx] = np.broadcast_to(thr, idx.shape)
 
     # -------------------------------------------------------------- run one block
-    def run_block(self, bx, static_bytes):
-        self.bx = bx
+    def run_block(self, bx, static_bytes, by=0):
+        self.bx, self.by = bx, by
         self.sh = {
             "buf_shmem_ptr": np.full(static_bytes, 0xFF, np.uint8),
             "buf_dyn_shmem_ptr": np.full(self.dyn_bytes, 0xFF, np.uint8),
@@ -571,8 +574,7 @@ class Emu:
             base = e[1]
             if base[0] == "id" and base[1] in ("threadIdx", "blockIdx"):
                 if base[1] == "blockIdx":
-                    assert e[2] == "x"
-                    return self.bx
+                    return {"x": self.bx, "y": self.by}[e[2]]
                 return {"x": self.tx, "y": self.ty}[e[2]]
             r = self.ev(base, m)
             assert isinstance(r, Ref) and r.ty in MEMBERS, (e, r)
@@ -585,7 +587,7 @@ class Emu:
                 assert isinstance(p, Ptr), e
                 return Ptr(p.space, p.buf, p.off, ty)
             v = self.rv(sub, m)
-            if ty == "int":
+            if ty in ("int", "int64_t"):  # (indices: held as int64 either way)
                 return v if isinstance(v, int) else np.asarray(v).astype(np.int64)
             if ty == "half":
                 return np.asarray(v, np.float32).astype(np.float16)
@@ -725,9 +727,10 @@ class Emu:
             x = np.asarray(self.rv(args[0], m), np.float16)
             y = np.asarray(self.rv(args[1], m), np.float16)
             return (y.view(np.uint16).astype(np.uint32) << 16) | x.view(np.uint16).astype(np.uint32)
-        if fn == "make_uint4":
-            parts = [np.broadcast_to(np.asarray(self.rv(a, m), np.uint32), (self.T,)) for a in args]
-            return Bytes(np.ascontiguousarray(np.stack(parts, 1)).view(np.uint8).reshape(self.T, 16), "uint4")
+        if fn in ("make_uint4", "make_int4"):  # (int4: the indices of a vector's scattered lanes)
+            kind = np.uint32 if fn == "make_uint4" else np.int32
+            parts = [np.broadcast_to(np.asarray(self.rv(a, m)).astype(kind), (self.T,)) for a in args]
+            return Bytes(np.ascontiguousarray(np.stack(parts, 1)).view(np.uint8).reshape(self.T, 16), fn[len("make_"):])
         if fn == "__activemask":
             out = np.zeros(self.T, np.uint32)
             for w in range(self.nwarp):
@@ -974,8 +977,9 @@ def parse_kernel(src: str, name: str):
     return ast
 
 
-def run(src: str, name: str, grid: int, block: tuple[int, int], dyn_bytes: int, tensors: dict, params: dict):
-    """Runs kernel `name` of `src` on every block of a 1-D grid: `tensors`
+def run(src: str, name: str, grid, block: tuple[int, int], dyn_bytes: int, tensors: dict, params: dict):
+    """Runs kernel `name` of `src` on every block of a grid (`grid`: its
+    blocks along x, or (x, y) for a 2-D one): `tensors`
     maps a global buffer's name to its bytes (np.uint8, updated in place),
     `params` the kernel's pointer parameters to (buffer name, element type).
     Returns (the problems found, a set of lines; bytes written per global
@@ -983,6 +987,8 @@ def run(src: str, name: str, grid: int, block: tuple[int, int], dyn_bytes: int, 
     static = re.search(r"__shared__ alignas\(64\) uchar buf_shmem_ptr\[(\d+)\]", src)
     log = set()
     emu = Emu(parse_kernel(src, name), block, dyn_bytes, tensors, params, log)
-    for bx in range(grid):
-        emu.run_block(bx, int(static.group(1)) if static else 0)
+    gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
+    for by in range(gy):
+        for bx in range(gx):
+            emu.run_block(bx, int(static.group(1)) if static else 0, by)
     return log, emu.gwritten

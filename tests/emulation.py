@@ -17,9 +17,10 @@ from . import cuda_emu
 _C_TYPES = {"float16": "half", "float32": "float"}
 
 
-def launch(func, target) -> tuple[int, tuple[int, int], int]:
-    """A scheduled kernel's grid, block and dynamic shared bytes, as our TIR
-    pipeline lowers its launch."""
+def launch(func, target) -> tuple[int | tuple[int, int], tuple[int, int], int]:
+    """A scheduled kernel's grid (its blocks along x, or (x, y) where it has
+    blocks along y too), block and dynamic shared bytes, as our TIR pipeline
+    lowers its launch."""
     func = func.with_attr("global_symbol", "k").with_attr("target", target)
     with target, tvm.transform.PassContext(opt_level=3):
         lowered = tensor_core_smem._pipeline_factory()[0](tvm.IRModule({"k": func}))
@@ -30,7 +31,8 @@ def launch(func, target) -> tuple[int, tuple[int, int], int]:
     values = [int(re.fullmatch(r"(?:T\.int64\()?(\d+)\)?", v.strip()).group(1))
               for v in found.group(1).split(",")[-len(names):]]
     got = dict(zip(names, values))  # (a name left out: 1; no dynamic shared memory: 0)
-    return (got.get("blockIdx.x", 1), (got.get("threadIdx.x", 1), got.get("threadIdx.y", 1)),
+    grid = got.get("blockIdx.x", 1) if "blockIdx.y" not in got else (got.get("blockIdx.x", 1), got["blockIdx.y"])
+    return (grid, (got.get("threadIdx.x", 1), got.get("threadIdx.y", 1)),
             got.get("tirx.use_dyn_shared_memory", 0))
 
 

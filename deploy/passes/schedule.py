@@ -39,6 +39,7 @@ COLUMN_SUMS = "column-sums"  # our CUDA schedule of sums and means over pixels, 
 SHORT_ROWS = "short-rows"  # our CUDA schedule of normalizations over short rows, a warp a row (passes/gpu_rows.py)
 MMA_GEMM = "mma-gemm"  # our CUDA mma.sync GEMM in a default configuration (passes/mma_gemm.py)
 THIN_GEMM = "thin-gemm"  # our CUDA schedule of GEMMs with few columns, a thread a row (passes/thin_gemm.py)
+SIMT_GEMM = "simt-gemm"  # our CUDA schedule of fp32 GEMMs and convolutions on CUDA cores (passes/simt_gemm.py)
 SHORT_INNER = "short-inner-axis"  # our CUDA schedule of transposes into a short last axis (passes/gpu_movement.py)
 TILED_TRANSPOSE = "tiled-transpose"  # our CUDA schedule of other transposes, through shared memory (the same)
 VECTOR_ROWS = "vector-rows"  # our CUDA schedule of other movement, 16-byte pieces of rows a thread (the same)
@@ -64,10 +65,11 @@ FUSED_ATTENTION = "fused-attention"
 # 4: a GEMM whose columns or K no tile divides has them padded too (mma_gemm.COL_TILE, K_TILE).
 # COLUMN_SUMS 1: new, just before DLight's Reduction (which took those kernels).
 # THIN_GEMM 1: new, just before DLight's Matmul (which took those kernels).
+# SIMT_GEMM 1: new, just before DLight's Matmul (which took those kernels).
 # VECTOR_ROWS 2: concatenations along the row, each piece's condition made the piece's; pieces of 8 bytes where
 # reads are aligned to 8 bytes, not 16.)
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
-                 MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2, COLUMN_SUMS: 1,
+                 MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2, COLUMN_SUMS: 1, SIMT_GEMM: 1,
                  THIN_GEMM: 1}
 
 
@@ -93,7 +95,9 @@ class UnbuildableKernelError(Exception):
 # just before DLight's Matmul: on the fp16 GEMMs it takes, DLight's
 # tensor-core kernels ran 3 to 7 times slower (passes/mma_gemm.py,
 # DEFAULT_CONFIGS); our ThinGemm after it: a GEMM with fewer columns than our mma.sync GEMM takes gets a
-# thread a row, where DLight's Matmul pads its columns to 64 (thin_gemm.py). Our ShortReduction
+# thread a row, where DLight's Matmul pads its columns to 64 (thin_gemm.py); our SimtGemm after that: fp32 GEMMs
+# and convolutions get 128 x 128 tiles, a thread 8 x 8 outputs, where DLight's Matmul gives 32 x 64 and 4 x 4
+# (simt_gemm.py). Our ShortReduction
 # before DLight's reduction rules: they give a depthwise convolution one thread
 # block per output. Our ShortRows just before DLight's GeneralReduction: it
 # gives a normalization over short rows a warp a row, where GeneralReduction
@@ -110,7 +114,7 @@ class UnbuildableKernelError(Exception):
 # compile that never ends is not a failure the chain can fall back from. Ours
 # takes the GEMV-shaped kernels.
 CHAINS = {
-    "cuda": [FEW_OUTPUTS, MMA_GEMM, THIN_GEMM, "dlight.Matmul", BROADCAST_EPILOGUE, "dlight.GEMV", SHORT_REDUCTION,
+    "cuda": [FEW_OUTPUTS, MMA_GEMM, THIN_GEMM, SIMT_GEMM, "dlight.Matmul", BROADCAST_EPILOGUE, "dlight.GEMV", SHORT_REDUCTION,
              COLUMN_SUMS, "dlight.Reduction", SHORT_ROWS, "dlight.GeneralReduction", SHORT_INNER, TILED_TRANSPOSE, VECTOR_ROWS,
              "dlight.Fallback"],
     "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
@@ -130,10 +134,11 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
         from .gpu_movement import ShortInnerAxis, TiledTranspose, VectorRows
         from .gpu_rows import ShortRows
         from .mma_gemm import Default as MmaGemm
+        from .simt_gemm import SimtGemm
         from .thin_gemm import ThinGemm
 
         g = dlight.gpu
-        make = {FEW_OUTPUTS: FewOutputs, MMA_GEMM: MmaGemm, THIN_GEMM: ThinGemm, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
+        make = {FEW_OUTPUTS: FewOutputs, MMA_GEMM: MmaGemm, THIN_GEMM: ThinGemm, SIMT_GEMM: SimtGemm, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
                 SHORT_REDUCTION: ShortReduction, COLUMN_SUMS: ColumnSums, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
                 "dlight.GeneralReduction": g.GeneralReduction, BROADCAST_EPILOGUE: BroadcastEpilogue,
                 SHORT_INNER: ShortInnerAxis, TILED_TRANSPOSE: TiledTranspose, VECTOR_ROWS: VectorRows,

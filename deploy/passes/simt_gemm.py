@@ -1,0 +1,166 @@
+"""A default CUDA schedule of ours for fp32 GEMMs and convolutions on the
+CUDA cores (`SimtGemm`): the kernels of a strict-fp32 package, which no
+tensor core may compute.
+
+Why our own: DLight's Matmul takes them (25 of ResNet-50's 29 kernels at
+batch 64 in fp32) with a 32 x 64 tile a block of 128 threads, each thread
+4 x 4 outputs, its A and B tiles in shared memory as [rows, 16 steps] and
+read one float at a time: two FMAs a shared-memory load, where an SM
+issues four FMAs for each load. The package ran 34.6 ms at batch 64 on an
+H200 with 7 of its 29 kernels tuned, against cuDNN's 19.4 ms
+(results/h200/2026-11-30/bench-resnet50-fp32-b64/).
+
+`SimtGemm` is the classic SGEMM design:
+
+- a block computes a `bm x bn` tile of C (128 x 128, or 128 x 64, 64 x 128,
+  64 x 64 where the larger tiles leave the GPU too few blocks or pad the
+  GEMM more) with 256 threads as 16 x 16;
+- a thread computes 8 x 8 (or 4 x 8, ...) outputs as 4 x 4 pieces 64 rows
+  or columns apart (TVM's virtual threads), its sums in fp32 registers;
+- A and B are staged `K_TILE` steps at a time in shared memory stored
+  step-major ([k][row], rows padded by 4 floats: the transposed stores go
+  to distinct banks), so a thread reads its 4 rows (or columns) at a step
+  as one 16-byte load, and a warp's 16-byte loads touch distinct banks or
+  the same address: eight FMAs a load;
+- the epilogue (bias, residual, activation) is applied as the thread
+  writes its outputs, four columns at a time.
+
+It applies where DLight's Matmul would: one reduction block that DLight's
+index analysis (`get_index_map`) reads as a batched GEMM `C[s, i, j] +=
+A[s, i, k] * B[s, j, k]` (a matmul, a dense layer, a direct convolution
+with its padding, read as an implicit GEMM), with fp32 operands and sums,
+and at least `MIN_BLOCKS` blocks of the smallest tile: an fp16 GEMM is
+our mma.sync's or DLight's tensor cores'. In the CUDA chain
+(passes/schedule.py) it comes just before DLight's Matmul.
+"""
+
+from __future__ import annotations
+
+SIMT_GEMM = True  # the rule in the chain (an A/B switch: scripts/with_settings.py)
+THREADS_X = 16  # threads a block along C's columns (threadIdx.x: a warp writes rows of 64 floats)
+THREADS_Y = 16  # ... and along its rows
+PIECE = 4  # a thread's outputs come in PIECE x PIECE pieces (one 16-byte shared load a row or column)
+K_TILE = 16  # reduction steps staged in shared memory at a time
+PAD = 4  # floats added to a staged row (PAD x 4 bytes: a 16-byte load stays aligned)
+MIN_BLOCKS = 128  # about a block an SM (an H200 has 132): fewer leave the GPU idle
+MAX_PADDING = 1 / 16  # a larger tile's extra padded work, at most (it reads A and B fewer times)
+UNROLL = 256  # pragma_auto_unroll_max_step over a block's K_TILE steps
+# (rows, columns) of a block's tile, largest first: 2 x 2, 2 x 1, 1 x 2, 1 x 1 pieces a thread
+TILES = ((128, 128), (128, 64), (64, 128), (64, 64))
+
+
+class SimtGemm:
+    """A DLight-style rule (`apply(func, target, tunable)` returns a
+    schedule, or None where it does not apply). `tunable` is ignored:
+    MetaSchedule's own design spaces apply when tuning."""
+
+    def apply(self, func, target, _tunable=False):
+        if not SIMT_GEMM or target.kind.name != "cuda":
+            return None
+        try:
+            return schedule(func)
+        except Exception:  # noqa: BLE001 - a ScheduleError or an unexpected shape: not this rule's kernel
+            return None
+
+
+def choose_tile(m: int, n: int) -> tuple[int, int] | None:
+    """The block tile for an m x n GEMM: of `TILES`, those giving at least
+    MIN_BLOCKS blocks, the largest whose padding of m and n costs at most
+    MAX_PADDING more work than the least padded of them (ResNet-50's 3,136
+    rows at batch 64 take 128-row tiles, 2% padding); None where even the
+    smallest gives fewer blocks."""
+    def blocks(t):
+        return -(-m // t[0]) * -(-n // t[1])
+
+    def padded(t):
+        return -(-m // t[0]) * t[0] * -(-n // t[1]) * t[1]
+
+    fit = [t for t in TILES if blocks(t) >= MIN_BLOCKS]
+    if not fit:
+        return None
+    least = min(padded(t) for t in fit)
+    return min((t for t in fit if padded(t) <= least * (1 + MAX_PADDING)), key=lambda t: (-t[0] * t[1], padded(t)))
+
+
+def _extent(sch, loop) -> int:
+    extent = sch.get(loop).extent
+    if not hasattr(extent, "value"):
+        raise ValueError("a dynamic extent")
+    return int(extent.value)
+
+
+def schedule(func):
+    """`func`'s GEMM as the module's docstring says, or None where it is not
+    an fp32 GEMM this schedule takes."""
+    from ..tvm_compat import dlight, s_tir, tirx
+
+    matmul = dlight.gpu.matmul  # (DLight's Matmul's analysis and inlining helpers: its normal form is ours)
+    auto_inline_consumer_chain, auto_inline_producers = matmul.auto_inline_consumer_chain, matmul.auto_inline_producers
+    get_index_map, get_reduction_blocks = matmul.get_index_map, matmul.get_reduction_blocks
+
+    if not isinstance(func, tirx.PrimFunc):
+        return None
+    sch = s_tir.Schedule(func)
+    blocks = sch.get_child_blocks(dlight.analysis.get_root_block(sch))
+    reductions = get_reduction_blocks(sch, blocks)
+    if reductions is None or len(reductions) != 1:
+        return None
+    main = reductions[0]
+    stmt = sch.get(main)
+    if len(stmt.reads) != 2 or any(str(r.source.dtype) != "float32" for r in stmt.reads) \
+            or str(stmt.writes[0].source.dtype) != "float32":
+        return None
+    if get_index_map(stmt) is None:
+        return None
+    # C[s, i, j] += A[s, i, k] * B[s, j, k], as DLight's Matmul normalizes it.
+    a_re = sch.reindex(main, ("read", 0))
+    b_re = sch.reindex(main, ("read", 1))
+    c_re = sch.reindex(main, ("write", 0))
+    gemm_map, a_map, b_map, c_map = get_index_map(sch.get(main))
+    sch.transform_layout(a_re, ("write", 0), a_map)
+    sch.transform_layout(b_re, ("write", 0), b_map)
+    sch.transform_layout(c_re, ("read", 0), c_map)
+    sch.transform_block_layout(main, gemm_map)
+    _, i, j, _ = sch.get_loops(main)
+    tile = choose_tile(_extent(sch, i), _extent(sch, j))
+    if tile is None:
+        return None
+    bm, bn = tile
+    sch.pad_einsum(main, [1, bm, bn, K_TILE])
+    batch, i, j, k = sch.get_loops(main)
+    bi, vi, ti, ii = sch.split(i, [None, bm // (THREADS_Y * PIECE), THREADS_Y, PIECE])
+    bj, vj, tj, jj = sch.split(j, [None, bn // (THREADS_X * PIECE), THREADS_X, PIECE])
+    ko, ki = sch.split(k, [None, K_TILE])
+    sch.reorder(batch, bi, bj, vi, vj, ti, tj, ko, ki, ii, jj)
+    rows = sch.fuse(batch, bi)
+    sch.bind(rows, "blockIdx.y")  # (blockIdx.x, the columns' blocks, varies fastest: they share A's rows in L2)
+    sch.bind(bj, "blockIdx.x")
+    for piece, axis in ((vi, "vthread.y"), (vj, "vthread.x")):
+        if _extent(sch, piece) > 1:  # (one piece a thread along this axis: nothing to bind)
+            sch.bind(piece, axis)
+    sch.bind(ti, "threadIdx.y")
+    sch.bind(tj, "threadIdx.x")
+    sch.annotate(tj, ann_key="pragma_auto_unroll_max_step", ann_val=UNROLL)
+    sch.annotate(tj, ann_key="pragma_unroll_explicit", ann_val=1)
+
+    out = sch.cache_write(main, 0, "local")
+    sch.reverse_compute_at(out, tj, preserve_unit_loops=True)
+    _, vector = sch.split(sch.get_loops(out)[-1], [None, PIECE])
+    sch.vectorize(vector)
+
+    for index in (0, 1):  # A, then B
+        staged = sch.cache_read(main, index, "shared")
+        sch.compute_at(staged, ko, preserve_unit_loops=True)
+        # step-major: [s, row, k] -> [s, k, row], a row padded by PAD floats
+        sch.transform_layout(staged, ("write", 0), lambda s, r, kk: (s, kk, r))
+        sch.storage_align(staged, 0, axis=1, factor=32, offset=PAD)
+        auto_inline_producers(sch, staged)
+        loops = sch.get_loops(staged)[-3:]
+        _, copy_y, copy_x, lanes = sch.split(sch.fuse(*loops), [None, THREADS_Y, THREADS_X, PIECE])
+        sch.vectorize(lanes)  # (4 consecutive steps of a row: one 16-byte load of a K-contiguous operand)
+        sch.bind(copy_y, "threadIdx.y")
+        sch.bind(copy_x, "threadIdx.x")
+    auto_inline_consumer_chain(sch, out)
+    sch.decompose_reduction(main, ko)
+    sch.unroll(ki)  # (a block's K_TILE steps in one straight run: the loads of a step issued ahead of its FMAs)
+    return sch

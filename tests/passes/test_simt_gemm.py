@@ -1,0 +1,169 @@
+"""deploy/passes/simt_gemm.py: fp32 GEMMs and convolutions in 128 x 128
+tiles on the CUDA cores, on the CPU machine (emulated: tests/emulation.py;
+compiled by nvcc) and, with `-m gpu`, on a GPU."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from deploy import targets
+from deploy.passes import schedule, simt_gemm
+from deploy.passes.simt_gemm import SimtGemm
+from deploy.tvm_compat import tvm
+
+from .. import emulation
+from .test_gpu_default import _first_source
+from .test_mma_gemm import _i64
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    return targets.resolve("cuda:sm_90").tvm_target()
+
+
+def _conv(n=2, size=8, c=32, o=64, k=3, stride=1, pad=1, dtype="float32", relu=True):
+    """An NHWC convolution with OHWI weights, its padding, a bias and a ReLU,
+    as the frontend gives a ResNet's."""
+    from tvm import te, topi
+
+    x = te.placeholder((_i64(n), _i64(size), _i64(size), _i64(c)), dtype, name="x")
+    w = te.placeholder((_i64(o), _i64(k), _i64(k), _i64(c)), dtype, name="w")
+    b = te.placeholder((_i64(o),), dtype, name="b")
+    xp = topi.nn.pad(x, [0, pad, pad, 0], [0, pad, pad, 0], name="pad_temp")
+    out = (size + 2 * pad - k) // stride + 1
+    ry, rx, rc = (te.reduce_axis((_i64(0), _i64(e)), name) for e, name in ((k, "ry"), (k, "rx"), (c, "rc")))
+    y = te.compute((_i64(n), _i64(out), _i64(out), _i64(o)),
+                   lambda a, i, j, f: te.sum(xp[a, i * stride + ry, j * stride + rx, rc] * w[f, ry, rx, rc],
+                                             axis=[ry, rx, rc]), name="conv2d_nhwc")
+    z = te.compute(y.shape, lambda a, i, j, f: y[a, i, j, f] + b[f], name="bias")
+    if relu:
+        z = te.compute(y.shape, lambda *i: te.max(z(*i), tvm.tirx.const(0, dtype)), name="relu")
+    return te.create_prim_func([x, w, b, z])
+
+
+def _matmul(m, n, k, dtype="float32"):
+    """A dense layer with its weight [K, N] (columns contiguous: B's copy
+    reads a step's 4 values from 4 rows)."""
+    from tvm import te
+
+    a = te.placeholder((_i64(m), _i64(k)), dtype, name="A")
+    b = te.placeholder((_i64(k), _i64(n)), dtype, name="B")
+    r = te.reduce_axis((_i64(0), _i64(k)), name="k")
+    c = te.compute((_i64(m), _i64(n)), lambda i, j: te.sum(a[i, r] * b[r, j], axis=r), name="C")
+    return te.create_prim_func([a, b, c])
+
+
+# (what, the kernel, the tile it takes); each over 16,384 outputs (fewer are FewOutputs')
+CASES = [
+    ("a 3x3 convolution, padded, stride 1", lambda: _conv(size=16), (128, 64)),
+    ("stride 2", lambda: _conv(size=32, stride=2), (128, 64)),
+    ("a 7x7 stem over 3 channels: K = 147, padded to 160", lambda: _conv(size=32, c=3, k=7, stride=2, pad=3),
+     (128, 64)),
+    ("a 1x1 convolution, no epilogue but the bias", lambda: _conv(size=16, c=64, o=128, k=1, pad=0, relu=False),
+     (128, 128)),
+    ("a matmul whose rows and columns no tile divides", lambda: _matmul(200, 136, 40), (128, 64)),  # (136 -> 192)
+]
+
+
+@pytest.mark.parametrize("what, make, tile", CASES, ids=[c[0] for c in CASES])
+def test_an_fp32_gemm_gets_the_tiled_schedule_and_computes_what_tvms_plain_lowering_does(
+        sm90, monkeypatch, what, make, tile):
+    """Bit for bit: a thread sums each output's K steps in order, as the
+    plain lowering does (the padded steps add zeros)."""
+    monkeypatch.setattr(simt_gemm, "MIN_BLOCKS", 1)  # (small kernels: the emulator runs each thread in Python)
+    func = make()
+    source, scheduled = _first_source(func, sm90)
+    assert source == schedule.SIMT_GEMM, what
+    grid, block, _ = emulation.launch(scheduled, sm90)
+    assert block == (simt_gemm.THREADS_X, simt_gemm.THREADS_Y), what
+    src = emulation.source(scheduled, sm90)
+    local = re.search(r"float \w+_local_ptr\[(\d+)\];", src)
+    assert local and int(local.group(1)) == tile[0] * tile[1] // 256, (what, src[:3000])  # a thread's sums
+    assert f"float {_shared_name(src)}[{simt_gemm.K_TILE * (tile[0] + simt_gemm.PAD)}]" in src, what  # [k][row + 4]
+    args = emulation.reference(func)
+    got, problems = emulation.run(func, scheduled, sm90, args, src)
+    assert np.array_equal(got, args[-1]) and not problems, (what, problems, np.abs(got - args[-1]).max())
+
+
+def _shared_name(src: str) -> str:
+    return re.search(r"__shared__ alignas\(64\) float (\w+)\[", src).group(1)
+
+
+@pytest.mark.parametrize("m, n, want", [
+    (200704, 64, (128, 64)),  # ResNet-50's first stage at batch 64: 64 channels
+    (50176, 256, (128, 128)),
+    (3136, 512, (64, 128)),  # the last stage: 128 x 128 tiles would give 100 blocks
+    (3136, 2048, (128, 128)),  # (3,200 rows: 2% padding)
+    (520, 4096, (64, 128)),  # 640 rows would be 11% more than 576
+    (49, 512, None),  # batch 1: even 64 x 64 tiles give 8 blocks (DLight's Matmul takes it)
+])
+def test_the_tile_is_the_largest_that_fills_the_gpu_and_pads_least(m, n, want):
+    assert simt_gemm.choose_tile(m, n) == want
+
+
+def test_resnet50s_largest_convolution_compiles_without_spilling(sm90):
+    """The 3x3 convolution of ResNet-50's third stage at batch 64 compiled
+    by nvcc for sm_90: a thread's 64 sums and operands in registers (no
+    stack frame), few enough for two blocks an SM."""
+    func = _conv(n=64, size=28, c=256, o=256, k=3, stride=2)
+    sch = SimtGemm().apply(func, sm90)
+    assert sch is not None
+    src = emulation.source(sch.mod["main"], sm90)
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.cu").write_text(src)
+        done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", f"{d}/k.cu", "-o", f"{d}/k.cubin"],
+                              capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    registers = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    assert "0 bytes stack frame" in done.stderr and registers <= 65536 // (2 * 256), done.stderr
+
+
+@pytest.mark.parametrize("what, func", [
+    ("fp16: tensor cores' (our mma.sync GEMM or DLight's)", lambda: _conv(n=64, size=28, dtype="float16")),
+    ("too few blocks for the GPU", lambda: _conv(n=1, size=7, c=512, o=512)),
+])
+def test_declined(sm90, what, func):
+    assert SimtGemm().apply(func(), sm90) is None, what
+
+
+def test_the_switch_turns_the_rule_off(sm90, monkeypatch):
+    func = _conv(n=64, size=28)
+    assert _first_source(func, sm90)[0] == schedule.SIMT_GEMM
+    monkeypatch.setattr(simt_gemm, "SIMT_GEMM", False)
+    assert _first_source(func, sm90)[0] == "dlight.Matmul"
+
+
+def test_dlight_gives_a_thread_4_x_4_outputs_of_an_fp32_convolution(sm90):
+    """Why the rule exists: DLight's Matmul gives an fp32 convolution a
+    32 x 64 tile, a thread 16 sums read from shared memory a float at a
+    time. Fails once DLight schedules it otherwise; then time the two again."""
+    from deploy.tvm_compat import dlight
+
+    func = _conv(n=64, size=28)
+    with sm90:
+        mod = dlight.ApplyDefaultSchedule(dlight.gpu.Matmul())(tvm.IRModule({"main": func}))
+    src = emulation.source(mod["main"], sm90)
+    assert re.search(r"float2 \w+_local_ptr\[8\];", src) and "__launch_bounds__(128)" in src, src[:3000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size, c, o, k, stride", [(56, 64, 64, 3, 1), (28, 256, 256, 3, 2), (14, 1024, 256, 1, 1)])
+def test_gpu_an_fp32_convolution(sm90, size, c, o, k, stride):
+    from deploy.build import build_kernel
+
+    func = _conv(n=64, size=size, c=c, o=o, k=k, stride=stride, pad=(k - 1) // 2)
+    sch = SimtGemm().apply(func, sm90)
+    assert sch is not None
+    args = emulation.reference(func)
+    lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
+    got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args[:-1]] + [
+        tvm.runtime.tensor(np.zeros_like(args[-1]), tvm.cuda(0))]
+    lib["k"](*got)
+    np.testing.assert_allclose(got[-1].numpy(), args[-1], rtol=1e-4, atol=1e-4)
