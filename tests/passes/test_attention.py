@@ -28,11 +28,6 @@ from ..conftest import load_script
 TRANSFORMERS = ["vit", "bert", "gpt", "tiny_vit"]
 
 
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90")
-
-
 def _optimized(name, target, work, fused: bool, batch: int = 2, size: str = "small", inputs=None, **extra):
     """The module optimized for `target` (CUDA fp16): a registry model at
     `size`, or an ONNX file with its `inputs` (the config's tables)."""
@@ -72,9 +67,9 @@ def _kernels(mod):
 
 
 @pytest.mark.parametrize("name", TRANSFORMERS)
-def test_fused_attention_computes_what_the_graph_computed(name, tmp_path, sm90):
-    plain = _optimized(name, sm90, tmp_path / "plain", fused=False)
-    fused = _optimized(name, sm90, tmp_path / "fused", fused=True)
+def test_fused_attention_computes_what_the_graph_computed(name, tmp_path, sm90_info):
+    plain = _optimized(name, sm90_info, tmp_path / "plain", fused=False)
+    fused = _optimized(name, sm90_info, tmp_path / "fused", fused=True)
     ours = [f for f in _kernels(fused).values() if attention.is_attention(f)]
     assert ours, "no attention was fused"
     assert len(_kernels(fused)) < len(_kernels(plain))
@@ -119,17 +114,17 @@ def _sdpa_inputs():
     return x, mask
 
 
-def test_a_nan_fill_after_the_softmax_is_fused_and_kept(tmp_path, sm90):
+def test_a_nan_fill_after_the_softmax_is_fused_and_kept(tmp_path, sm90_info):
     """torch's exported SDPA: the where(isnan(P), 0, P) goes into the kernel,
     and a sample whose every key is masked gives what the graph gives (its
     attention 0, where the softmax alone gives NaN)."""
     path = _sdpa_onnx(tmp_path)
     assert "IsNaN" in {n.op_type for n in onnx.load(str(path)).graph.node}
-    mods = {fused: _optimized(str(path), sm90, tmp_path / str(fused), fused, inputs=SDPA_INPUTS)
+    mods = {fused: _optimized(str(path), sm90_info, tmp_path / str(fused), fused, inputs=SDPA_INPUTS)
             for fused in (False, True)}
     kernel = next(f for f in _kernels(mods[True]).values() if attention.is_attention(f))
     assert not [f for f in _kernels(mods[False]).values() if attention.is_attention(f)]
-    assert "T.isnan" in kernel.script() and "mma.sync" in _cuda_source(kernel, sm90)  # (TVM prints it x != x)
+    assert "T.isnan" in kernel.script() and "mma.sync" in _cuda_source(kernel, sm90_info)  # (TVM prints it x != x)
     x, mask = _sdpa_inputs()
     outs = {}
     for fused, mod in mods.items():
@@ -139,23 +134,23 @@ def test_a_nan_fill_after_the_softmax_is_fused_and_kept(tmp_path, sm90):
     np.testing.assert_array_equal(outs[True], outs[False])
 
 
-def test_fp16_accumulation_rounds_the_scores_as_the_graph_does(tmp_path, sm90):
+def test_fp16_accumulation_rounds_the_scores_as_the_graph_does(tmp_path, sm90_info):
     """With `accumulate = "fp16"` the model's QK^T gives fp16 scores: the
     kernel rounds its (fp32-summed) scores to fp16 before the softmax too,
     so the two differ by the sums' order and precision alone."""
-    plain = _run_on_cpu(_optimized("vit", sm90, tmp_path / "plain", fused=False, accumulate="fp16"))
-    fused_mod = _optimized("vit", sm90, tmp_path / "fused", fused=True, accumulate="fp16")
+    plain = _run_on_cpu(_optimized("vit", sm90_info, tmp_path / "plain", fused=False, accumulate="fp16"))
+    fused_mod = _optimized("vit", sm90_info, tmp_path / "fused", fused=True, accumulate="fp16")
     kernel = next(f for f in _kernels(fused_mod).values() if attention.is_attention(f))
     assert "float16(attn_s" in kernel.script().replace('T.Cast("float16", attn_s', "float16(attn_s")
     for a, b in zip(plain, _run_on_cpu(fused_mod), strict=True):
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(a)
 
 
-def test_the_fused_kernel_reads_qkv_where_the_projection_wrote_it(tmp_path, sm90):
+def test_the_fused_kernel_reads_qkv_where_the_projection_wrote_it(tmp_path, sm90_info):
     """ViT: no kernel is left that only moves Q, K or V into heads or the
     heads back; the attention kernel's one input is the QKV projection's
     [tokens, 3 x dim] output."""
-    mod = _optimized("vit", sm90, tmp_path, fused=True)
+    mod = _optimized("vit", sm90_info, tmp_path, fused=True)
     kernels = _kernels(mod)
     assert not [n for n in kernels if "transpose" in n and "reshape" in n and n != "fused_transpose_cast"
                 and "pad" not in n], sorted(kernels)
@@ -166,7 +161,7 @@ def test_the_fused_kernel_reads_qkv_where_the_projection_wrote_it(tmp_path, sm90
     assert "matmul" in qkv  # the projection's own kernel
 
 
-def test_attention_left_alone_where_its_kernel_would_not_fit(tmp_path, sm90, monkeypatch):
+def test_attention_left_alone_where_its_kernel_would_not_fit(tmp_path, sm90_info, monkeypatch):
     def fused(mod):
         return [f for f in _kernels(mod).values() if attention.is_attention(f)]
 
@@ -174,7 +169,7 @@ def test_attention_left_alone_where_its_kernel_would_not_fit(tmp_path, sm90, mon
     assert not fused(_optimized("vit", targets.resolve("cuda:sm_75"), tmp_path / "sm75", fused=True))
     # shared memory the architecture does not have: nothing fused (one bucket: optimized in this process)
     monkeypatch.setattr(attention_schedule, "shared_bytes", lambda keys, head_dim, warps=None: 1 << 30)
-    assert not fused(_optimized("vit", sm90, tmp_path / "big", fused=True))
+    assert not fused(_optimized("vit", sm90_info, tmp_path / "big", fused=True))
 
 
 def test_fused_attention_is_a_cuda_option(tmp_path):
@@ -210,19 +205,19 @@ def test_fused_attention_is_on_by_default_where_it_applies():
         config.from_dict({"model": {"source": "vit"}, "cuda": {"fused_attention": "yes"}})
 
 
-def _attention_kernel(tmp_path, sm90, name="vit"):
-    mod = _optimized(name, sm90, tmp_path, fused=True)
+def _attention_kernel(tmp_path, sm90_info, name="vit"):
+    mod = _optimized(name, sm90_info, tmp_path, fused=True)
     return next(f for f in _kernels(mod).values() if attention.is_attention(f))
 
 
-def _cuda_source(func, sm90):
+def _cuda_source(func, sm90_info):
     """The CUDA of the fused kernel `func`, scheduled and built as the package builds it."""
-    return _built_source(attention_schedule.schedule(func).mod["main"], sm90)
+    return _built_source(attention_schedule.schedule(func).mod["main"], sm90_info)
 
 
 @pytest.mark.parametrize("name", ["vit", "bert"])
-def test_the_kernel_builds_on_tensor_cores_without_local_memory(name, tmp_path, sm90):
-    src = _cuda_source(_attention_kernel(tmp_path, sm90, name), sm90)
+def test_the_kernel_builds_on_tensor_cores_without_local_memory(name, tmp_path, sm90_info):
+    src = _cuda_source(_attention_kernel(tmp_path, sm90_info, name), sm90_info)
     assert src.count("mma.sync.aligned.m16n8k16") >= 2 and "ldmatrix" in src
     assert "__shfl" in src  # the rows' maximum and sum across a warp
     # every warp buffer lowered to a thread's registers (passes/tensor_core_smem.py: EVERY_WARP_BUFFER)
@@ -242,10 +237,10 @@ def _nvcc_usage(src: str, tmp_path) -> str:
     return r.stderr
 
 
-def test_the_build_schedules_it_first(tmp_path, sm90):
+def test_the_build_schedules_it_first(tmp_path, sm90_info):
     cfg = config.from_dict({"model": {"source": "vit", "size": "small"},
                             "cuda": {"buckets": [1], "trials": 0, "fused_attention": True}})
-    pipeline.run(cfg, sm90, tmp_path / "ws", db_root=tmp_path / "db")
+    pipeline.run(cfg, sm90_info, tmp_path / "ws", db_root=tmp_path / "db")
     import json
 
     m = json.loads((tmp_path / "ws" / "package" / "manifest.json").read_text())
@@ -254,11 +249,11 @@ def test_the_build_schedules_it_first(tmp_path, sm90):
     assert not [f for f in m["buckets"]["1"].get("fallbacks", []) if "attention" in f["kernel"]]
 
 
-def test_the_tuner_leaves_it_out(tmp_path, sm90):
+def test_the_tuner_leaves_it_out(tmp_path, sm90_info):
     from deploy.tuning import tasks
 
-    mod = _optimized("vit", sm90, tmp_path, fused=True)
-    names = [t.task_name for t in tasks.extract_tasks(mod, sm90.tvm_target())]
+    mod = _optimized("vit", sm90_info, tmp_path, fused=True)
+    names = [t.task_name for t in tasks.extract_tasks(mod, sm90_info.tvm_target())]
     assert names and not [n for n in names if "attention" in n]
 
 
@@ -275,7 +270,7 @@ def _te_kernel(q_rows: int, keys: int, head_dim: int = 64):
         attention.ATTR, {"q_rows": q_rows, "keys": keys, "head_dim": head_dim, "tokens_first": True})
 
 
-def test_a_k_transposed_in_memory_is_copied_one_element_at_a_time(tmp_path, sm90):
+def test_a_k_transposed_in_memory_is_copied_one_element_at_a_time(tmp_path, sm90_info):
     """16-byte copies need 8 consecutive, aligned halves: a K^T tensor of
     the model's own (head dimension outermost) is copied one at a time, and
     the kernel compiles (8 at a time, nvcc rejected it)."""
@@ -283,7 +278,7 @@ def test_a_k_transposed_in_memory_is_copied_one_element_at_a_time(tmp_path, sm90
     sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
     widths = {name: attention_schedule._copy_vector(sch, sch.get_sblock(name)) for name in ("attn_k", "attn_v")}
     assert widths == {"attn_k": 1, "attn_v": 8}
-    src = _cuda_source(func, sm90)
+    src = _cuda_source(func, sm90_info)
     if shutil.which("nvcc"):
         assert "0 bytes stack frame" in _nvcc_usage(src, tmp_path)
 
@@ -310,7 +305,7 @@ _EMU_PARAMS = {"attn_out_ptr": ("out", "half"), "k_ptr": ("k", "half"), "q_ptr":
 
 @pytest.mark.parametrize("shape", [(1, 2, 64, 64, 64), (1, 1, 197, 197, 64)])
 @pytest.mark.parametrize("variant", ["4 warps", "8 warps", "16 warps"])
-def test_the_generated_cuda_computes_attention_in_emulation(shape, variant, sm90):
+def test_the_generated_cuda_computes_attention_in_emulation(shape, variant, sm90_info):
     """The kernel's CUDA, as built for sm_90, run by tests/cuda_emu.py (a
     CPU interpreter of it: every thread, shared memory by the byte,
     ldmatrix, mma.sync and the shuffles per the PTX ISA): softmax(Q K^T) V
@@ -320,8 +315,8 @@ def test_the_generated_cuda_computes_attention_in_emulation(shape, variant, sm90
 
     probe = load_script("attention_probe")
     func = probe.kernel(shape, *probe.VARIANTS[variant])
-    src = _built_source(func, sm90)
-    grid, block, dyn = emulation.launch(func, sm90.tvm_target())
+    src = _built_source(func, sm90_info)
+    grid, block, dyn = emulation.launch(func, sm90_info.tvm_target())
     b, h, s, k, d = shape
     rng = np.random.default_rng(0)
     q, kk, v = (rng.standard_normal(sh).astype("float16") for sh in ((b, h, s, d), (b, h, k, d), (b, h, k, d)))
@@ -338,7 +333,7 @@ def test_the_generated_cuda_computes_attention_in_emulation(shape, variant, sm90
     np.testing.assert_allclose(got, want, atol=2e-3, rtol=2e-3)
 
 
-def test_the_emulation_sees_a_missing_barrier(sm90):
+def test_the_emulation_sees_a_missing_barrier(sm90_info):
     """tests/cuda_emu.py fails a kernel whose warps read what others write
     without a barrier between: the 8-warp kernel with its scores' barrier
     (the third) taken out."""
@@ -347,8 +342,8 @@ def test_the_emulation_sees_a_missing_barrier(sm90):
     probe = load_script("attention_probe")
     shape = (1, 1, 64, 64, 64)
     func = probe.kernel(shape, *probe.VARIANTS["8 warps"])
-    src = _built_source(func, sm90)
-    grid, block, dyn = emulation.launch(func, sm90.tvm_target())
+    src = _built_source(func, sm90_info)
+    grid, block, dyn = emulation.launch(func, sm90_info.tvm_target())
     parts = src.split("__syncthreads();")
     assert len(parts) > 4
     broken = "__syncthreads();".join(parts[:3]) + ";" + "__syncthreads();".join(parts[3:])
@@ -359,10 +354,10 @@ def test_the_emulation_sees_a_missing_barrier(sm90):
     assert any("RACE" in p for p in problems), problems
 
 
-def _built_source(func, sm90) -> str:
+def _built_source(func, sm90_info) -> str:
     from deploy.build import build_kernel
 
-    return build_kernel("k", func, sm90).imports[0].inspect_source()
+    return build_kernel("k", func, sm90_info).imports[0].inspect_source()
 
 
 @pytest.mark.parametrize("keys, head_dim, warps", [
@@ -385,22 +380,22 @@ def test_fewer_warps_where_more_would_not_fit():
     assert attention.col_warps(197, 64, a100) == 1 and attention.col_warps(197, 64, h100) == 2
 
 
-def test_the_package_kernel_is_scheduled_with_its_warps(tmp_path, sm90):
+def test_the_package_kernel_is_scheduled_with_its_warps(tmp_path, sm90_info):
     """The rewrite pads the keys for the warps it chooses, and the build's
     schedule launches that many: 32 x 4 x col_warps threads a block."""
-    func = _attention_kernel(tmp_path, sm90)
+    func = _attention_kernel(tmp_path, sm90_info)
     info = func.attrs[attention.ATTR]
     warps = attention.col_warps(int(info["keys"]), int(info["head_dim"]))
     assert int(info["col_warps"]) == warps > 1
     padded = attention.padded_keys(int(info["keys"]), attention.KEY_ALIGN * warps)
     k_shape = re.search(r"attn_k = T\.\w*alloc_buffer\(\(([^)]*)\)", func.script()).group(1)
     assert [int(d) for d in k_shape.split(",")][2] == padded, k_shape
-    _, block, _ = emulation.launch(attention_schedule.schedule(func).mod["main"], sm90.tvm_target())
+    _, block, _ = emulation.launch(attention_schedule.schedule(func).mod["main"], sm90_info.tvm_target())
     assert block == (32, attention_schedule.WARPS * warps)
 
 
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 128, 197, 255, 256])
-def test_rows_the_schedule_takes(rows, sm90):
+def test_rows_the_schedule_takes(rows, sm90_info):
     assert attention.schedulable_rows(rows)
     attention_schedule.schedule(_te_kernel(rows, 64))
 
@@ -418,14 +413,14 @@ def test_tvm_cannot_schedule_even_row_counts(rows):
 
 
 
-def test_tvm_lowers_only_the_first_warp_buffer(tmp_path, sm90):
+def test_tvm_lowers_only_the_first_warp_buffer(tmp_path, sm90_info):
     """TVM 0.27's LowerWarpMemory rewrites the first `warp` buffer of a
     kernel's body and leaves the others (tensor_core_smem.EVERY_WARP_BUFFER)."""
     from deploy.tvm_compat import default_tir_pipeline
 
-    sch = attention_schedule.schedule(_attention_kernel(tmp_path, sm90))
+    sch = attention_schedule.schedule(_attention_kernel(tmp_path, sm90_info))
     mod = tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")
-                       .with_attr("target", sm90.tvm_target())})
+                       .with_attr("target", sm90_info.tvm_target())})
     stock, _, _ = default_tir_pipeline()
     with tensor_core_smem.tensor_core_context(no_cse=True):
         lowered = stock(mod)
@@ -437,7 +432,7 @@ def test_tvm_lowers_only_the_first_warp_buffer(tmp_path, sm90):
     assert before >= 6 and after == before - 1, (before, after)
 
 
-def test_tvm_prints_8_lane_fp32_broadcasts_nvcc_rejects(sm90):
+def test_tvm_prints_8_lane_fp32_broadcasts_nvcc_rejects(sm90_info):
     """An fp32 multiply by a constant vectorized 8 wide: TVM 0.27 prints the
     constant as `make_ulonglong4` of 8 floats (attention_schedule._copy_vector)."""
     from tvm import te
@@ -452,7 +447,7 @@ def test_tvm_prints_8_lane_fp32_broadcasts_nvcc_rejects(sm90):
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     sch.vectorize(v)
-    lib = tvm.compile(sch.mod, target=sm90.tvm_target())
+    lib = tvm.compile(sch.mod, target=sm90_info.tvm_target())
     src = lib.mod.imports[0].inspect_source()
     assert re.search(r"make_ulonglong4\((0x[^,]+, ){7}0x", src), src[-1500:]
 
@@ -484,13 +479,13 @@ class _Eager(torch.nn.Module):
         return self.out((p @ v).transpose(1, 2).reshape(b, n, 64))
 
 
-def test_a_scale_cast_by_mixed_precision_is_still_a_scale(tmp_path, sm90):
+def test_a_scale_cast_by_mixed_precision_is_still_a_scale(tmp_path, sm90_info):
     path = tmp_path / "eager.onnx"
     torch.onnx.export(_Eager(), (torch.randn(2, 16, 64),), str(path), opset_version=17, dynamo=False,
                       input_names=["x"], output_names=["y"])
     outs = {}
     for fused in (False, True):
-        mod = _optimized(str(path), sm90, tmp_path / str(fused), fused, inputs=[{"name": "x", "shape": [16, 64]}])
+        mod = _optimized(str(path), sm90_info, tmp_path / str(fused), fused, inputs=[{"name": "x", "shape": [16, 64]}])
         assert bool([f for f in _kernels(mod).values() if attention.is_attention(f)]) == fused
         outs[fused] = _run_on_cpu(mod)
     np.testing.assert_array_equal(outs[True][0], outs[False][0])

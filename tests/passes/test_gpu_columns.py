@@ -16,12 +16,6 @@ from .. import emulation
 from . import test_flat_gemm as graphs
 from .test_gpu_default import _first_source, _kernels
 
-
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
-
-
 SQUEEZE = """
 @I.ir_module
 class Mod:

@@ -14,11 +14,6 @@ from deploy.passes.gpu_default import ShortReduction
 from deploy.tvm_compat import PassContext, relax, tirx, tvm
 
 
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
-
-
 def _kernels(build, target, shape=(8, 28, 28, 64), dtype="float16"):
     """The fused PrimFuncs of a one-function Relax module built by `build(bb, x)`."""
     bb = relax.BlockBuilder()

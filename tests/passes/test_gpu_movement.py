@@ -19,11 +19,6 @@ from .test_gpu_default import _kernels
 from .test_gpu_default import _reference as _plain
 
 
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
-
-
 def _kernel(build, target, shape, dtype="float32"):
     """The one fused PrimFunc of a Relax function of one input built by `build(x)`."""
     (func,) = _kernels(lambda bb, x: build(x), target, shape, dtype).values()

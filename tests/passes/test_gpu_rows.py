@@ -14,11 +14,6 @@ from deploy.tvm_compat import dlight, relax, tvm
 from .test_gpu_default import _first_source, _kernels, _reference
 
 
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
-
-
 def _layer_norm(channels):
     def build(bb, x):
         rng = np.random.default_rng(3)

@@ -21,11 +21,6 @@ from ..conftest import load_script
 from .test_flat_gemm import _args, _bottleneck, _fused, _kernels, _parse, _run
 
 
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
-
-
 @pytest.mark.parametrize("stride", [1, 2])
 def test_the_rewrite_computes_the_same_in_one_gemm_kernel_with_its_epilogue(stride):
     """A 3x3 convolution (fp32 sum) with its cast, bias, residual add and

@@ -16,17 +16,11 @@ import re
 import numpy as np
 import pytest
 
-from deploy import targets
 from deploy.passes import mma_gemm
 
 from .. import emulation
 from ..conftest import load_script
 from .test_implicit_gemm import _resnet_like_kernel
-
-
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,9 @@ from . import fp16_gemm
 TILES = ([2, 2, 2, 2, 1], [2, 2, 2, 4, 1], [8, 1, 4])
 
 
-@pytest.fixture(scope="module")
-def sm90():
+@pytest.fixture(scope="module", autouse=True)
+def _intrinsics():
     register_tensor_intrinsics()
-    return targets.resolve("cuda:sm_90")
 
 
 def _gemm_bias_relu(n=256):
@@ -46,19 +45,19 @@ def _apply(postprocs, sch) -> dict:
             for p in postprocs}
 
 
-def test_tvm_still_refuses_the_mma_write_back_with_an_epilogue(sm90):
-    t = sm90.tvm_target()
+def test_tvm_still_refuses_the_mma_write_back_with_an_epilogue(sm90_info):
+    t = sm90_info.tvm_target()
     sch, postprocs = _mma_schedule(_gemm_bias_relu(), t, "cuda-tensorcore")
     assert _apply(postprocs, sch)["VerifyGPUCode"] is False
     with pytest.raises(Exception, match="Multiple buffer read"), t:
         tvm.tirx.build(sch.mod, target=t)  # TVM's own pipeline
 
 
-def test_the_accumulator_read_alone_gives_a_pipelined_mma_kernel_with_its_epilogue(sm90):
-    t = sm90.tvm_target()
+def test_the_accumulator_read_alone_gives_a_pipelined_mma_kernel_with_its_epilogue(sm90_info):
+    t = sm90_info.tvm_target()
     sch, postprocs = _mma_schedule(_gemm_bias_relu(), t, mma_epilogue.postprocs(t))
     assert all(_apply(postprocs, sch).values())  # VerifyGPUCode among them
-    src = next(m for m in build_kernel("main", sch.mod["main"], sm90).imports if m.kind == "cuda").inspect_source()
+    src = next(m for m in build_kernel("main", sch.mod["main"], sm90_info).imports if m.kind == "cuda").inspect_source()
     assert all(k in src for k in ("mma.sync.aligned.m16n8k8", "ldmatrix", "cp.async"))
     store = [ln for ln in src.splitlines() if "compute_ptr[" in ln and "=" in ln]
     assert store and all("bias_ptr[" in ln and "max(" in ln for ln in store)  # the epilogue, in the store
@@ -66,7 +65,7 @@ def test_the_accumulator_read_alone_gives_a_pipelined_mma_kernel_with_its_epilog
     # a record's trace replayed by a build lacks the postprocessor's change: our TIR pipeline makes it
     replayed, stock = _mma_schedule(_gemm_bias_relu(), t, "cuda-tensorcore")
     assert _apply(stock, replayed)["VerifyGPUCode"] is False  # (the others ran: tensorized, as a record is)
-    built = build_kernel("main", replayed.mod["main"], sm90)
+    built = build_kernel("main", replayed.mod["main"], sm90_info)
     assert "mma.sync" in next(m for m in built.imports if m.kind == "cuda").inspect_source()
 
 
@@ -74,8 +73,8 @@ def _gemm(n=256):
     return fp16_gemm(n, n, n)
 
 
-def test_kernels_without_an_mma_epilogue_are_left_alone(sm90):
-    t = sm90.tvm_target()
+def test_kernels_without_an_mma_epilogue_are_left_alone(sm90_info):
+    t = sm90_info.tvm_target()
     sch, postprocs = _mma_schedule(_gemm(), t, "cuda-tensorcore")  # an mma write-back reading the accumulator alone
     assert all(_apply(postprocs, sch).values())
     func = sch.mod["main"]
@@ -84,13 +83,13 @@ def test_kernels_without_an_mma_epilogue_are_left_alone(sm90):
     assert mma_epilogue.postprocs(targets.resolve("llvm").tvm_target()) == "from-target"
 
 
-def test_the_cost_model_learns_from_mma_epilogue_records(sm90):
+def test_the_cost_model_learns_from_mma_epilogue_records(sm90_info):
     """A resumed run warms its cost model with the database's records,
     replayed without our postprocessor; their features lower the schedule,
     which failed on such a record and cost the warm start of every task."""
     from deploy.tuning import search
 
-    t = sm90.tvm_target()
+    t = sm90_info.tvm_target()
     mod = _gemm_bias_relu()
     sch, postprocs = _mma_schedule(mod, t, mma_epilogue.postprocs(t))
     assert all(_apply(postprocs, sch).values())
@@ -117,7 +116,7 @@ def _wmma_draws(mod, target, count):
     return out[:count]
 
 
-def test_tvm_lowers_no_wmma_draw_before_it_is_tensorized(sm90):
+def test_tvm_lowers_no_wmma_draw_before_it_is_tensorized(sm90_info):
     """The workaround's cause (mma_epilogue.postprocs): TVM runs VerifyGPUCode,
     which lowers the draw, before RewriteTensorize, and lowering untensorized
     WMMA fragments fails (`Cannot find shape of the wmma fragment`) where the
@@ -125,7 +124,7 @@ def test_tvm_lowers_no_wmma_draw_before_it_is_tensorized(sm90):
     postprocessors can then keep TVM's order."""
     from deploy.tuning import builder
 
-    target = sm90.tvm_target()
+    target = sm90_info.tvm_target()
     mod = fp16_gemm(1024, 256, 1024, "bias-relu")
     posts = mma_epilogue.postprocs(target)
     ctx = ms.TuneContext(mod=mod, target=target, space_generator=ms.space_generator.PostOrderApply(postprocs=posts),
@@ -153,12 +152,12 @@ def test_tvm_lowers_no_wmma_draw_before_it_is_tensorized(sm90):
     assert refused >= 3 and built == refused
 
 
-def test_our_postprocessors_tensorize_before_verifying(sm90):
+def test_our_postprocessors_tensorize_before_verifying(sm90_info):
     """RewriteTensorize just before our VerifyGPUCode, which judges
     MetaSchedule's tensor-core draws as our pipeline builds them (opt-in
     shared memory, tensor_core_smem's lowering): more WMMA draws pass than
     in TVM's order, none fewer."""
-    target = sm90.tvm_target()
+    target = sm90_info.tvm_target()
     posts = mma_epilogue.postprocs(target)
     kinds = [str(type(p)) for p in posts]
     at = next(i for i, k in enumerate(kinds) if "RewriteTensorize" in k)

@@ -16,11 +16,6 @@ from deploy.tvm_compat import ms, s_tir, tvm
 from ..conftest import load_script
 
 
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
-
-
 def _i64(x):
     return tvm.tirx.IntImm("int64", x)
 
@@ -272,8 +267,10 @@ def test_the_build_chain_gives_a_gemm_our_schedule_before_dlights_matmul(sm90):
     from deploy.build import build_kernel
 
     chain = schedule.CHAINS["cuda"]
-    # (between them only thin-gemm, which declines GEMMs of mma_gemm.SMALL_COLS columns or more)
-    assert chain[chain.index(schedule.MMA_GEMM) + 1:chain.index("dlight.Matmul")] == [schedule.THIN_GEMM]
+    # (between them only thin-gemm, which declines GEMMs of mma_gemm.SMALL_COLS columns or more, and
+    # simt-gemm, which declines fp16 ones)
+    assert chain[chain.index(schedule.MMA_GEMM) + 1:chain.index("dlight.Matmul")] == [schedule.THIN_GEMM,
+                                                                                     schedule.SIMT_GEMM]
     func = _gemm()  # 256 x 256: 64x64 tiles give the most blocks (16)
     gv = tvm.ir.GlobalVar("main")
     source, scheduled = next(s for s in schedule._sources(gv, func, None, sm90, "cuda") if not isinstance(s[1], Exception))

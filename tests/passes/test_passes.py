@@ -8,18 +8,13 @@ import numpy as np
 import pytest
 import tvm_ffi
 
-from deploy import config, pipeline, targets
+from deploy import config, pipeline
 from deploy.errors import BuildError
 from deploy.passes import mixed_precision, schedule, tensor_core_smem
 from deploy.tvm_compat import PassContext, dlight, relax, tirx, tvm
 
 
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90")
-
-
-def _matmul_softmax_layernorm(sm90):
+def _matmul_softmax_layernorm(sm90_info):
     """fp16 matmul (fp32 out: DLight's Matmul puts it on tensor cores),
     softmax and LayerNorm (DLight schedules both with shared memory)."""
     bb = relax.BlockBuilder()
@@ -33,7 +28,7 @@ def _matmul_softmax_layernorm(sm90):
                                                relax.const(np.zeros(256, "float32")), axes=[-1]))
             out = bb.emit_output(g)
         bb.emit_func_output(out)
-    t = sm90.tvm_target()
+    t = sm90_info.tvm_target()
     with t, PassContext(opt_level=3):
         mod = relax.transform.LegalizeOps()(bb.get())
         mod = relax.transform.AnnotateTIROpPattern()(mod)
@@ -43,18 +38,18 @@ def _matmul_softmax_layernorm(sm90):
     return mod, t
 
 
-def test_merge_static_smem_for_a_whole_module_still_breaks_dlight_reductions(sm90):
+def test_merge_static_smem_for_a_whole_module_still_breaks_dlight_reductions(sm90_info):
     """Why the tensor-core workaround is scoped: set module-wide, TVM 0.27's
     option breaks DLight's softmax/LayerNorm kernels. Fails once TVM fixes
     MergeSharedMemoryAllocations (then the scoping can go)."""
-    mod, t = _matmul_softmax_layernorm(sm90)
+    mod, t = _matmul_softmax_layernorm(sm90_info)
     with t, PassContext(opt_level=3, config={tensor_core_smem.OPTION: True}):
         with pytest.raises(Exception, match="buffer_byte_offsets"):
             tvm.compile(mod, target=t)
 
 
-def test_scoped_pipeline_builds_tensor_core_and_reduction_kernels_together(sm90):
-    mod, t = _matmul_softmax_layernorm(sm90)
+def test_scoped_pipeline_builds_tensor_core_and_reduction_kernels_together(sm90_info):
+    mod, t = _matmul_softmax_layernorm(sm90_info)
     tc = {gv.name_hint: tensor_core_smem.uses_tensor_cores(f) for gv, f in mod.functions.items()
           if isinstance(f, tirx.PrimFunc)}
     assert tc == {"matmul": True, "softmax": False, "layer_norm": False}
@@ -110,24 +105,24 @@ def test_guarded_mixed_precision_computes_the_same(llvm_target):
     np.testing.assert_allclose(outs[1], outs[0], atol=2e-2 * np.abs(outs[0]).max())
 
 
-def _tiny_cuda_module(tmp_path, sm90):
+def _tiny_cuda_module(tmp_path, sm90_info):
     from deploy import export, frontend, optimize
 
     cfg = config.from_dict({"model": {"source": "tiny_cnn"}, "cuda": {"buckets": [1], "trials": 0}})
     ex = export.run(cfg, tmp_path / "export")
     fe = frontend.run(cfg.cuda, ex, tmp_path / "frontend")
-    return optimize.run(cfg.cuda, sm90, fe, tmp_path / "optimize").load_module(1), cfg
+    return optimize.run(cfg.cuda, sm90_info, fe, tmp_path / "optimize").load_module(1), cfg
 
 
-def test_a_tuned_kernel_that_does_not_build_falls_back(tmp_path, sm90):
+def test_a_tuned_kernel_that_does_not_build_falls_back(tmp_path, sm90_info):
     """A tuning record whose schedule does not build (made to fail here: the
     build of any module holding it raises as TVM does) falls back to the
     default chain (DLight's rules and ours) for that kernel alone; the other
     kernels keep their records, and the fallback is reported with TVM's line."""
     from deploy import build
 
-    mod, cfg = _tiny_cuda_module(tmp_path, sm90)
-    t = sm90.tvm_target()
+    mod, cfg = _tiny_cuda_module(tmp_path, sm90_info)
+    t = sm90_info.tvm_target()
     with t:  # every kernel 'tuned' (DLight's schedule standing in for a record)
         tuned = dlight.ApplyDefaultSchedule(*[r for _, r in schedule.rules("cuda")])(mod.clone())
     funcs = [gv for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)]
@@ -140,11 +135,11 @@ def test_a_tuned_kernel_that_does_not_build_falls_back(tmp_path, sm90):
 
     def compile_fn(m):
         fails_if_broken(m)
-        return build.compile_module(m, sm90, cfg.cuda)
+        return build.compile_module(m, sm90_info, cfg.cuda)
 
     def kernel_builds(name, f):
         fails_if_broken(tvm.IRModule({name: f}))
-        return build.build_kernel(name, f, sm90)
+        return build.build_kernel(name, f, sm90_info)
 
     with t:
         _, kernels = schedule.build(mod, tuned, t, "cuda", compile_fn=compile_fn, kernel_builds=kernel_builds)
@@ -156,7 +151,7 @@ def test_a_tuned_kernel_that_does_not_build_falls_back(tmp_path, sm90):
     assert schedule.summarize(kernels)["fallbacks"][0]["kernel"] == broken.name_hint
 
 
-def test_a_rule_that_raises_falls_back_to_the_next(tmp_path, sm90, monkeypatch):
+def test_a_rule_that_raises_falls_back_to_the_next(tmp_path, sm90_info, monkeypatch):
     from deploy import build
 
     class Raises:
@@ -165,11 +160,11 @@ def test_a_rule_that_raises_falls_back_to_the_next(tmp_path, sm90, monkeypatch):
 
     real = schedule.rules
     monkeypatch.setattr(schedule, "rules", lambda kind: [("dlight.Broken", Raises())] + real(kind))
-    mod, cfg = _tiny_cuda_module(tmp_path, sm90)
-    with sm90.tvm_target():
-        _, kernels = schedule.build(mod, None, sm90.tvm_target(), "cuda",
-                                    compile_fn=lambda m: build.compile_module(m, sm90, cfg.cuda),
-                                    kernel_builds=lambda n, f: build.build_kernel(n, f, sm90))
+    mod, cfg = _tiny_cuda_module(tmp_path, sm90_info)
+    with sm90_info.tvm_target():
+        _, kernels = schedule.build(mod, None, sm90_info.tvm_target(), "cuda",
+                                    compile_fn=lambda m: build.compile_module(m, sm90_info, cfg.cuda),
+                                    kernel_builds=lambda n, f: build.build_kernel(n, f, sm90_info))
     assert all(k.fallbacks[0]["source"] == "dlight.Broken" and "properly inlined" in k.fallbacks[0]["reason"]
                for k in kernels)
     assert all(k.source != "dlight.Broken" for k in kernels)
@@ -179,7 +174,7 @@ def test_a_rule_that_raises_falls_back_to_the_next(tmp_path, sm90, monkeypatch):
     assert all(d["from"] == ["dlight.Broken"] and "properly inlined" in d["reasons"][0] for d in report["declined"])
 
 
-def test_one_of_our_rules_raising_is_a_fallback(tmp_path, sm90, monkeypatch):
+def test_one_of_our_rules_raising_is_a_fallback(tmp_path, sm90_info, monkeypatch):
     from deploy import build
 
     class Raises:
@@ -188,11 +183,11 @@ def test_one_of_our_rules_raising_is_a_fallback(tmp_path, sm90, monkeypatch):
 
     real = schedule.rules
     monkeypatch.setattr(schedule, "rules", lambda kind: [(schedule.MMA_GEMM, Raises())] + real(kind))
-    mod, cfg = _tiny_cuda_module(tmp_path, sm90)
-    with sm90.tvm_target():
-        _, kernels = schedule.build(mod, None, sm90.tvm_target(), "cuda",
-                                    compile_fn=lambda m: build.compile_module(m, sm90, cfg.cuda),
-                                    kernel_builds=lambda n, f: build.build_kernel(n, f, sm90))
+    mod, cfg = _tiny_cuda_module(tmp_path, sm90_info)
+    with sm90_info.tvm_target():
+        _, kernels = schedule.build(mod, None, sm90_info.tvm_target(), "cuda",
+                                    compile_fn=lambda m: build.compile_module(m, sm90_info, cfg.cuda),
+                                    kernel_builds=lambda n, f: build.build_kernel(n, f, sm90_info))
     report = schedule.summarize(kernels)
     assert len(report["fallbacks"]) == len(kernels) and not report["declined"]
     assert all(f["from"][0] == schedule.MMA_GEMM and "own defect" in f["reasons"][0] for f in report["fallbacks"])
@@ -297,14 +292,14 @@ def _square_module():
     return bb.get()
 
 
-def test_tvm_still_lowers_a_square_to_fast_math_powf(sm90):
+def test_tvm_still_lowers_a_square_to_fast_math_powf(sm90_info):
     """Fails once TVM's CUDA code for x**2 is no longer powf (compiled with
     --use_fast_math: NaN for x < 0); then deploy.passes.exact_power can go."""
     import inspect
 
     from tvm.support import nvcc
 
-    t = sm90.tvm_target()
+    t = sm90_info.tvm_target()
     with t, PassContext(opt_level=3):
         ex = tvm.compile(relax.get_pipeline("zero")(_square_module()), target=t)
     src = "".join(m.inspect_source() for m in _modules(ex.mod) if m.kind == "cuda")

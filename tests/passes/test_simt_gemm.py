@@ -20,11 +20,6 @@ from .test_gpu_default import _first_source
 from .test_mma_gemm import _i64
 
 
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
-
-
 def _conv(n=2, size=8, c=32, o=64, k=3, stride=1, pad=1, dtype="float32", relu=True):
     """An NHWC convolution with OHWI weights, its padding, a bias and a ReLU,
     as the frontend gives a ResNet's."""

@@ -13,11 +13,6 @@ from deploy.tuning import builder as tune_builder
 from deploy.tvm_compat import tvm
 
 
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
-
-
 def _i64(x):
     return tvm.tirx.IntImm("int64", x)
 

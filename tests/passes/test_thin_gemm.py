@@ -16,12 +16,6 @@ from .. import emulation
 from .test_gpu_default import _first_source
 from .test_mma_gemm import _gemm
 
-
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
-
-
 # (m, n, k, b_transposed, epilogue, padded rows: a producer before the GEMM)
 CASES = [
     ("U-Net's head: 3 classes", 4096, 3, 32, False, True, 4096),

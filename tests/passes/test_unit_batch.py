@@ -6,16 +6,10 @@ kernel's parameters unchanged. Checked in emulation on the CPU machine
 import numpy as np
 import pytest
 
-from deploy import targets
 from deploy.passes import mma_gemm, schedule, unit_batch
 from deploy.tvm_compat import tvm
 
 from .. import emulation
-
-
-@pytest.fixture(scope="module")
-def sm90():
-    return targets.resolve("cuda:sm_90").tvm_target()
 
 
 def _i64(x):
