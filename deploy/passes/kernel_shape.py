@@ -10,6 +10,13 @@ def static_int(expr) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def dtype_bytes(dtype) -> int:
+    """The bytes of one element of `dtype` (a name or a DataType), from TVM's DataType."""
+    from ..tvm_compat import tvm
+
+    return tvm.DataType(str(dtype)).bits // 8
+
+
 def point_indices(region) -> list:
     """A buffer region's indices, each where it covers one element, else None."""
     return [r.min if static_int(r.extent) == 1 else None for r in region.region]

@@ -161,7 +161,7 @@ def match(func, tf32: bool = False, multiple: int = 16) -> Gemm | None:
         b_transposed = True
     else:
         return None
-    if not _is_multiply_accumulate(main.body, c.source):
+    if not is_multiply_accumulate(main.body, c.source):
         return None
     # before the GEMM: only the producers of A and B, each injective
     producers = []
@@ -204,7 +204,7 @@ def _unit_lead(indices: list, buf) -> list:
     return indices[n:]
 
 
-def _is_multiply_accumulate(body, c_buf) -> bool:
+def is_multiply_accumulate(body, c_buf) -> bool:
     """`C[...] = C[...] + cast(A[...]) * cast(B[...])`, the casts optional
     (fp32 inputs: `match` checks the dtypes) (node types by name:
     TVM 0.27's `tirx.BufferLoad` is a function, and the node a `TensorLoad`

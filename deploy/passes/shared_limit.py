@@ -38,14 +38,14 @@ _STATIC = re.compile(r'T\.alloc_shared\(\(([\d, ]+)\)(?:, "(\w+)")?')
 
 def static_bytes(device_script: str) -> int:
     """Bytes of static shared memory a lowered device function allocates."""
-    from ..tvm_compat import tvm
+    from .kernel_shape import dtype_bytes
 
     total = 0
     for shape, dtype in _STATIC.findall(device_script):
         n = 1
         for d in shape.replace(" ", "").strip(",").split(","):
             n *= int(d)
-        total += n * tvm.DataType(dtype or "float32").bits // 8
+        total += n * dtype_bytes(dtype or "float32")
     return total
 
 

@@ -18,23 +18,35 @@ H200 with 7 of its 29 kernels tuned, against cuDNN's 19.4 ms
 - a thread computes 8 x 8 (or 4 x 8, ...) outputs as 4 x 4 pieces 64 rows
   or columns apart (TVM's virtual threads), its sums in fp32 registers;
 - A and B are staged `K_TILE` steps at a time in shared memory stored
-  step-major ([k][row], rows padded by 4 floats: the transposed stores go
-  to distinct banks), so a thread reads its 4 rows (or columns) at a step
-  as one 16-byte load, and a warp's 16-byte loads touch distinct banks or
-  the same address: eight FMAs a load;
+  step-major ([k][row], rows padded by 4 floats), so a thread reads its 4
+  rows (or columns) at a step as one 16-byte load, and a warp's 16-byte
+  loads touch distinct banks or the same address: 16 FMAs a 16-byte load
+  (nvcc keeps each piece's load for the pieces beside it). Each thread
+  copies 16 bytes along K from global memory and stores them as 4 floats
+  to the transposed tile, 2-way bank conflicts (threads 2 steps-of-4 apart
+  share a bank: no 16-byte-aligned padding avoids it with this copy), 16
+  such stores a K tile against its 1,024 FMAs;
 - the epilogue (bias, residual, activation) is applied as the thread
   writes its outputs, four columns at a time.
 
 It applies where DLight's Matmul would: one reduction block that DLight's
 index analysis (`get_index_map`) reads as a batched GEMM `C[s, i, j] +=
-A[s, i, k] * B[s, j, k]` (a matmul, a dense layer, a direct convolution
-with its padding, read as an implicit GEMM), with fp32 operands and sums,
-and at least `MIN_BLOCKS` blocks of the smallest tile: an fp16 GEMM is
-our mma.sync's or DLight's tensor cores'. In the CUDA chain
+A[s, i, k] * B[s, j, k]` (a matmul, a batched matmul, a dense layer, a
+direct convolution with its padding, read as an implicit GEMM), its body a
+sum of products (K is padded with zeros), with fp32 operands and sums,
+static extents and at least `MIN_BLOCKS` blocks of the smallest tile: an
+fp16 GEMM is our mma.sync's or DLight's tensor cores'. The blocks are one
+grid axis (x: CUDA's y stops at 65,535 blocks, which a 512 x 512 image at
+batch 32 would pass). A kernel it cannot schedule (a ScheduleError, or
+DLight's inlining helpers refusing an epilogue) is declined, as DLight's
+rules decline theirs. In the CUDA chain
 (passes/schedule.py) it comes just before DLight's Matmul.
 """
 
 from __future__ import annotations
+
+from .kernel_shape import static_int
+from .mma_gemm import is_multiply_accumulate
 
 SIMT_GEMM = True  # the rule in the chain (an A/B switch: scripts/with_settings.py)
 THREADS_X = 16  # threads a block along C's columns (threadIdx.x: a warp writes rows of 64 floats)
@@ -63,14 +75,14 @@ class SimtGemm:
             return None
 
 
-def choose_tile(m: int, n: int) -> tuple[int, int] | None:
-    """The block tile for an m x n GEMM: of `TILES`, those giving at least
-    MIN_BLOCKS blocks, the largest whose padding of m and n costs at most
-    MAX_PADDING more work than the least padded of them (ResNet-50's 3,136
-    rows at batch 64 take 128-row tiles, 2% padding); None where even the
-    smallest gives fewer blocks."""
+def choose_tile(m: int, n: int, batch: int = 1) -> tuple[int, int] | None:
+    """The block tile for `batch` m x n GEMMs: of `TILES`, those giving at
+    least MIN_BLOCKS blocks, the largest whose padding of m and n costs at
+    most MAX_PADDING more work than the least padded of them (ResNet-50's
+    3,136 rows at batch 64 take 128-row tiles, 2% padding); None where even
+    the smallest gives fewer blocks."""
     def blocks(t):
-        return -(-m // t[0]) * -(-n // t[1])
+        return batch * -(-m // t[0]) * -(-n // t[1])
 
     def padded(t):
         return -(-m // t[0]) * t[0] * -(-n // t[1]) * t[1]
@@ -80,13 +92,6 @@ def choose_tile(m: int, n: int) -> tuple[int, int] | None:
         return None
     least = min(padded(t) for t in fit)
     return min((t for t in fit if padded(t) <= least * (1 + MAX_PADDING)), key=lambda t: (-t[0] * t[1], padded(t)))
-
-
-def _extent(sch, loop) -> int:
-    extent = sch.get(loop).extent
-    if not hasattr(extent, "value"):
-        raise ValueError("a dynamic extent")
-    return int(extent.value)
 
 
 def schedule(func):
@@ -110,8 +115,8 @@ def schedule(func):
     if len(stmt.reads) != 2 or any(str(r.source.dtype) != "float32" for r in stmt.reads) \
             or str(stmt.writes[0].source.dtype) != "float32":
         return None
-    if get_index_map(stmt) is None:
-        return None
+    if get_index_map(stmt) is None or not is_multiply_accumulate(stmt.body, stmt.writes[0].source):
+        return None  # (a sum of products only: K is padded with zeros, which another body would not ignore)
     # C[s, i, j] += A[s, i, k] * B[s, j, k], as DLight's Matmul normalizes it.
     a_re = sch.reindex(main, ("read", 0))
     b_re = sch.reindex(main, ("read", 1))
@@ -121,8 +126,8 @@ def schedule(func):
     sch.transform_layout(b_re, ("write", 0), b_map)
     sch.transform_layout(c_re, ("read", 0), c_map)
     sch.transform_block_layout(main, gemm_map)
-    _, i, j, _ = sch.get_loops(main)
-    tile = choose_tile(_extent(sch, i), _extent(sch, j))
+    s, i, j, _ = (static_int(sch.get(loop).extent) for loop in sch.get_loops(main))
+    tile = choose_tile(m=i, n=j, batch=s) if s and i and j else None  # (a dynamic extent: DLight's Matmul pads it)
     if tile is None:
         return None
     bm, bn = tile
@@ -132,11 +137,11 @@ def schedule(func):
     bj, vj, tj, jj = sch.split(j, [None, bn // (THREADS_X * PIECE), THREADS_X, PIECE])
     ko, ki = sch.split(k, [None, K_TILE])
     sch.reorder(batch, bi, bj, vi, vj, ti, tj, ko, ki, ii, jj)
-    rows = sch.fuse(batch, bi)
-    sch.bind(rows, "blockIdx.y")  # (blockIdx.x, the columns' blocks, varies fastest: they share A's rows in L2)
-    sch.bind(bj, "blockIdx.x")
+    # one grid axis (x: up to 2^31 - 1 blocks; y stops at 65,535), the columns' blocks varying fastest: those
+    # of a row of tiles run together and share its rows of A in L2
+    sch.bind(sch.fuse(batch, bi, bj), "blockIdx.x")
     for piece, axis in ((vi, "vthread.y"), (vj, "vthread.x")):
-        if _extent(sch, piece) > 1:  # (one piece a thread along this axis: nothing to bind)
+        if static_int(sch.get(piece).extent) > 1:  # (one piece a thread along this axis: nothing to bind)
             sch.bind(piece, axis)
     sch.bind(ti, "threadIdx.y")
     sch.bind(tj, "threadIdx.x")

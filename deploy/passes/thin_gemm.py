@@ -35,6 +35,8 @@ after our mma.sync GEMM and before DLight's Matmul.
 
 from __future__ import annotations
 
+from .kernel_shape import dtype_bytes
+
 THIN_GEMM = True  # the rule in the chain (an A/B switch: scripts/with_settings.py)
 MIN_ROWS = 4096  # a thread a row: fewer rows leave the GPU idle (DLight's Matmul splits the columns too)
 MAX_K = 1024  # reduction steps a thread walks
@@ -58,18 +60,12 @@ class ThinGemm:
         gemm = mma_gemm.match(func, tf32=True, multiple=1)  # (fp32 too: its sums are exact fp32 here)
         if gemm is None or gemm.n >= mma_gemm.SMALL_COLS or gemm.k > MAX_K or gemm.m < MIN_ROWS:
             return None
-        if gemm.k * gemm.n * _bytes(gemm.dtype) > MAX_B_BYTES:
+        if gemm.k * gemm.n * dtype_bytes(gemm.dtype) > MAX_B_BYTES:
             return None  # (B staged whole in static shared memory)
         try:
             return schedule(func, gemm)
         except Exception:  # noqa: BLE001 - a ScheduleError: not this rule's kernel
             return None
-
-
-def _bytes(dtype: str) -> int:
-    from ..tvm_compat import tvm
-
-    return tvm.DataType(dtype).bits // 8
 
 
 def columns_a_thread(m: int, n: int) -> int:
@@ -109,7 +105,7 @@ def schedule(func, gemm):
         sch.compute_inline(sch.get_sblock(name))  # (the padding: computed as the row is loaded)
     for name in gemm.epilogue[:-1]:
         sch.compute_inline(sch.get_sblock(name))
-    widest = 16 // _bytes(gemm.dtype)  # (16 bytes at most: 8 fp16, 4 fp32)
+    widest = 16 // dtype_bytes(gemm.dtype)  # (16 bytes at most: 8 fp16, 4 fp32)
     lanes = next(v for v in (8, 4, 2, 1) if v <= widest and gemm.k % v == 0)
     cols = columns_a_thread(gemm.m, gemm.n)
     i, j, k = sch.get_loops(main)

@@ -36,6 +36,8 @@ import re
 import string
 import textwrap
 
+from .kernel_shape import dtype_bytes
+
 CHUNK_BLOCKS = 4  # 8-column blocks a warp stages at a time (32 columns: 64 bytes of an fp16 row)
 PREFETCH_BYTES = 128  # the rows' loads a thread issues before the products (32 registers)
 WARPS = 8  # the two consumer warpgroups' warps
@@ -130,10 +132,6 @@ def vector_loads(expr: str, params, n: int) -> list[Load]:
     return loads
 
 
-def _bytes(dtype: str) -> int:
-    return 2 if dtype == "float16" else 4
-
-
 def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[str, str, str, dict, int]:
     """The staged epilogue for a Plan `p` and tiles of `bn` columns: (the
     epilogue's text, the text issued at a tile's start before its products,
@@ -147,7 +145,7 @@ def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[
     chunks, passes = bn // 8 // cb, max(1, 16 * cb // 32)
     stride = next(s for s in range(8 * cb, 8 * cb + 33) if s % 32 == 8)  # (writes' half-warps on distinct banks)
     loads = vector_loads(p.expr, p.params, p.n)
-    row_bytes = sum(_bytes(ld.dtype) for ld in loads if ld.rows) * 8 * (1 + pingpong) * chunks * passes
+    row_bytes = sum(dtype_bytes(ld.dtype) for ld in loads if ld.rows) * 8 * (1 + pingpong) * chunks * passes
     prefetch = 0 < row_bytes <= PREFETCH_BYTES
     expr = p.expr
     decls = ['wg_stage = T.alloc_shared((8, 16, wg_stride), "float32")',
@@ -162,7 +160,7 @@ def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[
             slot, slots = "0", 1
         decls.append(f'{ld.local} = T.alloc_local(({slots * 8},), "{ld.dtype}")')
         expr = re.sub(rf"(?<![\w.]){re.escape(ld.text)}", f"{ld.local}[{slot} * 8 + wg_e]", expr)
-        vec = 16 // _bytes(ld.dtype)
+        vec = 16 // dtype_bytes(ld.dtype)
         index = ", ".join(ld.index[:-1] + [f"{'wg_col' if ld.rows else 'wg_col0'} + wg_u * {vec} + wg_c"])
         load = (f"for wg_u in T.unroll(8 // {vec}):\n"
                 f"    for wg_c in T.vectorized({vec}):\n"
@@ -182,6 +180,6 @@ def staged(p, bn: int, pingpong: bool, out_dtype: str, in_bounds: str) -> tuple[
         col = _COL.replace("wg_q", "(wg_tx % 32)")
         chunk += f"wg_col0 = T.meta_var({col})\nif wg_col0 < wg_n:\n" + textwrap.indent("".join(columns), " " * 4)
     text = STAGED.substitute(chunk_loads=textwrap.indent(chunk, " " * 4).rstrip("\n"), row=_ROW, col=_COL, expr=expr,
-                             out_vec=16 // _bytes(out_dtype), out_dtype=out_dtype, in_bounds=in_bounds, out=p.out)
+                             out_vec=16 // dtype_bytes(out_dtype), out_dtype=out_dtype, in_bounds=in_bounds, out=p.out)
     consts = {"wg_cb": cb, "wg_chunks": chunks, "wg_passes": passes, "wg_stride": stride}
     return text, tile, "\n".join(decls), consts, WARPS * 16 * stride * 4

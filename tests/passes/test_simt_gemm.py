@@ -40,15 +40,20 @@ def _conv(n=2, size=8, c=32, o=64, k=3, stride=1, pad=1, dtype="float32", relu=T
     return te.create_prim_func([x, w, b, z])
 
 
-def _matmul(m, n, k, dtype="float32"):
+def _matmul(m, n, k, dtype="float32", batch=None, body=None):
     """A dense layer with its weight [K, N] (columns contiguous: B's copy
-    reads a step's 4 values from 4 rows)."""
+    reads a step's 4 values from 4 rows); `batch` of them with their own A
+    and B (an fp32 attention's batched matmul); `body(a, b)` in place of the
+    product."""
     from tvm import te
 
-    a = te.placeholder((_i64(m), _i64(k)), dtype, name="A")
-    b = te.placeholder((_i64(k), _i64(n)), dtype, name="B")
+    lead = (_i64(batch),) if batch else ()
+    a = te.placeholder((*lead, _i64(m), _i64(k)), dtype, name="A")
+    b = te.placeholder((*lead, _i64(k), _i64(n)), dtype, name="B")
     r = te.reduce_axis((_i64(0), _i64(k)), name="k")
-    c = te.compute((_i64(m), _i64(n)), lambda i, j: te.sum(a[i, r] * b[r, j], axis=r), name="C")
+    body = body or (lambda x, y: x * y)
+    c = te.compute((*lead, _i64(m), _i64(n)),
+                   lambda *ij: te.sum(body(a[(*ij[:-2], ij[-2], r)], b[(*ij[:-2], r, ij[-1])]), axis=r), name="C")
     return te.create_prim_func([a, b, c])
 
 
@@ -61,6 +66,7 @@ CASES = [
     ("a 1x1 convolution, no epilogue but the bias", lambda: _conv(size=16, c=64, o=128, k=1, pad=0, relu=False),
      (128, 128)),
     ("a matmul whose rows and columns no tile divides", lambda: _matmul(200, 136, 40), (128, 64)),  # (136 -> 192)
+    ("3 batched matmuls, each its own A and B", lambda: _matmul(128, 64, 24, batch=3), (128, 64)),
 ]
 
 
@@ -86,6 +92,20 @@ def test_an_fp32_gemm_gets_the_tiled_schedule_and_computes_what_tvms_plain_lower
 
 def _shared_name(src: str) -> str:
     return re.search(r"__shared__ alignas\(64\) float (\w+)\[", src).group(1)
+
+
+def test_the_blocks_are_one_grid_axis(sm90):
+    """CUDA's grid stops at 65,535 blocks along y: a 512 x 512 image at
+    batch 32 needs 65,536 of 128 x 64 (x: up to 2^31 - 1)."""
+    sch = SimtGemm().apply(_conv(n=32, size=512, c=32, o=64), sm90)
+    assert sch is not None
+    grid, block, _ = emulation.launch(sch.mod["main"], sm90)
+    assert grid == 32 * 512 * 512 // 128 and block == (16, 16)  # (an int: no blocks along y)
+
+
+def test_a_batch_of_small_gemms_counts_every_gemms_blocks():
+    assert simt_gemm.choose_tile(2048, 128, batch=4096) == (128, 128)
+    assert simt_gemm.choose_tile(2048, 128) is None  # (16 blocks of 128 x 128, 64 of 64 x 64)
 
 
 @pytest.mark.parametrize("m, n, want", [
@@ -123,6 +143,8 @@ def test_resnet50s_largest_convolution_compiles_without_spilling(sm90):
 @pytest.mark.parametrize("what, func", [
     ("fp16: tensor cores' (our mma.sync GEMM or DLight's)", lambda: _conv(n=64, size=28, dtype="float16")),
     ("too few blocks for the GPU", lambda: _conv(n=1, size=7, c=512, o=512)),
+    ("a sum of exp(a * b): the zeros K is padded with would add exp(0)",
+     lambda: _matmul(4096, 256, 40, body=lambda x, y: tvm.tirx.exp(x * y))),
 ])
 def test_declined(sm90, what, func):
     assert SimtGemm().apply(func(), sm90) is None, what
