@@ -77,9 +77,26 @@ def test_a_sum_over_pixels_gets_blocks_of_channels_and_computes_what_tvms_plain_
     args = emulation.reference(func)
     got, problems = emulation.run(func, scheduled, sm90, args, src)
     np.testing.assert_allclose(got.astype("float32"), args[-1].astype("float32"), rtol=1e-3, atol=1e-3)
-    # (TVM's cross-thread reduction shuffles registers of the threads past the first warp's sums too, whose
-    # values it then discards: the one uninitialized read it reports)
-    assert {p.split("@")[0] for p in problems} <= {"UNINIT local read red_buf0_ptr_1"}, problems
+    assert not emulation.real_problems(problems), problems  # (TVM's allreduce: one benign uninitialized read)
+
+
+def test_rule_kernels_passes_a_sum_in_another_order_within_rtol_and_the_benign_allreduce_read(sm90):
+    """scripts/rule_kernels.py on a ColumnSums kernel: TVM's allreduce's one
+    uninitialized read is noted as benign, not a failure; with --rtol a last-
+    bits difference of the summation order passes, without it only equality."""
+    import shutil
+
+    from ..conftest import load_script
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc here")
+    script = load_script("rule_kernels")
+    (func,) = _squeeze(sm90, (1, 56, 56, 24)).values()
+    sch = ColumnSums().apply(func, sm90)
+    found, ok = script.check(func, sch, sm90, emulate=True, rtol=1e-3)
+    assert ok and "benign: UNINIT local read red_buf0_ptr_1" in found and "nvcc ok" in found, found
+    found, ok = script.check(func, sch, sm90, emulate=True)
+    assert ok == found.startswith("equal"), found
 
 
 @pytest.mark.parametrize("what, build, shape", [
