@@ -60,8 +60,8 @@ NP = {
     "ulonglong": np.uint64,
     "int64_t": np.int64,
 }
-MEMBERS = {"uint4": ("unsigned", 4), "int4": ("int", 4), "ulonglong4": ("ulonglong", 8), "half2": ("half", 2), "half4": ("half", 2),
-           "float2": ("float", 4), "float4": ("float", 4)}
+MEMBERS = {"uint4": ("unsigned", 4), "int4": ("int", 4), "ulonglong4": ("ulonglong", 8), "half2": ("half", 2),
+           "half4": ("half", 2), "float2": ("float", 4), "float4": ("float", 4)}
 
 
 def tokenize(src):

@@ -114,9 +114,9 @@ class UnbuildableKernelError(Exception):
 # compile that never ends is not a failure the chain can fall back from. Ours
 # takes the GEMV-shaped kernels.
 CHAINS = {
-    "cuda": [FEW_OUTPUTS, MMA_GEMM, THIN_GEMM, SIMT_GEMM, "dlight.Matmul", BROADCAST_EPILOGUE, "dlight.GEMV", SHORT_REDUCTION,
-             COLUMN_SUMS, "dlight.Reduction", SHORT_ROWS, "dlight.GeneralReduction", SHORT_INNER, TILED_TRANSPOSE, VECTOR_ROWS,
-             "dlight.Fallback"],
+    "cuda": [FEW_OUTPUTS, MMA_GEMM, THIN_GEMM, SIMT_GEMM, "dlight.Matmul", BROADCAST_EPILOGUE, "dlight.GEMV",
+             SHORT_REDUCTION, COLUMN_SUMS, "dlight.Reduction", SHORT_ROWS, "dlight.GeneralReduction", SHORT_INNER,
+             TILED_TRANSPOSE, VECTOR_ROWS, "dlight.Fallback"],
     "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
 }
 
@@ -138,8 +138,9 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
         from .thin_gemm import ThinGemm
 
         g = dlight.gpu
-        make = {FEW_OUTPUTS: FewOutputs, MMA_GEMM: MmaGemm, THIN_GEMM: ThinGemm, SIMT_GEMM: SimtGemm, "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV,
-                SHORT_REDUCTION: ShortReduction, COLUMN_SUMS: ColumnSums, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
+        make = {FEW_OUTPUTS: FewOutputs, MMA_GEMM: MmaGemm, THIN_GEMM: ThinGemm, SIMT_GEMM: SimtGemm,
+                "dlight.Matmul": g.Matmul, "dlight.GEMV": g.GEMV, SHORT_REDUCTION: ShortReduction,
+                COLUMN_SUMS: ColumnSums, "dlight.Reduction": g.Reduction, SHORT_ROWS: ShortRows,
                 "dlight.GeneralReduction": g.GeneralReduction, BROADCAST_EPILOGUE: BroadcastEpilogue,
                 SHORT_INNER: ShortInnerAxis, TILED_TRANSPOSE: TiledTranspose, VECTOR_ROWS: VectorRows,
                 "dlight.Fallback": g.Fallback}

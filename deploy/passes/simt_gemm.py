@@ -39,8 +39,8 @@ fp16 GEMM is our mma.sync's or DLight's tensor cores'. The blocks are one
 grid axis (x: CUDA's y stops at 65,535 blocks, which a 512 x 512 image at
 batch 32 would pass). A kernel it cannot schedule (a ScheduleError, or
 DLight's inlining helpers refusing an epilogue) is declined, as DLight's
-rules decline theirs. In the CUDA chain
-(passes/schedule.py) it comes just before DLight's Matmul.
+rules decline theirs. In the CUDA chain (passes/schedule.py) it comes
+just before DLight's Matmul.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def schedule(func):
     sch.transform_layout(b_re, ("write", 0), b_map)
     sch.transform_layout(c_re, ("read", 0), c_map)
     sch.transform_block_layout(main, gemm_map)
-    s, i, j, _ = (static_int(sch.get(loop).extent) for loop in sch.get_loops(main))
-    tile = choose_tile(m=i, n=j, batch=s) if s and i and j else None  # (a dynamic extent: DLight's Matmul pads it)
+    gemms, rows, cols, _ = (static_int(sch.get(loop).extent) for loop in sch.get_loops(main))
+    tile = choose_tile(rows, cols, gemms) if gemms and rows and cols else None  # (dynamic: DLight's Matmul pads it)
     if tile is None:
         return None
     bm, bn = tile
