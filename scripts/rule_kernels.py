@@ -60,8 +60,8 @@ def check(func, sch, target, emulate: bool, rtol: float = 0.0) -> tuple[str, boo
         try:
             got, problems = emulation.run(func, scheduled, target, args)
             equal = np.array_equal(got, args[-1])
-            diff = float(np.abs(got.astype(np.float64) - args[-1]).max()) if got.size else 0.0
-            close = diff <= rtol * float(np.abs(args[-1].astype(np.float64)).max()) if got.size else True
+            diff = float(np.abs(got.astype(np.float64) - args[-1]).max(initial=0.0))
+            close = diff <= rtol * float(np.abs(args[-1].astype(np.float64)).max(initial=0.0))
             found.append("equal" if equal else f"{'close' if close else 'DIFFERENT'} (at most {diff:.2g} apart)")
             real = emulation.real_problems(problems)
             ok = (equal or close) and not real
