@@ -90,6 +90,39 @@ def test_an_fp32_gemm_gets_the_tiled_schedule_and_computes_what_tvms_plain_lower
     assert np.array_equal(got, args[-1]) and not problems, (what, problems, np.abs(got - args[-1]).max())
 
 
+def _dense_gelu(m, n, k):
+    """A dense layer with its bias and exact GELU, `0.5 x (1 + erf(x / sqrt 2))`
+    (an fp32 transformer's or wav2vec's): an epilogue calling `erff`."""
+    from tvm import te
+
+    f32 = lambda v: tvm.tirx.const(v, "float32")  # noqa: E731
+    a = te.placeholder((_i64(m), _i64(k)), "float32", name="A")
+    b = te.placeholder((_i64(k), _i64(n)), "float32", name="B")
+    bias = te.placeholder((_i64(n),), "float32", name="bias")
+    r = te.reduce_axis((_i64(0), _i64(k)), name="k")
+    mm = te.compute((_i64(m), _i64(n)), lambda i, j: te.sum(a[i, r] * b[r, j], axis=r), name="C")
+    z = te.compute(mm.shape, lambda i, j: mm[i, j] + bias[j], name="biased")
+    g = te.compute(mm.shape, lambda i, j: f32(0.5) * z[i, j] * (f32(1) + tvm.tirx.erf(z[i, j] * f32(0.5 ** 0.5))),
+                   name="gelu")
+    return te.create_prim_func([a, b, bias, g])
+
+
+def test_a_gelu_epilogue_is_applied_as_each_output_is_written(sm90, monkeypatch):
+    """The epilogue's `erff` in the emulation (CUDA's within 2 ulp of the
+    correctly rounded value), against TVM's CPU lowering of erf (a
+    polynomial): close, not bit for bit."""
+    monkeypatch.setattr(simt_gemm, "MIN_BLOCKS", 1)
+    func = _dense_gelu(200, 136, 40)
+    source, scheduled = _first_source(func, sm90)
+    assert source == schedule.SIMT_GEMM
+    src = emulation.source(scheduled, sm90)
+    assert "erff(" in src, src[:3000]
+    args = emulation.reference(func)
+    got, problems = emulation.run(func, scheduled, sm90, args, src)
+    assert not problems
+    np.testing.assert_allclose(got, args[-1], rtol=1e-5, atol=1e-6)
+
+
 def _shared_name(src: str) -> str:
     return re.search(r"__shared__ alignas\(64\) float (\w+)\[", src).group(1)
 
