@@ -769,14 +769,12 @@ class Emu:
         found = re.fullmatch(r"ptx_cp_async_legacy_pred_c[ag]_(\d+)_(\d+)_(\d+)", fn)
         if found:  # (..., predicate): `@p cp.async`, `@!p st.shared` of zeros (at once, in no group)
             size, dst_scale, _ = (int(x) for x in found.groups())
-            if size != 16:
-                raise NotImplementedError(f"{fn}: the zero fill of a {size}-byte predicated copy")
+            zeros = {4: "uint", 8: "ulonglong", 16: "uint4"}[size]  # (`st.shared.u32` ... `.v4.u32`)
             pred = np.broadcast_to(np.asarray(self.rv(args[4], m)) == 1, (self.T,))
             self.cp_async(args[:4], m & pred, *(int(x) for x in found.groups()))
             dst = self.rv(args[0], m)
             off = dst.off + self.as_int(self.rv(args[1], m)) * dst_scale
-            self.store(Ref("shared", dst.buf, off, "uint4"), Bytes(np.zeros((self.T, size), np.uint8), "uint4"),
-                       m & ~pred)
+            self.store(Ref("shared", dst.buf, off, zeros), Bytes(np.zeros((self.T, size), np.uint8), zeros), m & ~pred)
             return None
         if fn == "tvm_builtin_ptx_cp_async_commit_group_async_commit_group":
             for t in np.nonzero(m)[0]:

@@ -56,6 +56,9 @@ K_TILE = 16  # reduction steps staged in shared memory at a time
 PAD = 4  # floats added to a staged row (PAD x 4 bytes: a 16-byte load stays aligned)
 MIN_BLOCKS = 128  # about a block an SM (an H200 has 132): fewer leave the GPU idle
 MAX_PADDING = 1 / 16  # a larger tile's extra padded work, at most (it reads A and B fewer times)
+# K tiles in shared memory at once: 2, the next one's copies (cp.async) overlapping this one's FMAs (3 would
+# pass 48 KB of static shared memory at 128 x 128)
+STAGES = 1
 UNROLL = 256  # pragma_auto_unroll_max_step over a block's K_TILE steps
 # (rows, columns) of a block's tile, largest first: 2 x 2, 2 x 1, 1 x 2, 1 x 1 pieces a thread
 TILES = ((128, 128), (128, 64), (64, 128), (64, 64))
@@ -161,11 +164,18 @@ def schedule(func):
         sch.storage_align(staged, 0, axis=1, factor=32, offset=PAD)
         auto_inline_producers(sch, staged)
         loops = sch.get_loops(staged)[-3:]
-        _, copy_y, copy_x, lanes = sch.split(sch.fuse(*loops), [None, THREADS_Y, THREADS_X, PIECE])
-        sch.vectorize(lanes)  # (4 consecutive steps of a row: one 16-byte load of a K-contiguous operand)
+        if STAGES > 1:  # (cp.async: 4-byte copies, a warp's 16 steps of 2 rows, 64 bytes each)
+            _, copy_y, copy_x = sch.split(sch.fuse(*loops), [None, THREADS_Y, THREADS_X])
+        else:
+            _, copy_y, copy_x, lanes = sch.split(sch.fuse(*loops), [None, THREADS_Y, THREADS_X, PIECE])
+            sch.vectorize(lanes)  # (4 consecutive steps of a row: one 16-byte load of a K-contiguous operand)
         sch.bind(copy_y, "threadIdx.y")
         sch.bind(copy_x, "threadIdx.x")
     auto_inline_consumer_chain(sch, out)
     sch.decompose_reduction(main, ko)
     sch.unroll(ki)  # (a block's K_TILE steps in one straight run: the loads of a step issued ahead of its FMAs)
+    if STAGES > 1:
+        sch.annotate(ko, "software_pipeline_stage", [0, 0, STAGES - 1])
+        sch.annotate(ko, "software_pipeline_order", [0, 1, 2])
+        sch.annotate(ko, "software_pipeline_async_stages", [0])
     return sch

@@ -29,10 +29,11 @@ _log = logging.getLogger(__name__)
 
 PIPELINE = "deploy"  # the name to give tvm.compile(tir_pipeline=) / tvm.tirx.build(pipeline=)
 OPTION = "tirx.merge_static_smem"
-# Also set for the tensor-core kernels, where one asks for it (a stage of its
-# software pipeline marked asynchronous): TVM then issues that stage's copies
-# as `cp.async`. Off by default in TVM; without it the annotation is ignored
-# and the copies are synchronous.
+# Also set for a kernel that asks for it (a stage of its software pipeline
+# marked asynchronous: our tensor-core GEMMs', simt_gemm.py's with two
+# stages, lowered with the tensor-core kernels): TVM then issues that stage's
+# copies as `cp.async`. Off by default in TVM; without it the annotation is
+# ignored and the copies are synchronous.
 ASYNC_COPY = "tirx.use_async_copy"
 
 # What a scheduled PrimFunc that uses tensor cores contains, in TVMScript: WMMA
@@ -89,17 +90,18 @@ def has_fragments(mod) -> bool:
     return False
 
 
-def tensor_core_context(async_copy: bool = False, no_cse: bool = False):
-    """The current PassContext with `OPTION` set, and `ASYNC_COPY` where
-    asked: how a tensor-core kernel is lowered (the pipeline below, and
-    passes/mma_gemm.py's VerifyGPUCode). `no_cse`: without TIR's common
+def tensor_core_context(async_copy: bool = False, no_cse: bool = False, merge: bool = True):
+    """The current PassContext with `OPTION` set (unless not `merge`), and
+    `ASYNC_COPY` where asked: how a tensor-core kernel is lowered (the
+    pipeline below, and passes/mma_gemm.py's VerifyGPUCode). `no_cse`: without TIR's common
     subexpression elimination, which hides the warp index from
     LowerWarpMemory in an offset it names (EVERY_WARP_BUFFER's kernels)."""
     from ..tvm_compat import PassContext
 
     outer = PassContext.current()
     config = dict(outer.config)
-    config[OPTION] = True
+    if merge:
+        config[OPTION] = True
     if async_copy:
         config[ASYNC_COPY] = True
     if no_cse:
@@ -134,15 +136,19 @@ def _pipeline_factory():
             return rest
         texts = {gv: f.script(show_meta=False) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
         tc = {gv: mma_epilogue.apply_to_func(mod[gv]) for gv, text in texts.items() if _has_tensor_cores(text)}
-        if not tc:
+        # (kernels whose software pipeline asks for cp.async without tensor cores, simt_gemm.py's: that alone)
+        simt = {gv: mod[gv] for gv, text in texts.items() if gv not in tc and _ASYNC_MARKER in text}
+        if not tc and not simt:
             return stock(mod)
-        rest = {gv: f for gv, f in mod.functions.items() if gv not in tc}
+        rest = {gv: f for gv, f in mod.functions.items() if gv not in tc and gv not in simt}
         attention = {gv: f for gv, f in tc.items() if _ATTENTION_MARKER in texts[gv]}
         lowered = []
-        for group, no_cse in (({gv: f for gv, f in tc.items() if gv not in attention}, False), (attention, True)):
+        for group, no_cse, merge in (({gv: f for gv, f in tc.items() if gv not in attention}, False, True),
+                                     (attention, True, True), (simt, False, False)):
             if not group:
                 continue
-            with tensor_core_context(async_copy=any(_ASYNC_MARKER in texts[gv] for gv in group), no_cse=no_cse):
+            with tensor_core_context(async_copy=any(_ASYNC_MARKER in texts[gv] for gv in group), no_cse=no_cse,
+                                     merge=merge):
                 out = stock(tvm.IRModule(group, attrs=mod.attrs))
                 # (kernels the runtime would refuse their shared memory: again, declaring 48 KB dynamic)
                 short = shared_limit.short_of_limit(out)
@@ -154,7 +160,8 @@ def _pipeline_factory():
                     group = {**group, **{gv: f for gv, f in declared.items() if f is not None}}
                     out = stock(tvm.IRModule(group, attrs=mod.attrs))
             lowered.append(_launch_bounds(out, {gv.name_hint: texts[gv] for gv in group}))
-        _mark_device_functions(lowered[-1], {gv.name_hint: 1 for gv in attention}, EVERY_WARP_BUFFER)
+        for part in lowered:  # (the attention kernels' part: found by their names)
+            _mark_device_functions(part, {gv.name_hint: 1 for gv in attention}, EVERY_WARP_BUFFER)
         out = stock(tvm.IRModule(rest, attrs=mod.attrs)) if rest else lowered.pop()
         for part in lowered:
             out.update(part)

@@ -90,6 +90,30 @@ def test_an_fp32_gemm_gets_the_tiled_schedule_and_computes_what_tvms_plain_lower
     assert np.array_equal(got, args[-1]) and not problems, (what, problems, np.abs(got - args[-1]).max())
 
 
+PIPELINED = [CASES[0], CASES[4]]
+
+
+@pytest.mark.parametrize("what, make, tile", PIPELINED, ids=[c[0] for c in PIPELINED])
+def test_two_stages_copy_the_next_k_tile_by_cp_async_while_this_one_is_summed(sm90, monkeypatch, what, make, tile):
+    """STAGES=2: TVM's software pipeline over the K tiles, its copies
+    asynchronous (our TIR pipeline turns cp.async on for a kernel that asks,
+    tensor cores or not: passes/tensor_core_smem.py); the same sums, in the
+    same order, and no copy in flight read or overwritten (the emulation
+    checks both)."""
+    monkeypatch.setattr(simt_gemm, "MIN_BLOCKS", 1)
+    monkeypatch.setattr(simt_gemm, "STAGES", 2)
+    func = make()
+    source, scheduled = _first_source(func, sm90)
+    assert source == schedule.SIMT_GEMM, what
+    src = emulation.source(scheduled, sm90)
+    assert "cp.async.ca.shared.global" in src and "cp.async.wait_group 1;" in src, (what, src[:3000])
+    staged = re.findall(r"__shared__ alignas\(64\) float \w+\[(\d+)\];", src)  # (A's and B's, two tiles each)
+    assert sorted(map(int, staged)) == sorted(2 * simt_gemm.K_TILE * (t + simt_gemm.PAD) for t in tile), (what, staged)
+    args = emulation.reference(func)
+    got, problems = emulation.run(func, scheduled, sm90, args, src)
+    assert np.array_equal(got, args[-1]) and not problems, (what, problems, np.abs(got - args[-1]).max())
+
+
 def _dense_gelu(m, n, k):
     """A dense layer with its bias and exact GELU, `0.5 x (1 + erf(x / sqrt 2))`
     (an fp32 transformer's or wav2vec's): an epilogue calling `erff`."""
@@ -153,10 +177,13 @@ def test_the_tile_is_the_largest_that_fills_the_gpu_and_pads_least(m, n, want):
     assert simt_gemm.choose_tile(m, n) == want
 
 
-def test_resnet50s_largest_convolution_compiles_without_spilling(sm90, tmp_path):
+@pytest.mark.parametrize("stages", [1, 2])
+def test_resnet50s_largest_convolution_compiles_without_spilling(sm90, tmp_path, monkeypatch, stages):
     """The 3x3 convolution of ResNet-50's third stage at batch 64 compiled
     by nvcc for sm_90: a thread's 64 sums and operands in registers (no
-    stack frame), few enough for two blocks an SM."""
+    stack frame), few enough for two blocks an SM (117 registers; 125 with
+    two stages)."""
+    monkeypatch.setattr(simt_gemm, "STAGES", stages)
     func = _conv(n=64, size=28, c=256, o=256, k=3, stride=2)
     sch = SimtGemm().apply(func, sm90)
     assert sch is not None
@@ -197,8 +224,11 @@ def test_dlight_gives_a_thread_4_x_4_outputs_of_an_fp32_convolution(sm90):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("size, c, o, k, stride", [(56, 64, 64, 3, 1), (28, 256, 256, 3, 2), (14, 1024, 256, 1, 1)])
-def test_gpu_an_fp32_convolution(sm90, size, c, o, k, stride):
+@pytest.mark.parametrize("stages", [1, 2])
+def test_gpu_an_fp32_convolution(sm90, monkeypatch, size, c, o, k, stride, stages):
     from deploy.build import build_kernel
+
+    monkeypatch.setattr(simt_gemm, "STAGES", stages)
 
     func = _conv(n=64, size=size, c=c, o=o, k=k, stride=stride, pad=(k - 1) // 2)
     sch = SimtGemm().apply(func, sm90)
