@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 
-from .gpu_default import _inline_around, elementwise_epilogue, float_buffers
+from .gpu_default import elementwise_epilogue, float_buffers, inline_around
 from .kernel_shape import reduction_loops, rule_kernel, static_int, vars_of
 
 # The rule in the chain (an A/B switch: scripts/with_settings.py). Off, the chain keeps its name
@@ -105,7 +105,7 @@ class ColumnSums:
 
 
 def _schedule(sch, main, producers, consumers, n_s: int, lanes: int, threads: int):
-    _inline_around(sch, producers, consumers)  # (the input's cast: computed as it is loaded)
+    inline_around(sch, producers, consumers)  # (the input's cast: computed as it is loaded)
     loops = sch.get_loops(main.block_rv)
     spatial, reduce = loops[:n_s], loops[n_s:]
     r = sch.fuse(*reduce) if len(reduce) > 1 else reduce[0]

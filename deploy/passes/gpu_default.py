@@ -122,7 +122,7 @@ class ShortReduction:
 
     @staticmethod
     def _schedule(sch, main, producers, consumers, n_s, tunable):
-        _inline_around(sch, producers, consumers)  # (the padding: computed where it is read)
+        inline_around(sch, producers, consumers)  # (the padding: computed where it is read)
         # Tunable (a design space for MetaSchedule, tuning/search.py): the
         # block size is a decision its MutateThreadBinding mutates.
         threads = _decision(sch, THREAD_CHOICES) if tunable else THREADS
@@ -185,7 +185,7 @@ def _schedule_window(sch, main, producers, consumers, n_s, extents, read_index, 
     computed as they are loaded), then accumulates every tap of every output
     from them: ConvNeXt's 7x7 convolution loads 17.5 inputs an output at
     vw=4 instead of 49. Channels stay across a warp (coalesced)."""
-    padding = _inline_around(sch, producers, consumers, keep=sch.get(main.block_rv).reads[read_index].source)
+    padding = inline_around(sch, producers, consumers, keep=sch.get(main.block_rv).reads[read_index].source)
     width = extents[n_s - 2]
     divisors = [v for v in WINDOW_CHOICES if width % v == 0]
     vw, threads = _sizes(sch, tunable, divisors, fixed if fixed is not None and width % fixed == 0
@@ -225,7 +225,7 @@ def _schedule_grouped(sch, main, producers, consumers, n_s, extents, x_read, tun
     outputs = {it.var for it in main.iters[:n_s]}
     w_read = next(i for i, r in enumerate(reads) if i != x_read and any(vars_of(d.min) & outputs for d in r.region))
     side_by_side = bool(vars_of(reads[w_read].region[-1].min) & outputs)  # (HWIO: a tap's outputs adjacent)
-    padding = _inline_around(sch, producers, consumers, keep=reads[x_read].source)
+    padding = inline_around(sch, producers, consumers, keep=reads[x_read].source)
     channels = extents[n_s - 1]
     divisors = [v for v in GROUPED_CHOICES if channels % v == 0]
     vo, threads = _sizes(sch, tunable, divisors, next(v for v in (GROUPED_OUTPUTS, 2, 1) if channels % v == 0))
@@ -270,7 +270,7 @@ def elementwise_epilogue(sch, block, consumers) -> bool:
     return not consumers or [static_int(d) for d in sch.get(consumers[-1].block_rv).writes[0].source.shape] == shape
 
 
-def _inline_around(sch, producers, consumers, keep=None):
+def inline_around(sch, producers, consumers, keep=None):
     """The reduction's producers (padding) and every consumer but the last
     inlined: computed where they are read; but the producer that writes
     `keep` (a buffer: the padding of the input a schedule loads into
@@ -444,7 +444,7 @@ class BroadcastEpilogue:
 
     @staticmethod
     def _schedule(sch, main, producers, consumers, n_s, vector):
-        _inline_around(sch, producers, consumers)  # (the activation: recomputed per element, from the reduction's output)
+        inline_around(sch, producers, consumers)  # (the activation: recomputed per element, from the reduction's output)
         loops = _thread_per_output(sch, main, n_s, THREADS)
         sch.decompose_reduction(main.block_rv, loops[n_s])
         epilogue = consumers[-1].block_rv
