@@ -8,7 +8,9 @@ local), global (one byte array per tensor).  Pointers carry (space, buffer, byte
 offset per thread, element type); loads/stores go through the bytes, so the
 casts / aliasing of the source are honoured literally.
 
-Checks: out-of-range accesses (shared / global / local), reads of never-written
+Checks: out-of-range accesses (shared / global / local), misaligned ones
+(shared / global: an access of N bytes at an address not a multiple of N,
+up to 16), reads of never-written
 bytes (shared, local), cross-warp shared-memory races within a barrier interval
 (RAW, WAR, WAW), cross-lane same-warp hazards (reported separately), ldmatrix
 alignment, warp-collective ops under a partial mask.
@@ -335,6 +337,8 @@ class Emu:
         if o.size and (o.min() < 0 or o.max() + size > n):
             self.log.add(f"OUT-OF-RANGE {what} {space}:{name} off[{o.min()},{o.max()}]+{size} > {n}")
             return False
+        if space != "local" and o.size and (o % min(size, 16)).any():  # (a GPU faults: misaligned address)
+            self.log.add(f"MISALIGNED {size}-byte {what} {space}:{name}")
         return True
 
     def load(self, ref, m):

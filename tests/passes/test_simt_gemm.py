@@ -14,7 +14,7 @@ from deploy.passes import schedule, simt_gemm
 from deploy.passes.simt_gemm import SimtGemm
 from deploy.tvm_compat import tvm
 
-from .. import emulation
+from .. import cuda_emu, emulation
 from .test_attention import _nvcc_usage
 from .test_gpu_default import _first_source
 from .test_mma_gemm import _i64
@@ -112,6 +112,27 @@ def test_two_stages_copy_the_next_k_tile_by_cp_async_while_this_one_is_summed(sm
     args = emulation.reference(func)
     got, problems = emulation.run(func, scheduled, sm90, args, src)
     assert np.array_equal(got, args[-1]) and not problems, (what, problems, np.abs(got - args[-1]).max())
+
+
+def test_the_emulation_sees_a_misaligned_16_byte_store(sm90, monkeypatch):
+    """What makes the 16-byte accesses above mean something: a GPU faults
+    on a float4 at an address not a multiple of 16 (an output row of an
+    odd width would put them there); the emulation reports it."""
+    monkeypatch.setattr(simt_gemm, "MIN_BLOCKS", 1)
+    func = _matmul(200, 136, 40)
+    scheduled = SimtGemm().apply(func, sm90).mod["main"]
+    src = emulation.source(scheduled, sm90)
+    assert "*(float4*)(C_ptr + (" in src
+    args = emulation.reference(func)
+    _, problems = emulation.run(func, scheduled, sm90, args, src)
+    assert not problems
+    # (each output a float further on, C a float longer: in range, every store misaligned)
+    tensors = {b.name: np.ascontiguousarray(a).view(np.uint8).ravel().copy() for b, a in zip(func.params, args)}
+    tensors["C"] = np.zeros(tensors["C"].size + 4, np.uint8)
+    grid, block, dyn = emulation.launch(scheduled, sm90)
+    problems, _ = cuda_emu.run(src.replace("*(float4*)(C_ptr + (", "*(float4*)(C_ptr + 1 + ("), "main_kernel", grid,
+                               block, dyn, tensors, {b.name + "_ptr": (b.name, "float") for b in func.params})
+    assert any(p.startswith("MISALIGNED 16-byte store global:C") for p in problems), sorted(problems)[:5]
 
 
 def _dense_gelu(m, n, k):
