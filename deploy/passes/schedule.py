@@ -65,11 +65,12 @@ FUSED_ATTENTION = "fused-attention"
 # 4: a GEMM whose columns or K no tile divides has them padded too (mma_gemm.COL_TILE, K_TILE).
 # COLUMN_SUMS 1: new, just before DLight's Reduction (which took those kernels).
 # THIN_GEMM 1: new, just before DLight's Matmul (which took those kernels).
-# SIMT_GEMM 1: new, just before DLight's Matmul (which took those kernels).
+# SIMT_GEMM 1: new, just before DLight's Matmul (which took those kernels); 2: an operand whose rows are contiguous
+# (a [K, N] weight) copied along them, 16 bytes at a time.
 # VECTOR_ROWS 2: concatenations along the row, each piece's condition made the piece's; pieces of 8 bytes where
 # reads are aligned to 8 bytes, not 16.)
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
-                 MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2, COLUMN_SUMS: 1, SIMT_GEMM: 1,
+                 MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2, COLUMN_SUMS: 1, SIMT_GEMM: 2,
                  THIN_GEMM: 1}
 
 

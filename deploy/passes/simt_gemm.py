@@ -21,13 +21,19 @@ H200 with 7 of its 29 kernels tuned, against cuDNN's 19.4 ms
   step-major ([k][row], rows padded by 4 floats), so a thread reads its 4
   rows (or columns) at a step as one 16-byte load, and a warp's 16-byte
   loads touch distinct banks or the same address: 16 FMAs a 16-byte load
-  (nvcc keeps each piece's load for the pieces beside it). Each thread
-  copies 16 bytes along K from global memory and stores them as 4 floats
-  to the transposed tile, 2-way bank conflicts (threads 2 steps-of-4 apart
-  share a bank: no 16-byte-aligned padding avoids it with this copy), 16
-  such stores a K tile against its 1,024 FMAs;
+  (nvcc keeps each piece's load for the pieces beside it). Where K is the
+  operand's contiguous axis (NHWC channels, OHWI or [N, K] weights), each
+  thread copies 16 bytes along K from global memory and stores them as 4
+  floats to the transposed tile, 2-way bank conflicts (threads 2
+  steps-of-4 apart share a bank: no 16-byte-aligned padding avoids it with
+  this copy), 16 such stores a K tile against its 1,024 FMAs; where its
+  rows are (a dense layer's [K, N] weight, attention's V), it copies 16
+  bytes of a step's rows as they are stored, to 16 in the tile;
 - the epilogue (bias, residual, activation) is applied as the thread
-  writes its outputs, four columns at a time.
+  writes its outputs, four columns at a time;
+- with STAGES = 2 (an option until timed), TVM's software pipeline over
+  the K tiles: the next tile's copies issued as cp.async (4 bytes each
+  along K, 16 along rows) before this tile's FMAs.
 
 It applies where DLight's Matmul would: one reduction block that DLight's
 index analysis (`get_index_map`) reads as a batched GEMM `C[s, i, j] +=
@@ -45,7 +51,7 @@ just before DLight's Matmul.
 
 from __future__ import annotations
 
-from .kernel_shape import static_int
+from .kernel_shape import static_int, vars_of
 from .mma_gemm import is_multiply_accumulate
 
 SIMT_GEMM = True  # the rule in the chain (an A/B switch: scripts/with_settings.py)
@@ -95,6 +101,18 @@ def choose_tile(m: int, n: int, batch: int = 1) -> tuple[int, int] | None:
         return None
     least = min(padded(t) for t in fit)
     return min((t for t in fit if padded(t) <= least * (1 + MAX_PADDING)), key=lambda t: (-t[0] * t[1], padded(t)))
+
+
+def _rows_contiguous(copy) -> bool:
+    """Whether the operand a shared-memory copy block (`copy`: its iterators
+    the tile's GEMM, row and step) reads lies with its rows contiguous: the
+    innermost index of what it reads varies with the row and not with K (a
+    dense layer's [K, N] weight, attention's V), rather than along K (NHWC
+    channels, OHWI weights, a [N, K] weight)."""
+    _, row, step = (v.var for v in copy.iter_vars)
+    (read,) = copy.reads
+    last = vars_of(read.region[-1].min)
+    return row in last and step not in last and static_int(read.region[-1].extent) == 1
 
 
 def schedule(func):
@@ -163,8 +181,13 @@ def schedule(func):
         sch.transform_layout(staged, ("write", 0), lambda s, r, kk: (s, kk, r))
         sch.storage_align(staged, 0, axis=1, factor=32, offset=PAD)
         auto_inline_producers(sch, staged)
-        loops = sch.get_loops(staged)[-3:]
-        if STAGES > 1:  # (cp.async: 4-byte copies, a warp's 16 steps of 2 rows, 64 bytes each)
+        loops = sch.get_loops(staged)[-3:]  # (the tile's GEMM (1), rows, steps)
+        if _rows_contiguous(sch.get(staged)):  # (a dense layer's [K, N] weight: as stored, 16 bytes at a time)
+            sch.reorder(loops[2], loops[1])
+            _, copy_y, copy_x, lanes = sch.split(sch.fuse(*sch.get_loops(staged)[-3:]),
+                                                 [None, THREADS_Y, THREADS_X, PIECE])
+            sch.vectorize(lanes)  # (4 rows at a step: contiguous in both, one cp.async of 16 bytes with STAGES=2)
+        elif STAGES > 1:  # (cp.async: 4-byte copies, a warp's 16 steps of 2 rows, 64 bytes each)
             _, copy_y, copy_x = sch.split(sch.fuse(*loops), [None, THREADS_Y, THREADS_X])
         else:
             _, copy_y, copy_x, lanes = sch.split(sch.fuse(*loops), [None, THREADS_Y, THREADS_X, PIECE])

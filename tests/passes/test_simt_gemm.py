@@ -114,6 +114,19 @@ def test_two_stages_copy_the_next_k_tile_by_cp_async_while_this_one_is_summed(sm
     assert np.array_equal(got, args[-1]) and not problems, (what, problems, np.abs(got - args[-1]).max())
 
 
+@pytest.mark.parametrize("stages, copy", [(1, "*(float4*)(B_ptr + "), (2, "ptx_cp_async_legacy_pred_cg_16_4_4(B_")])
+def test_a_k_by_n_weight_is_copied_16_bytes_at_a_time_as_it_is_stored(sm90, monkeypatch, stages, copy):
+    """A dense layer's [K, N] weight (a transformer's, attention's V) has its
+    rows, not K, contiguous: its copy runs along the rows, 16 bytes from
+    global memory to 16 in the step-major tile (a cp.async of 16 bytes with
+    two stages), where a copy along K would read 4 floats N apart. Emulated
+    above (CASES' matmuls)."""
+    monkeypatch.setattr(simt_gemm, "MIN_BLOCKS", 1)
+    monkeypatch.setattr(simt_gemm, "STAGES", stages)
+    src = emulation.source(SimtGemm().apply(_matmul(200, 136, 40), sm90).mod["main"], sm90)
+    assert copy in src, src[:4000]
+
+
 def test_the_emulation_sees_a_misaligned_16_byte_store(sm90, monkeypatch):
     """What makes the 16-byte accesses above mean something: a GPU faults
     on a float4 at an address not a multiple of 16 (an output row of an
@@ -241,6 +254,23 @@ def test_dlight_gives_a_thread_4_x_4_outputs_of_an_fp32_convolution(sm90):
         mod = dlight.ApplyDefaultSchedule(dlight.gpu.Matmul())(tvm.IRModule({"main": func}))
     src = emulation.source(mod["main"], sm90)
     assert re.search(r"float2 \w+_local_ptr\[8\];", src) and "__launch_bounds__(128)" in src, src[:3000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [1, 2])
+def test_gpu_a_dense_layer(sm90, monkeypatch, stages):
+    from deploy.build import build_kernel
+
+    monkeypatch.setattr(simt_gemm, "STAGES", stages)
+    func = _dense_gelu(8192, 768, 256)  # (BERT's at batch 64: [K, N] weight, bias, GELU)
+    sch = SimtGemm().apply(func, sm90)
+    assert sch is not None
+    args = emulation.reference(func)
+    lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
+    got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args[:-1]] + [
+        tvm.runtime.tensor(np.zeros_like(args[-1]), tvm.cuda(0))]
+    lib["k"](*got)
+    np.testing.assert_allclose(got[-1].numpy(), args[-1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
