@@ -337,7 +337,8 @@ class Emu:
         if o.size and (o.min() < 0 or o.max() + size > n):
             self.log.add(f"OUT-OF-RANGE {what} {space}:{name} off[{o.min()},{o.max()}]+{size} > {n}")
             return False
-        if space != "local" and o.size and (o % min(size, 16)).any():  # (a GPU faults: misaligned address)
+        # (a GPU faults on a misaligned address; offsets are within the buffer, whose base TVM aligns to 64 bytes)
+        if space != "local" and o.size and (o % min(size, 16)).any():
             self.log.add(f"MISALIGNED {size}-byte {what} {space}:{name}")
         return True
 
@@ -773,7 +774,9 @@ class Emu:
         found = re.fullmatch(r"ptx_cp_async_legacy_pred_c[ag]_(\d+)_(\d+)_(\d+)", fn)
         if found:  # (..., predicate): `@p cp.async`, `@!p st.shared` of zeros (at once, in no group)
             size, dst_scale, _ = (int(x) for x in found.groups())
-            zeros = {4: "uint", 8: "ulonglong", 16: "uint4"}[size]  # (`st.shared.u32` ... `.v4.u32`)
+            zeros = {4: "uint", 8: "ulonglong", 16: "uint4"}.get(size)  # (`st.shared.u32` ... `.v4.u32`)
+            if zeros is None:
+                raise NotImplementedError(f"{fn}: the zero fill of a {size}-byte predicated copy")
             pred = np.broadcast_to(np.asarray(self.rv(args[4], m)) == 1, (self.T,))
             self.cp_async(args[:4], m & pred, *(int(x) for x in found.groups()))
             dst = self.rv(args[0], m)

@@ -230,7 +230,7 @@ def _transposed_read(block) -> tuple[int, int] | None:
     Indices of the other iterators may be anything: they are fixed in a
     tile."""
     from ..tvm_compat import tirx
-    from .kernel_shape import vars_of
+    from .kernel_shape import linear_stride, vars_of
 
     ivs = [iv.var for iv in block.iter_vars]
     for at, r in enumerate(block.reads):
@@ -240,18 +240,9 @@ def _transposed_read(block) -> tuple[int, int] | None:
         if j is None or any(ivs[j] in vars_of(x.min) for x in r.region[:-1]):
             continue
         rows = [x.min for x in r.region[:-1] if ivs[-1] in vars_of(x.min)]
-        if len(rows) == 1 and _stride(rows[0], ivs[-1]) == 1:
+        if len(rows) == 1 and linear_stride(rows[0], ivs[-1]) == 1:
             return at, j
     return None
-
-
-def _stride(expr, var) -> int | None:
-    """The constant coefficient of `var` in an affine `expr`; else None."""
-    from ..tvm_compat import sym
-    from .kernel_shape import static_int
-
-    found = sym.detect_linear_equation(expr, [var])
-    return static_int(found[0]) if len(found) == 2 else None
 
 
 class TiledTranspose:

@@ -28,6 +28,15 @@ def vars_of(expr) -> set:
     return set(tirx.analysis.undefined_vars(expr))
 
 
+def linear_stride(expr, var) -> int | None:
+    """The constant coefficient of `var` in an affine `expr`; else None
+    (not affine in it: `var % 7`, `var // 2`)."""
+    from ..tvm_compat import sym
+
+    found = sym.detect_linear_equation(expr, [var])
+    return static_int(found[0]) if len(found) == 2 else None
+
+
 def single_reduction(sch):
     """(main, producers, consumers, n_s, extents) for a kernel with exactly
     one reduction block, only injective blocks besides, whose loops are its

@@ -51,7 +51,7 @@ just before DLight's Matmul.
 
 from __future__ import annotations
 
-from .kernel_shape import static_int, vars_of
+from .kernel_shape import linear_stride, static_int, vars_of
 from .mma_gemm import is_multiply_accumulate
 
 SIMT_GEMM = True  # the rule in the chain (an A/B switch: scripts/with_settings.py)
@@ -106,13 +106,18 @@ def choose_tile(m: int, n: int, batch: int = 1) -> tuple[int, int] | None:
 def _rows_contiguous(copy) -> bool:
     """Whether the operand a shared-memory copy block (`copy`: its iterators
     the tile's GEMM, row and step) reads lies with its rows contiguous: the
-    innermost index of what it reads varies with the row and not with K (a
-    dense layer's [K, N] weight, attention's V), rather than along K (NHWC
-    channels, OHWI weights, a [N, K] weight)."""
+    innermost index of what it reads is the row plus what does not vary
+    with the row or K (a dense layer's [K, N] weight, attention's V),
+    rather than varying along K (NHWC channels, OHWI weights, a [N, K]
+    weight). Not a row with a stride (an NCHW convolution's at stride 2) or
+    wrapping (`row % W`): a 16-byte copy would read the wrong floats."""
     _, row, step = (v.var for v in copy.iter_vars)
-    (read,) = copy.reads
-    last = vars_of(read.region[-1].min)
-    return row in last and step not in last and static_int(read.region[-1].extent) == 1
+    if len(copy.reads) != 1 or static_int(copy.reads[0].region[-1].extent) != 1:
+        return False
+    last = copy.reads[0].region[-1].min
+    if step in vars_of(last):
+        return False
+    return linear_stride(last, row) == 1
 
 
 def schedule(func):

@@ -14,8 +14,10 @@ breaks DLight's reductions, softmax, LayerNorm and pooling kernels in
 MergeSharedMemoryAllocations (`SharedMemoryRewriter::GetBufferOffset: Check
 failed: (it != scope.buffer_byte_offsets.end())`), which failed 15 of 17
 architectures. So this module registers a TIR pipeline, `PIPELINE`, that runs
-TVM's own pipeline twice: on the tensor-core kernels with the option on, and on
-every other function as TVM ships it. `tests/passes/test_passes.py` checks that both
+TVM's own pipeline on the tensor-core kernels with the option on (the fused
+attention kernels apart, see EVERY_WARP_BUFFER), on the SIMT kernels whose
+software pipeline asks for cp.async with only ASYNC_COPY on, and on every
+other function as TVM ships it. `tests/passes/test_passes.py` checks that both
 upstream failures still happen, and fails once TVM no longer needs this.
 """
 
@@ -30,9 +32,9 @@ _log = logging.getLogger(__name__)
 PIPELINE = "deploy"  # the name to give tvm.compile(tir_pipeline=) / tvm.tirx.build(pipeline=)
 OPTION = "tirx.merge_static_smem"
 # Also set for a kernel that asks for it (a stage of its software pipeline
-# marked asynchronous: our tensor-core GEMMs', simt_gemm.py's with two
-# stages, lowered with the tensor-core kernels): TVM then issues that stage's
-# copies as `cp.async`. Off by default in TVM; without it the annotation is
+# marked asynchronous: our tensor-core GEMMs', and simt_gemm.py's with two
+# stages, lowered apart from the tensor-core kernels, without OPTION): TVM
+# then issues that stage's copies as `cp.async`. Off by default in TVM; without it the annotation is
 # ignored and the copies are synchronous.
 ASYNC_COPY = "tirx.use_async_copy"
 
@@ -50,7 +52,7 @@ _TENSOR_CORE_MARKERS = ("wmma.", "tvm_mma_sync", "tvm_load_matrix_sync", "m16n8k
 MIN_BLOCKS = "deploy.min_blocks_per_sm"
 _MIN_BLOCKS_ATTR = "tirx.launch_bounds_min_blocks_per_sm"
 
-_ASYNC_MARKER = "software_pipeline_async_stages"  # a scheduled kernel that asks for cp.async (passes/mma_gemm.py)
+_ASYNC_MARKER = "software_pipeline_async_stages"  # a kernel that asks for cp.async (mma_gemm.py's, simt_gemm.py's)
 # Workaround: TVM 0.27's LowerWarpMemory rewrites only the first `warp`
 # buffer among the statements of a kernel's body (WarpMemoryRewriter takes
 # the rest of the sequence as that buffer's scope and stops). A kernel with
@@ -136,7 +138,7 @@ def _pipeline_factory():
             return rest
         texts = {gv: f.script(show_meta=False) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
         tc = {gv: mma_epilogue.apply_to_func(mod[gv]) for gv, text in texts.items() if _has_tensor_cores(text)}
-        # (kernels whose software pipeline asks for cp.async without tensor cores, simt_gemm.py's: that alone)
+        # (kernels whose software pipeline asks for cp.async without tensor cores, simt_gemm.py's: ASYNC_COPY only)
         simt = {gv: mod[gv] for gv, text in texts.items() if gv not in tc and _ASYNC_MARKER in text}
         if not tc and not simt:
             return stock(mod)

@@ -41,8 +41,8 @@ def _conv(n=2, size=8, c=32, o=64, k=3, stride=1, pad=1, dtype="float32", relu=T
 
 
 def _matmul(m, n, k, dtype="float32", batch=None, body=None):
-    """A dense layer with its weight [K, N] (columns contiguous: B's copy
-    reads a step's 4 values from 4 rows); `batch` of them with their own A
+    """A dense layer with its weight [K, N] (B's rows, in the GEMM's terms,
+    contiguous: copied along them); `batch` of them with their own A
     and B (an fp32 attention's batched matmul); `body(a, b)` in place of the
     product."""
     from tvm import te
@@ -90,7 +90,23 @@ def test_an_fp32_gemm_gets_the_tiled_schedule_and_computes_what_tvms_plain_lower
     assert np.array_equal(got, args[-1]) and not problems, (what, problems, np.abs(got - args[-1]).max())
 
 
-PIPELINED = [CASES[0], CASES[4]]
+def _conv_nchw_1x1(n=2, size=16, c=32, o=64, stride=2):
+    """An NCHW 1x1 convolution at stride 2 (a ResNet's downsampling
+    shortcut, NCHW): in the GEMM's terms its A's rows are innermost in
+    memory, but 2 floats apart."""
+    from tvm import te
+
+    x = te.placeholder((_i64(n), _i64(c), _i64(size), _i64(size)), "float32", name="x")
+    w = te.placeholder((_i64(o), _i64(c)), "float32", name="w")
+    rc = te.reduce_axis((_i64(0), _i64(c)), "rc")
+    out = (size - 1) // stride + 1
+    y = te.compute((_i64(n), _i64(o), _i64(out), _i64(out)),
+                   lambda a, f, i, j: te.sum(x[a, rc, i * stride, j * stride] * w[f, rc], axis=rc), name="conv")
+    return te.create_prim_func([x, w, y])
+
+
+PIPELINED = [CASES[0], CASES[4],
+             ("an NCHW 1x1 convolution at stride 2: copied along K, not its strided rows", _conv_nchw_1x1, (128, 64))]
 
 
 @pytest.mark.parametrize("what, make, tile", PIPELINED, ids=[c[0] for c in PIPELINED])
@@ -129,8 +145,9 @@ def test_a_k_by_n_weight_is_copied_16_bytes_at_a_time_as_it_is_stored(sm90, monk
 
 def test_the_emulation_sees_a_misaligned_16_byte_store(sm90, monkeypatch):
     """What makes the 16-byte accesses above mean something: a GPU faults
-    on a float4 at an address not a multiple of 16 (an output row of an
-    odd width would put them there); the emulation reports it."""
+    on a float4 at an address not a multiple of 16 (TVM emits one only where
+    it proves the address a multiple of 4 floats; a copy along a row that
+    is not contiguous would break that); the emulation reports it."""
     monkeypatch.setattr(simt_gemm, "MIN_BLOCKS", 1)
     func = _matmul(200, 136, 40)
     scheduled = SimtGemm().apply(func, sm90).mod["main"]
@@ -262,7 +279,7 @@ def test_gpu_a_dense_layer(sm90, monkeypatch, stages):
     from deploy.build import build_kernel
 
     monkeypatch.setattr(simt_gemm, "STAGES", stages)
-    func = _dense_gelu(8192, 768, 256)  # (BERT's at batch 64: [K, N] weight, bias, GELU)
+    func = _dense_gelu(8192, 768, 256)  # (the corpus BERT's QKV projection's shape at batch 64, with a GELU)
     sch = SimtGemm().apply(func, sm90)
     assert sch is not None
     args = emulation.reference(func)
