@@ -14,8 +14,9 @@ given to the subcommand); empty: the code as it is. A name
 the module does not have is refused (exit 2, one line). Only what the
 passes read when they run is reached: a constant another module copied
 at import (`wgmma_gemm.SHARED_MEMORY` from mma_gemm's table) or a
-function took as a default argument keeps its value, and so do processes
-the build starts (several buckets optimized at once)."""
+function took as a default argument keeps its value. Processes the build
+spawns (several buckets optimized or built at once) get the settings too:
+spawn runs this file again in each, as `__mp_main__`."""
 
 from __future__ import annotations
 
@@ -84,3 +85,7 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))
+if __name__ == "__mp_main__" and len(sys.argv) > 1:
+    # A process the build spawned (buckets optimized or built at once): multiprocessing's spawn runs the
+    # parent's main file again under this name, with its argv: the same settings here too.
+    apply(sys.argv[1])

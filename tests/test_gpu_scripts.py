@@ -196,6 +196,18 @@ def test_wgmma_bench_builds_the_default_package_too_where_asked(tmp_path):
         assert not log.exists()
 
 
+def test_with_settings_reaches_the_processes_the_build_spawns():
+    """Buckets optimized or built at once run in spawned processes, which
+    run the parent's main file again as `__mp_main__` with its argv (what
+    multiprocessing's spawn does, done here as it does it): a BERT A/B of
+    two sequence buckets once built both variants with the rule on."""
+    code = ("import runpy, sys; sys.argv = ['scripts/with_settings.py', 'simt_gemm.STAGES=2', 'run'];"
+            "runpy.run_path('scripts/with_settings.py', run_name='__mp_main__');"
+            "from deploy.passes import simt_gemm; print(simt_gemm.STAGES)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr[-2000:]
+
+
 def test_with_settings_sets_our_passes_constants_and_refuses_the_rest(tmp_path, monkeypatch):
     """scripts/with_settings.py: `module.NAME=value` under deploy.passes,
     Python literals; a name the module lacks, a module that is not there, a
