@@ -276,10 +276,14 @@ def test_dlight_gives_a_thread_4_x_4_outputs_of_an_fp32_convolution(sm90):
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", [1, 2])
 def test_gpu_a_dense_layer(sm90, monkeypatch, stages):
+    monkeypatch.setattr(simt_gemm, "STAGES", stages)
+    _check_on_the_gpu(_dense_gelu(8192, 768, 256), sm90)  # (the corpus BERT's QKV projection at batch 64, a GELU)
+
+
+def _check_on_the_gpu(func, sm90):
+    """`func` scheduled by the rule, run on the GPU against TVM's CPU lowering."""
     from deploy.build import build_kernel
 
-    monkeypatch.setattr(simt_gemm, "STAGES", stages)
-    func = _dense_gelu(8192, 768, 256)  # (the corpus BERT's QKV projection's shape at batch 64, with a GELU)
     sch = SimtGemm().apply(func, sm90)
     assert sch is not None
     args = emulation.reference(func)
@@ -294,16 +298,5 @@ def test_gpu_a_dense_layer(sm90, monkeypatch, stages):
 @pytest.mark.parametrize("size, c, o, k, stride", [(56, 64, 64, 3, 1), (28, 256, 256, 3, 2), (14, 1024, 256, 1, 1)])
 @pytest.mark.parametrize("stages", [1, 2])
 def test_gpu_an_fp32_convolution(sm90, monkeypatch, size, c, o, k, stride, stages):
-    from deploy.build import build_kernel
-
     monkeypatch.setattr(simt_gemm, "STAGES", stages)
-
-    func = _conv(n=64, size=size, c=c, o=o, k=k, stride=stride, pad=(k - 1) // 2)
-    sch = SimtGemm().apply(func, sm90)
-    assert sch is not None
-    args = emulation.reference(func)
-    lib = build_kernel("k", sch.mod["main"], targets.resolve("cuda:sm_90"))
-    got = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in args[:-1]] + [
-        tvm.runtime.tensor(np.zeros_like(args[-1]), tvm.cuda(0))]
-    lib["k"](*got)
-    np.testing.assert_allclose(got[-1].numpy(), args[-1], rtol=1e-4, atol=1e-4)
+    _check_on_the_gpu(_conv(n=64, size=size, c=c, o=o, k=k, stride=stride, pad=(k - 1) // 2), sm90)
