@@ -165,6 +165,27 @@ def test_the_emulation_sees_a_misaligned_16_byte_store(sm90, monkeypatch):
     assert any(p.startswith("MISALIGNED 16-byte store global:C") for p in problems), sorted(problems)[:5]
 
 
+def test_tvm_copies_a_strided_vector_by_cp_async_as_if_contiguous(sm90, monkeypatch):
+    """Why a copy along rows takes only rows at a stride of 1
+    (`_rows_contiguous`): copied along its rows, 2 floats apart, the NCHW
+    1x1 convolution at stride 2 gets a 16-byte cp.async of the 4 floats at
+    the vector's base from TVM 0.27's async-copy lowering (its plain
+    lowering gathers the 4 right ones): wrong outputs, no problem the
+    emulation can see. Fails once TVM lowers such a copy correctly or
+    refuses it."""
+    monkeypatch.setattr(simt_gemm, "MIN_BLOCKS", 1)
+    monkeypatch.setattr(simt_gemm, "STAGES", 2)
+    monkeypatch.setattr(simt_gemm, "_rows_contiguous", lambda copy: copy.iter_vars[1].var in
+                        simt_gemm.vars_of(copy.reads[0].region[-1].min))  # (any row in the innermost index)
+    func = _conv_nchw_1x1()
+    scheduled = SimtGemm().apply(func, sm90).mod["main"]
+    src = emulation.source(scheduled, sm90)
+    assert "ptx_cp_async_legacy_cg_16_4_4(" in src, src[:3000]
+    args = emulation.reference(func)
+    got, problems = emulation.run(func, scheduled, sm90, args, src)
+    assert not problems and not np.allclose(got, args[-1]), problems
+
+
 def _dense_gelu(m, n, k):
     """A dense layer with its bias and exact GELU, `0.5 x (1 + erf(x / sqrt 2))`
     (an fp32 transformer's or wav2vec's): an epilogue calling `erff`."""
