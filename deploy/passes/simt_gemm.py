@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from .kernel_shape import linear_stride, static_int, vars_of
 from .mma_gemm import is_multiply_accumulate
+from .tensor_core_smem import SIMT_ASYNC
 
 SIMT_GEMM = True  # the rule in the chain (an A/B switch: scripts/with_settings.py)
 THREADS_X = 16  # threads a block along C's columns (threadIdx.x: a warp writes rows of 64 floats)
@@ -213,4 +214,5 @@ def schedule(func):
         sch.annotate(ko, "software_pipeline_stage", [0, 0, STAGES - 1])
         sch.annotate(ko, "software_pipeline_order", [0, 1, 2])
         sch.annotate(ko, "software_pipeline_async_stages", [0])
+        sch.annotate(ko, SIMT_ASYNC, 1)  # (our TIR pipeline: lower this kernel's async stage as cp.async)
     return sch

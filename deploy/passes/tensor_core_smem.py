@@ -16,7 +16,7 @@ failed: (it != scope.buffer_byte_offsets.end())`), which failed 15 of 17
 architectures. So this module registers a TIR pipeline, `PIPELINE`, that runs
 TVM's own pipeline on the tensor-core kernels with the option on (the fused
 attention kernels apart, see EVERY_WARP_BUFFER), on the SIMT kernels whose
-software pipeline asks for cp.async with only ASYNC_COPY on, and on every
+software pipeline asks for cp.async (SIMT_ASYNC) with only ASYNC_COPY on, and on every
 other function as TVM ships it. `tests/passes/test_passes.py` checks that both
 upstream failures still happen, and fails once TVM no longer needs this.
 """
@@ -53,6 +53,11 @@ MIN_BLOCKS = "deploy.min_blocks_per_sm"
 _MIN_BLOCKS_ATTR = "tirx.launch_bounds_min_blocks_per_sm"
 
 _ASYNC_MARKER = "software_pipeline_async_stages"  # a kernel that asks for cp.async (mma_gemm.py's, simt_gemm.py's)
+# A loop annotation of simt_gemm.py's pipelined kernels: they alone, of the kernels without tensor cores, are
+# lowered with ASYNC_COPY. MetaSchedule's SIMT candidates also ask for async stages on sm_80+, and lowered with
+# it their copies become `tirx.dma_start_group` calls the CUDA codegen cannot print (TVM ignores the request
+# without it, as before; tests/tuning/test_cuda_tuning.py builds such a candidate).
+SIMT_ASYNC = "deploy.simt_async_copy"
 # Workaround: TVM 0.27's LowerWarpMemory rewrites only the first `warp`
 # buffer among the statements of a kernel's body (WarpMemoryRewriter takes
 # the rest of the sequence as that buffer's scope and stops). A kernel with
@@ -139,7 +144,7 @@ def _pipeline_factory():
         texts = {gv: f.script(show_meta=False) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
         tc = {gv: mma_epilogue.apply_to_func(mod[gv]) for gv, text in texts.items() if _has_tensor_cores(text)}
         # (kernels whose software pipeline asks for cp.async without tensor cores, simt_gemm.py's: ASYNC_COPY only)
-        simt = {gv: mod[gv] for gv, text in texts.items() if gv not in tc and _ASYNC_MARKER in text}
+        simt = {gv: mod[gv] for gv, text in texts.items() if gv not in tc and SIMT_ASYNC in text}
         if not tc and not simt:
             return stock(mod)
         rest = {gv: f for gv, f in mod.functions.items() if gv not in tc and gv not in simt}

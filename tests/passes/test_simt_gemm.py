@@ -165,6 +165,28 @@ def test_the_emulation_sees_a_misaligned_16_byte_store(sm90, monkeypatch):
     assert any(p.startswith("MISALIGNED 16-byte store global:C") for p in problems), sorted(problems)[:5]
 
 
+def test_only_our_pipelined_kernels_get_cp_async_without_tensor_cores(sm90, monkeypatch):
+    """Our TIR pipeline lowers a SIMT kernel's async stage as cp.async only
+    where simt_gemm marked the loop (tensor_core_smem.SIMT_ASYNC): MetaSchedule's
+    SIMT candidates ask for async stages too, and TVM's lowering of theirs
+    makes calls the CUDA codegen cannot print. Without the mark, the same
+    kernel is lowered as TVM ships it: synchronous copies (between commit
+    and wait groups of nothing), the same sums."""
+    from deploy.passes.tensor_core_smem import SIMT_ASYNC
+
+    monkeypatch.setattr(simt_gemm, "MIN_BLOCKS", 1)
+    monkeypatch.setattr(simt_gemm, "STAGES", 2)
+    func = _matmul(200, 136, 40)
+    sch = SimtGemm().apply(func, sm90)
+    (ko,) = [lp for lp in sch.get_loops(sch.get_sblock("C_update")) if SIMT_ASYNC in sch.get(lp).annotations]
+    sch.unannotate(ko, SIMT_ASYNC)
+    src = emulation.source(sch.mod["main"], sm90)
+    assert "software_pipeline_async_stages" in sch.mod["main"].script() and "ptx_cp_async_legacy" not in src, src[:3000]
+    args = emulation.reference(func)
+    got, problems = emulation.run(func, sch.mod["main"], sm90, args, src)
+    assert np.array_equal(got, args[-1]) and not problems, problems
+
+
 def test_tvm_copies_a_strided_vector_by_cp_async_as_if_contiguous(sm90, monkeypatch):
     """Why a copy along rows takes only rows at a stride of 1
     (`_rows_contiguous`): copied along its rows, 2 floats apart, the NCHW
