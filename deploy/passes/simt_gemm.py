@@ -194,17 +194,17 @@ def schedule(func):
         sch.transform_layout(staged, ("write", 0), lambda s, r, kk: (s, kk, r))
         sch.storage_align(staged, 0, axis=1, factor=32, offset=PAD)
         auto_inline_producers(sch, staged)
-        loops = sch.get_loops(staged)[-3:]  # (the tile's GEMM (1), rows, steps)
-        if _rows_contiguous(sch.get(staged)):  # (a dense layer's [K, N] weight: as stored, 16 bytes at a time)
-            sch.reorder(loops[2], loops[1])
-            _, copy_y, copy_x, lanes = sch.split(sch.fuse(*sch.get_loops(staged)[-3:]),
-                                                 [None, THREADS_Y, THREADS_X, PIECE])
-            sch.vectorize(lanes)  # (4 rows at a step: contiguous in both, one cp.async of 16 bytes with STAGES=2)
-        elif STAGES > 1:  # (cp.async: 4-byte copies, a warp's 16 steps of 2 rows, 64 bytes each)
-            _, copy_y, copy_x = sch.split(sch.fuse(*loops), [None, THREADS_Y, THREADS_X])
-        else:
-            _, copy_y, copy_x, lanes = sch.split(sch.fuse(*loops), [None, THREADS_Y, THREADS_X, PIECE])
-            sch.vectorize(lanes)  # (4 consecutive steps of a row: one 16-byte load of a K-contiguous operand)
+        _, rows, steps = sch.get_loops(staged)[-3:]  # (the tile's GEMM (1), rows, steps)
+        along_rows = _rows_contiguous(sch.get(staged))  # (a dense layer's [K, N] weight: copied as stored)
+        if along_rows:
+            sch.reorder(steps, rows)
+        # 4 lanes a thread, one 16-byte copy: 4 rows at a step along rows (contiguous in both; one cp.async of
+        # 16 bytes with STAGES=2), else 4 consecutive steps of a row (a K-contiguous operand's 16-byte load);
+        # but with cp.async along K, 4-byte copies: a warp's 16 steps of 2 rows, 64 bytes each
+        factors = [None, THREADS_Y, THREADS_X] + ([PIECE] if along_rows or STAGES < 2 else [])
+        _, copy_y, copy_x, *lanes = sch.split(sch.fuse(*sch.get_loops(staged)[-3:]), factors)
+        for v in lanes:
+            sch.vectorize(v)
         sch.bind(copy_y, "threadIdx.y")
         sch.bind(copy_x, "threadIdx.x")
     auto_inline_consumer_chain(sch, out)
