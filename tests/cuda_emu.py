@@ -811,8 +811,6 @@ class Emu:
         if not (self.check_bounds("shared", dst.buf, doff, size, m, "cp.async dst")
                 and self.check_bounds("global", src.buf, soff, size, m, "cp.async src")):
             raise RuntimeError("oob cp.async")
-        if (doff[m] % size).any() or (soff[m] % size).any():
-            self.log.add(f"cp.async of {size} bytes not {size}-byte aligned")
         thr = np.nonzero(m)[0]
         didx = doff[m, None] + np.arange(size)
         data = self.g[src.buf][soff[m, None] + np.arange(size)]

@@ -112,8 +112,8 @@ PIPELINED = [CASES[0], CASES[4],
 @pytest.mark.parametrize("what, make, tile", PIPELINED, ids=[c[0] for c in PIPELINED])
 def test_two_stages_copy_the_next_k_tile_by_cp_async_while_this_one_is_summed(sm90, monkeypatch, what, make, tile):
     """STAGES=2: TVM's software pipeline over the K tiles, its copies
-    asynchronous (our TIR pipeline turns cp.async on for a kernel that asks,
-    tensor cores or not: passes/tensor_core_smem.py); the same sums, in the
+    asynchronous (our TIR pipeline turns cp.async on for simt_gemm's marked
+    loop as for tensor-core kernels: passes/tensor_core_smem.py); the same sums, in the
     same order, and no copy in flight read or overwritten (the emulation
     checks both)."""
     monkeypatch.setattr(simt_gemm, "MIN_BLOCKS", 1)
