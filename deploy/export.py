@@ -281,19 +281,34 @@ def build_torch_model(cfg: Config):
         raise ConfigError(str(e.args[0])) from None
 
 
+def _graph_inputs(graph_inputs, cfg: Config) -> tuple[InputSpec, ...]:
+    """Inputs the config leaves out, read from the graph where each input's
+    shape past the batch is fixed there (what torch.onnx.export writes
+    without dynamic_axes, or with only the batch dynamic)."""
+    names = [i.name for i in graph_inputs]
+    need = ConfigError("an ONNX model needs its inputs in the config ([[model.inputs]] or --input NAME:SHAPE)"
+                       " where the graph leaves a shape open", None, "inputs " + ", ".join(names))
+    if cfg.model.dims or not graph_inputs:
+        raise need
+    out = []
+    for gi in graph_inputs:
+        tt = gi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+        if tt.elem_type not in _ONNX_DTYPES or not dims or None in dims[1:]:
+            raise need
+        out.append(InputSpec(gi.name, tuple(dims[1:]), _ONNX_DTYPES[tt.elem_type]))
+    log.info("export: inputs read from the graph: %s",
+             ", ".join(f"{i.name} {'x'.join(map(str, i.shape)) or 'scalar'} {i.dtype}" for i in out))
+    return tuple(out)
+
+
 def _copy_onnx(cfg: Config, dest: Path) -> tuple[tuple[InputSpec, ...], dict, int | None]:
     src = Path(cfg.model.source)
     model = load_onnx(src)
     init_names = {i.name for i in model.graph.initializer}
     graph_inputs = [i for i in model.graph.input if i.name not in init_names]
-    declared = {i.name: i for i in cfg.model.inputs}
+    declared = {i.name: i for i in (cfg.model.inputs or _graph_inputs(graph_inputs, cfg))}
     names = [i.name for i in graph_inputs]
-    if not cfg.model.inputs:
-        raise ConfigError(
-            "an ONNX model needs its inputs in the config ([[model.inputs]] or --input NAME:SHAPE)",
-            None,
-            "inputs " + ", ".join(names),
-        )
     if set(declared) != set(names):
         raise ShapeError("config input names do not match the ONNX graph", sorted(declared), sorted(names))
     outs = [o.name for o in model.graph.output]

@@ -125,3 +125,24 @@ def test_an_operator_the_importer_refuses_is_one_line_naming_it(tmp_path, capsys
     assert "frontend: TVM's ONNX importer failed on bucket 1 at operator Pad: ValueError: Dynamic pads" in line
     assert "full trace in" in line and (ws / "logs" / "frontend.log").is_file()
     assert "Error converting operator" not in out + err
+
+
+def test_inputs_left_out_of_the_config_are_read_from_a_graph_that_fixes_them(tmp_path):
+    """torch.onnx.export with dynamic axes on the batch only (or none) fixes
+    every other dimension: the config need not repeat them."""
+    from deploy.errors import ConfigError
+
+    cfg = config.from_dict({"model": {"source": str(_export(tmp_path / "net.onnx", dynamic=True))},
+                            "llvm": {"buckets": [1], "tune_buckets": [], "trials": 0}})
+    art = export.run(cfg, tmp_path / "export")
+    assert art.inputs == (config.InputSpec("x", (3, 8, 8), "float32"),)
+    # a dimension past the batch left open in the graph: the config must say it
+    model = onnx.load(str(tmp_path / "net.onnx"))
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "h"
+    onnx.save(model, str(tmp_path / "open.onnx"))
+    cfg = config.from_dict({"model": {"source": str(tmp_path / "open.onnx")},
+                            "llvm": {"buckets": [1], "tune_buckets": [], "trials": 0}})
+    with pytest.raises(ConfigError, match="needs its inputs in the config .* leaves a shape open") as e:
+        export.run(cfg, tmp_path / "export2")
+    assert "x" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "export2").exists()
