@@ -100,14 +100,32 @@ def existing_databases(cfg: Config, profile: Profile, target: TargetInfo, inputs
     line says so."""
     keys, dirs = db_keys(cfg, profile, target, inputs, db_root, dims)
     found = {b: d for b, d in dirs.items() if dbs.has_records(d)}
-    if not found and target.kind == "llvm":
-        others = sorted(p.name.removeprefix("llvm-") for p in (Path(db_root) / cfg.model.name).glob("llvm-*")
-                        if p.name != target.slug and any(dbs.has_records(d) for d in p.iterdir() if d.is_dir()))
-        if others:
-            log.warning("build: %s has CPU tuning databases for %s, not for this machine's %s (%s): its kernels are "
-                        "untuned here; tune here, or build on a machine of that level", cfg.model.name,
-                        ", ".join(others), target.arch, target.device_name)
+    if found:
+        return keys, found
+    others = {p: [d for d in p.iterdir() if d.is_dir() and dbs.has_records(d)]
+              for p in (Path(db_root) / cfg.model.name).glob(f"{target.kind}-*") if p.name != target.slug}
+    others = {p: ds for p, ds in others.items() if ds}
+    if others and target.kind == "llvm":
+        log.warning("build: %s has CPU tuning databases for %s, not for this machine's %s (%s): its kernels are "
+                    "untuned here; tune here, or build on a machine of that level", cfg.model.name,
+                    ", ".join(sorted(p.name.removeprefix("llvm-") for p in others)), target.arch, target.device_name)
+    elif others:
+        gpus = sorted({_tuned_on(ds[0]) or p.name for p, ds in others.items()})
+        here, advice = ((f"this GPU ({target.device_name})", "tune on this GPU (make tune BUDGET=10m) to make its own")
+                        if target.device_name else
+                        ("a cross-compile (no GPU here)", "build on the GPU they were tuned on to apply them"))
+        log.warning("build: %s has tuning databases for %s, not for %s: records tuned on one GPU are not applied "
+                    "on another, so its kernels get default schedules; %s", cfg.model.name, ", ".join(gpus), here,
+                    advice)
     return keys, found
+
+
+def _tuned_on(folder: Path) -> str | None:
+    """The GPU a database's key names."""
+    try:
+        return json.loads((folder / dbs.KEY_FILE).read_text())["target"]["device"] or None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path,

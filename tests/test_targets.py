@@ -67,3 +67,28 @@ def test_databases_of_another_level_are_named(tmp_path, caplog):
         _, found = pipeline.existing_databases(cfg, cfg.llvm, here, inputs, tmp_path)
     assert found == {}
     assert f"has CPU tuning databases for x86-64-v9, not for this machine's {here.arch}" in caplog.text
+
+
+def test_databases_of_another_gpu_are_named(tmp_path, caplog):
+    """An H100 user of a model whose committed databases are the H200's:
+    the build says why nothing is tuned, naming the GPU they were tuned on."""
+    from deploy import pipeline
+    from deploy.config import InputSpec
+    from deploy.tuning import database as dbs
+
+    cfg = make_config()
+    h100 = targets.TargetInfo("cuda", '{"arch": "sm_90", "kind": "cuda"}', "sm_90", "NVIDIA H100 80GB HBM3", True)
+    h200 = targets.TargetInfo("cuda", '{"arch": "sm_90", "kind": "cuda"}', "sm_90", "NVIDIA H200", True)
+    other = tmp_path / cfg.model.name / h200.slug / "fp16-nhwc-b1"
+    other.mkdir(parents=True)
+    (other / (dbs.RECORDS + dbs.PACKED)).write_bytes(b"")
+    (other / dbs.KEY_FILE).write_text(json.dumps({"target": h200.key()}))
+    inputs = (InputSpec("x", (3, 16, 16)),)
+    with caplog.at_level(logging.WARNING):
+        _, found = pipeline.existing_databases(cfg, cfg.cuda, h100, inputs, tmp_path)
+    assert found == {}
+    assert "has tuning databases for NVIDIA H200, not for this GPU (NVIDIA H100 80GB HBM3)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the H200 itself finds its own (no warning)
+        pipeline.existing_databases(cfg, cfg.cuda, h200, inputs, tmp_path)
+    assert "tuning databases for" not in caplog.text
