@@ -284,21 +284,32 @@ def build_torch_model(cfg: Config):
 def _graph_inputs(graph_inputs, cfg: Config) -> tuple[InputSpec, ...]:
     """Inputs the config leaves out, read from the graph where each input's
     shape past the batch is fixed there (what torch.onnx.export writes
-    without dynamic_axes, or with only the batch dynamic)."""
-    names = [i.name for i in graph_inputs]
-    need = ConfigError("an ONNX model needs its inputs in the config ([[model.inputs]] or --input NAME:SHAPE)"
-                       " where the graph leaves a shape open", None, "inputs " + ", ".join(names))
-    if cfg.model.dims or not graph_inputs:
-        raise need
+    without dynamic_axes, or with only the batch dynamic). One line naming
+    the input where the graph cannot say."""
+    from onnx import TensorProto
+
+    names = ", ".join(i.name for i in graph_inputs)
+    hint = "[[model.inputs]] or --input NAME:SHAPE for each of its inputs: " + names
+    if not graph_inputs:
+        raise ConfigError("the ONNX graph has no inputs (every graph input is an initializer)")
+    if cfg.model.dims:
+        raise ConfigError("an ONNX model with [[model.dims]] needs its inputs in the config too", None, hint)
     out = []
     for gi in graph_inputs:
         tt = gi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
-        if tt.elem_type not in _ONNX_DTYPES or not dims or None in dims[1:]:
-            raise need
+        if tt.elem_type not in _ONNX_DTYPES:
+            raise ShapeError(f"ONNX input '{gi.name}' has an element type the pipeline does not take",
+                             TensorProto.DataType.Name(tt.elem_type), ", ".join(sorted(set(_ONNX_DTYPES.values()))))
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tt.shape.dim]
+        if not dims:
+            raise ShapeError(f"ONNX input '{gi.name}' is a scalar: it has no batch axis", "rank 0", "rank 1 or more")
+        if None in dims[1:]:
+            shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
+            raise ConfigError(f"ONNX input '{gi.name}' leaves a shape past the batch open: give the model's inputs in "
+                              f"the config", shown, hint)
         out.append(InputSpec(gi.name, tuple(dims[1:]), _ONNX_DTYPES[tt.elem_type]))
-    log.info("export: inputs read from the graph: %s",
-             ", ".join(f"{i.name} {'x'.join(map(str, i.shape)) or 'scalar'} {i.dtype}" for i in out))
+    log.info("export: inputs read from the graph (per sample): %s",
+             ", ".join(f"{i.name} [{', '.join(map(str, i.shape))}] {i.dtype}" for i in out))
     return tuple(out)
 
 

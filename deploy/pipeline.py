@@ -95,15 +95,16 @@ def describe(cfg: Config, target: TargetInfo, workdir: Path, db_root: Path, budg
 def existing_databases(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path,
                        dims: tuple = ()) -> tuple[dict, dict]:
     """(bucket -> database key, bucket -> database folder) for the buckets
-    whose database has records: what the build applies. With none for a CPU
-    target while the model has CPU databases for another x86-64 level, one
-    line says so."""
+    whose database has records: what the build applies. With none, while the
+    model has databases of these buckets for another x86-64 level or
+    another GPU (records that do not apply here), one line says so."""
     keys, dirs = db_keys(cfg, profile, target, inputs, db_root, dims)
     found = {b: d for b, d in dirs.items() if dbs.has_records(d)}
     if found:
         return keys, found
-    others = {p: [d for d in p.iterdir() if d.is_dir() and dbs.has_records(d)]
-              for p in (Path(db_root) / cfg.model.name).glob(f"{target.kind}-*") if p.name != target.slug}
+    wanted = sorted({d.name for d in dirs.values()})
+    others = {p: [p / n for n in wanted if dbs.has_records(p / n)]
+              for p in (Path(db_root) / cfg.model.name).glob(f"{target.kind}-*") if p.is_dir() and p.name != target.slug}
     others = {p: ds for p, ds in others.items() if ds}
     if others and target.kind == "llvm":
         log.warning("build: %s has CPU tuning databases for %s, not for this machine's %s (%s): its kernels are "
@@ -111,21 +112,23 @@ def existing_databases(cfg: Config, profile: Profile, target: TargetInfo, inputs
                     ", ".join(sorted(p.name.removeprefix("llvm-") for p in others)), target.arch, target.device_name)
     elif others:
         gpus = sorted({_tuned_on(ds[0]) or p.name for p, ds in others.items()})
-        here, advice = ((f"this GPU ({target.device_name})", "tune on this GPU (make tune BUDGET=10m) to make its own")
+        here, advice = ((f"this GPU ({target.device_name})",
+                         f"tune on this GPU (make tune MODEL={cfg.model.name} BUDGET=10m) to make its own")
                         if target.device_name else
                         ("a cross-compile (no GPU here)", "build on the GPU they were tuned on to apply them"))
-        log.warning("build: %s has tuning databases for %s, not for %s: records tuned on one GPU are not applied "
-                    "on another, so its kernels get default schedules; %s", cfg.model.name, ", ".join(gpus), here,
-                    advice)
+        log.warning("build: %s has tuning databases of these buckets for %s, not for %s: records tuned on one GPU "
+                    "are not applied on another, so its kernels get default schedules (or this GPU's kernel store's "
+                    "records); %s", cfg.model.name, ", ".join(gpus), here, advice)
     return keys, found
 
 
 def _tuned_on(folder: Path) -> str | None:
     """The GPU a database's key names."""
     try:
-        return json.loads((folder / dbs.KEY_FILE).read_text())["target"]["device"] or None
+        device = json.loads((folder / dbs.KEY_FILE).read_text())["target"]["device"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    return str(device) if device else None
 
 
 def db_keys(cfg: Config, profile: Profile, target: TargetInfo, inputs, db_root: Path,

@@ -132,17 +132,40 @@ def test_inputs_left_out_of_the_config_are_read_from_a_graph_that_fixes_them(tmp
     every other dimension: the config need not repeat them."""
     from deploy.errors import ConfigError
 
-    cfg = config.from_dict({"model": {"source": str(_export(tmp_path / "net.onnx", dynamic=True))},
-                            "llvm": {"buckets": [1], "tune_buckets": [], "trials": 0}})
-    art = export.run(cfg, tmp_path / "export")
-    assert art.inputs == (config.InputSpec("x", (3, 8, 8), "float32"),)
-    # a dimension past the batch left open in the graph: the config must say it
+    def cfg_for(path):
+        return config.from_dict({"model": {"source": str(path)},
+                                 "llvm": {"buckets": [1], "tune_buckets": [], "trials": 0}})
+
+    want = (config.InputSpec("x", (3, 8, 8), "float32"),)
+    assert export.run(cfg_for(_export(tmp_path / "net.onnx", dynamic=True)), tmp_path / "e1").inputs == want
+    # no dynamic axes at all: the batch fixed at 1 is made symbolic, as with declared inputs
+    art = export.run(cfg_for(_export(tmp_path / "fixed.onnx", dynamic=False)), tmp_path / "e2")
+    assert art.inputs == want
+    m = json.loads((tmp_path / "e2" / "manifest.json").read_text())
+    assert m["fixed_batch"] is None and m["origin"]["batch"] == "made symbolic (was fixed at 1)"
+    # a dimension past the batch left open in the graph: one line naming the input and its dims
     model = onnx.load(str(tmp_path / "net.onnx"))
     model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "h"
     onnx.save(model, str(tmp_path / "open.onnx"))
-    cfg = config.from_dict({"model": {"source": str(tmp_path / "open.onnx")},
-                            "llvm": {"buckets": [1], "tune_buckets": [], "trials": 0}})
-    with pytest.raises(ConfigError, match="needs its inputs in the config .* leaves a shape open") as e:
-        export.run(cfg, tmp_path / "export2")
-    assert "x" in str(e.value) and "\n" not in str(e.value)
-    assert not (tmp_path / "export2").exists()
+    with pytest.raises(ConfigError, match=r"ONNX input 'x' leaves a shape past the batch open") as e:
+        export.run(cfg_for(tmp_path / "open.onnx"), tmp_path / "e3")
+    assert "got ['n', 3, 'h', 8]" in str(e.value) and str(e.value).endswith("for each of its inputs: x")
+    assert "\n" not in str(e.value) and not (tmp_path / "e3").exists()
+
+
+def test_a_graph_input_the_config_could_not_describe_is_one_line(tmp_path):
+    """An element type the pipeline does not take, or a scalar input (no
+    batch axis): named, whether the inputs are declared or not."""
+    from onnx import TensorProto, helper
+
+    for name, elem, shape, message in (("u8", TensorProto.UINT8, [1, 4], "element type .* UINT8"),
+                                       ("s", TensorProto.FLOAT, [], "is a scalar: it has no batch axis")):
+        graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                                  [helper.make_tensor_value_info("x", elem, shape)],
+                                  [helper.make_tensor_value_info("y", elem, shape)])
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+        cfg = config.from_dict({"model": {"source": str(path)}, "llvm": {"buckets": [1], "trials": 0}})
+        with pytest.raises(ShapeError, match=message) as e:
+            export.run(cfg, tmp_path / f"e-{name}")
+        assert "\n" not in str(e.value) and not (tmp_path / f"e-{name}").exists()

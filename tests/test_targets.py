@@ -1,5 +1,5 @@
 """CPU targets by x86-64 level: what tuning databases and packages are keyed
-by, and what a machine of another level is told."""
+by, and what a machine of another level, or another GPU, is told."""
 
 import dataclasses
 import json
@@ -59,10 +59,11 @@ def test_databases_of_another_level_are_named(tmp_path, caplog):
 
     cfg = make_config()
     here = targets.resolve("llvm")
-    other = tmp_path / cfg.model.name / "llvm-x86-64-v9" / "fp32-nchw-b1"
+    inputs = (InputSpec("x", (3, 16, 16)),)
+    _, dirs = pipeline.db_keys(cfg, cfg.llvm, here, inputs, tmp_path)
+    other = tmp_path / cfg.model.name / "llvm-x86-64-v9" / next(iter(dirs.values())).name
     other.mkdir(parents=True)
     (other / (dbs.RECORDS + dbs.PACKED)).write_bytes(b"")
-    inputs = (InputSpec("x", (3, 16, 16)),)
     with caplog.at_level(logging.WARNING):
         _, found = pipeline.existing_databases(cfg, cfg.llvm, here, inputs, tmp_path)
     assert found == {}
@@ -79,16 +80,22 @@ def test_databases_of_another_gpu_are_named(tmp_path, caplog):
     cfg = make_config()
     h100 = targets.TargetInfo("cuda", '{"arch": "sm_90", "kind": "cuda"}', "sm_90", "NVIDIA H100 80GB HBM3", True)
     h200 = targets.TargetInfo("cuda", '{"arch": "sm_90", "kind": "cuda"}', "sm_90", "NVIDIA H200", True)
-    other = tmp_path / cfg.model.name / h200.slug / "fp16-nhwc-b1"
-    other.mkdir(parents=True)
-    (other / (dbs.RECORDS + dbs.PACKED)).write_bytes(b"")
-    (other / dbs.KEY_FILE).write_text(json.dumps({"target": h200.key()}))
     inputs = (InputSpec("x", (3, 16, 16)),)
-    with caplog.at_level(logging.WARNING):
-        _, found = pipeline.existing_databases(cfg, cfg.cuda, h100, inputs, tmp_path)
-    assert found == {}
-    assert "has tuning databases for NVIDIA H200, not for this GPU (NVIDIA H100 80GB HBM3)" in caplog.text
-    caplog.clear()
+    _, dirs = pipeline.db_keys(cfg, cfg.cuda, h200, inputs, tmp_path)
+    (bucket, own), *_ = dirs.items()
+    # another bucket's database on the H200 (batch 999, which this build lacks): not a reason to warn
+    elsewhere = own.parent / own.name.replace(f"-b{bucket.batch}", "-b999")
+    for folder in (elsewhere, own):
+        folder.mkdir(parents=True)
+        (folder / (dbs.RECORDS + dbs.PACKED)).write_bytes(b"")
+        (folder / dbs.KEY_FILE).write_text(json.dumps({"target": h200.key()}))
+        with caplog.at_level(logging.WARNING):
+            _, found = pipeline.existing_databases(cfg, cfg.cuda, h100, inputs, tmp_path)
+        assert found == {}
+        warned = "has tuning databases of these buckets for NVIDIA H200, not for this GPU (NVIDIA H100 80GB HBM3)"
+        assert (warned in caplog.text) == (folder == own), caplog.text
+        caplog.clear()
     with caplog.at_level(logging.WARNING):  # the H200 itself finds its own (no warning)
-        pipeline.existing_databases(cfg, cfg.cuda, h200, inputs, tmp_path)
-    assert "tuning databases for" not in caplog.text
+        _, found = pipeline.existing_databases(cfg, cfg.cuda, h200, inputs, tmp_path)
+    assert found == {bucket: own}
+    assert "tuning databases" not in caplog.text
