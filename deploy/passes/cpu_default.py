@@ -52,13 +52,14 @@ from __future__ import annotations
 
 import math
 
-from .kernel_shape import rule_kernel, static_int, vars_of
+from .kernel_shape import rule_kernel, single_reduction, static_int, vars_of
 
 LANES_BITS_FALLBACK = 128
 PARALLEL_MIN_ELEMENTS = 4096  # below this a parallel launch costs more than the loop (elements written)
 PARALLEL_MIN_WORK = 1 << 16  # multiply-adds: below this a parallel launch costs more than the kernel
 MAX_BLOCK = 8
 MAX_ACCUMULATORS = 16  # vector registers held by one tile's accumulators
+PAD = True  # a kernel whose tile does not divide an axis padded to whole tiles (`_pad`); False: predicated tiles
 
 
 def _largest_divisor(n: int, limit: int) -> int:
@@ -84,53 +85,18 @@ class ContractionTiling:
         if got is None:
             return None
         sch, (main, producers, consumers, n_s, extents) = got
-        block = sch.get(main.block_rv)
-        if len(block.writes) != 1 or len(block.reads) < 2:  # two operands: not a pooling
-            return None
-        write = block.writes[0]
-        spatial = main.iters[:n_s]
-
-        # The vector axis: the spatial axis of the output's last index of
-        # more than one element (an SE block's [1, C, 1, 1]: the channels).
-        v = None
-        for rg in reversed(write.region):
-            if static_int(rg.extent) == 1 and not any(it.var.same_as(rg.min) and e > 1 for it, e in zip(spatial, extents)):
-                continue
-            v = next((i for i, it in enumerate(spatial) if it.var.same_as(rg.min)), None)
-            break
-        if v is None or extents[v] < 2:
-            return None
         bits = target_codegen.llvm_get_vector_width(target)
-        lanes = max(2, (bits if bits > 0 else LANES_BITS_FALLBACK) // write.source.dtype.bits)
-        # Two vectors per row of the tile where the axis divides evenly (a
-        # matmul's output columns: each broadcast of the other operand then
-        # feeds two accumulators, as in a GEMM micro-kernel).
-        vec = 2 * lanes if extents[v] % (2 * lanes) == 0 else _block(extents[v], lanes)
-        if vec < 2:
+        plan = _plan(sch, main, n_s, extents, bits)
+        if plan is None:
             return None
-        # The blocked axis: not indexed by the operand read along the vector axis.
-        vloaded = [r for r in block.reads if any(spatial[v].var in vars_of(rg.min) for rg in r.region)]
-        used = set().union(*(vars_of(rg.min) for r in vloaded for rg in r.region)) if vloaded else set()
-        registers = -(-vec // lanes)
-        b, blk = None, 1
-        for i in reversed(range(n_s)):
-            if i != v and extents[i] > 1 and spatial[i].var not in used:
-                b = i
-                blk = _block(extents[i], max(1, min(MAX_BLOCK, MAX_ACCUMULATORS // registers)))
-                break
-        # A second blocked axis, one the vector-loaded operand does index (a
-        # blocked layout's outer output channels): each broadcast value of the
-        # other operand then serves more accumulators.
-        # (Not an axis the other operands index too, as a batch matmul's
-        # batch: blocking it would reuse nothing.)
-        others = set().union(*(vars_of(rg.min) for r in block.reads if r not in vloaded for rg in r.region))
-        b2, blk2 = None, 1
-        room = MAX_ACCUMULATORS // (registers * blk)
-        if room >= 2:
-            for i in reversed(range(n_s)):
-                if i not in (v, b) and extents[i] > 1 and spatial[i].var in used and spatial[i].var not in others:
-                    b2, blk2 = i, _block(extents[i], room)
-                    break
+        ragged = [(i, f) for i, f in zip(plan[::2], plan[1::2]) if i is not None and f > 1 and extents[i] % f]
+        if ragged and PAD:
+            padded = _pad(func, target, ragged, bits)
+            if padded is not None:
+                sch, (main, producers, consumers, n_s, extents), plan = padded
+        v, vec, b, blk, b2, blk2 = plan
+        block = sch.get(main.block_rv)
+        write = block.writes[0]
 
         # Consumers: fold the chain into its last block, applied at write-back.
         for c in consumers[:-1]:
@@ -173,6 +139,93 @@ class ContractionTiling:
         for p in producers:
             _parallel_at_root(sch, p.block_rv)
         return sch
+
+
+def _plan(sch, main, n_s: int, extents: list[int], bits: int):
+    """(v, vec, b, blk, b2, blk2): the vector axis and its vector, the
+    blocked axis and its block, the second blocked axis and its block (None,
+    1 where there is none); None where the rule does not apply."""
+    block = sch.get(main.block_rv)
+    if len(block.writes) != 1 or len(block.reads) < 2:  # two operands: not a pooling
+        return None
+    write = block.writes[0]
+    spatial = main.iters[:n_s]
+
+    # The vector axis: the spatial axis of the output's last index of
+    # more than one element (an SE block's [1, C, 1, 1]: the channels).
+    v = None
+    for rg in reversed(write.region):
+        if static_int(rg.extent) == 1 and not any(it.var.same_as(rg.min) and e > 1 for it, e in zip(spatial, extents)):
+            continue
+        v = next((i for i, it in enumerate(spatial) if it.var.same_as(rg.min)), None)
+        break
+    if v is None or extents[v] < 2:
+        return None
+    lanes = max(2, (bits if bits > 0 else LANES_BITS_FALLBACK) // write.source.dtype.bits)
+    # Two vectors per row of the tile where the axis divides evenly (a
+    # matmul's output columns: each broadcast of the other operand then
+    # feeds two accumulators, as in a GEMM micro-kernel).
+    vec = 2 * lanes if extents[v] % (2 * lanes) == 0 else _block(extents[v], lanes)
+    if vec < 2:
+        return None
+    # The blocked axis: not indexed by the operand read along the vector axis.
+    vloaded = [r for r in block.reads if any(spatial[v].var in vars_of(rg.min) for rg in r.region)]
+    used = set().union(*(vars_of(rg.min) for r in vloaded for rg in r.region)) if vloaded else set()
+    registers = -(-vec // lanes)
+    b, blk = None, 1
+    for i in reversed(range(n_s)):
+        if i != v and extents[i] > 1 and spatial[i].var not in used:
+            b = i
+            blk = _block(extents[i], max(1, min(MAX_BLOCK, MAX_ACCUMULATORS // registers)))
+            break
+    # A second blocked axis, one the vector-loaded operand does index (a
+    # blocked layout's outer output channels): each broadcast value of the
+    # other operand then serves more accumulators.
+    # (Not an axis the other operands index too, as a batch matmul's
+    # batch: blocking it would reuse nothing.)
+    others = set().union(*(vars_of(rg.min) for r in block.reads if r not in vloaded for rg in r.region))
+    b2, blk2 = None, 1
+    room = MAX_ACCUMULATORS // (registers * blk)
+    if room >= 2:
+        for i in reversed(range(n_s)):
+            if i not in (v, b) and extents[i] > 1 and spatial[i].var in used and spatial[i].var not in others:
+                b2, blk2 = i, _block(extents[i], room)
+                break
+    return v, vec, b, blk, b2, blk2
+
+
+def _pad(func, target, ragged, bits: int):
+    """The kernel with the axes its tile does not divide (`ragged`: (axis,
+    block) pairs) padded to whole tiles by TVM's `pad_einsum`: copies of its
+    operands padded with zeros, the contraction over whole tiles, and the
+    result cropped from the padded one. A tile cut short by a predicate
+    keeps LLVM from vectorizing it: ViT's attention scores (197 x 197 a
+    head), whose vector axis is the 197 keys, ran at 10 GFLOP/s and took
+    2.97 ms a call on 2 cores, padded 0.183 ms. (schedule, single_reduction,
+    plan) of the padded kernel, or None where pad_einsum declines it or the
+    padded kernel is not one this rule tiles whole."""
+    from ..tvm_compat import s_tir
+
+    sch = s_tir.Schedule(func)
+    found = single_reduction(sch)
+    if found is None:
+        return None
+    main, _, _, n_s, extents = found
+    padding = [1] * len(extents)
+    for i, f in ragged:
+        padding[i] = f
+    try:
+        sch.pad_einsum(main.block_rv, padding)
+    except Exception:  # noqa: BLE001 - pad_einsum declined: tiles cut short by predicates instead
+        return None
+    found = single_reduction(sch)
+    if found is None:
+        return None
+    main, _, _, n_s, extents = found
+    plan = _plan(sch, main, n_s, extents, bits)
+    if plan is None or any(i is not None and extents[i] % f for i, f in zip(plan[::2], plan[1::2])):
+        return None
+    return sch, found, plan
 
 
 def _parallel_at_root(sch, block) -> None:

@@ -182,6 +182,21 @@ def test_batch_matmul_blocks_no_axis_both_operands_index(llvm_target):
     assert "T.unroll(8)" in script and "T.unroll(2)" not in script and "T.unroll(4)" not in script
 
 
+def test_a_tile_its_axes_do_not_divide_is_padded_not_predicated(llvm_target, monkeypatch):
+    """Attention's scores, 197 keys along the vector: a tile cut short by a
+    predicate keeps LLVM from vectorizing it (ViT's ran at 10 GFLOP/s), so
+    the operands are padded to whole tiles and the result cropped; the
+    numbers are the unscheduled kernel's (`_check`). PAD = False keeps the
+    predicated tile (the A/B switch)."""
+    a = te.placeholder((4, 197, 64), name="a")
+    b = te.placeholder((4, 64, 197), name="b")
+    func = te.create_prim_func([a, b, topi.nn.batch_matmul(a, b, transpose_b=False)])
+    script = _check(func, llvm_target).mod.script()
+    assert "T.where" not in script and "a_pad" in script and "b_pad" in script
+    monkeypatch.setattr(cpu_default, "PAD", False)
+    assert "T.where" in _check(func, llvm_target).mod.script()
+
+
 def _equal_not_cast():
     """RoBERTa's padding mask before its CumSum: Equal, Not, Cast, each its
     own block over bool intermediates (as FuseTIR leaves them)."""
