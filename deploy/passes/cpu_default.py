@@ -22,6 +22,9 @@ it applies to any layout:
   output channels) is blocked too, so each broadcast value of the other
   operand feeds a 2-D tile of accumulators (ResNet-50 NCHW16c, untuned:
   33.0 -> 27.0 ms on 2 cores);
+- an axis the tile does not divide (ViT's 197 tokens) is padded to whole
+  tiles (`_pad`: the operands copied with zeros, the result cropped), since
+  a tile ending in a predicate is not vectorized;
 - the reduction loops run inside each tile, and the tiles of the remaining
   spatial axes are fused and run in parallel on every core;
 - injective producers (padding) run before it in parallel; injective
@@ -68,8 +71,8 @@ def _largest_divisor(n: int, limit: int) -> int:
 
 def _block(n: int, limit: int) -> int:
     """The block of an axis of extent `n`: its largest divisor up to
-    `limit`, or `limit` itself (the last block cut short by a predicate)
-    where no divisor reaches half of it (ViT's 197 tokens: a prime)."""
+    `limit`, or `limit` itself (the axis then padded to whole blocks,
+    `_pad`) where no divisor reaches half of it (ViT's 197 tokens: a prime)."""
     d = _largest_divisor(n, limit)
     return limit if n > limit and 2 * d <= limit else d
 
