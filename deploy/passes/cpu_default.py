@@ -56,6 +56,7 @@ from __future__ import annotations
 import math
 
 from .kernel_shape import rule_kernel, single_reduction, static_int, vars_of
+from .mma_gemm import is_multiply_accumulate
 
 LANES_BITS_FALLBACK = 128
 PARALLEL_MIN_ELEMENTS = 4096  # below this a parallel launch costs more than the loop (elements written)
@@ -63,6 +64,7 @@ PARALLEL_MIN_WORK = 1 << 16  # multiply-adds: below this a parallel launch costs
 MAX_BLOCK = 8
 MAX_ACCUMULATORS = 16  # vector registers held by one tile's accumulators
 PAD = True  # a kernel whose tile does not divide an axis padded to whole tiles (`_pad`); False: predicated tiles
+MAX_WASTE = 0.125  # a blocked axis is padded only where that adds at most this share of work (a vector axis always)
 
 
 def _largest_divisor(n: int, limit: int) -> int:
@@ -92,9 +94,14 @@ class ContractionTiling:
         plan = _plan(sch, main, n_s, extents, bits)
         if plan is None:
             return None
-        ragged = [(i, f) for i, f in zip(plan[::2], plan[1::2]) if i is not None and f > 1 and extents[i] % f]
-        if ragged and PAD:
-            padded = _pad(func, target, ragged, bits)
+        padded = None
+        # the vector axis made whole (its predicate keeps the tile scalar), a blocked axis where that wastes little
+        ragged = [(i, f) for i, f in zip(plan[::2], plan[1::2])
+                  if i is not None and f > 1 and extents[i] % f and (i == plan[0] or _waste(extents[i], f) <= MAX_WASTE)]
+        block = sch.get(main.block_rv)
+        # (only `C + x * y`: zeros padded into another body might be divided by, and integer division faults)
+        if PAD and ragged and is_multiply_accumulate(block.body, block.writes[0].source):
+            padded = _pad(func, ragged, bits)
             if padded is not None:
                 sch, (main, producers, consumers, n_s, extents), plan = padded
         v, vec, b, blk, b2, blk2 = plan
@@ -128,9 +135,11 @@ class ContractionTiling:
         writeback = sch.cache_write(main.block_rv, 0, "local")
         sch.reverse_compute_at(writeback, tile, preserve_unit_loops=True)
         if out is not None:
-            if [static_int(d) for d in sch.get(out).writes[0].source.shape] == [static_int(d) for d in write.source.shape]:
+            # (padded: the epilogue reads the padded result through the crop, whatever its own shape)
+            if padded is None and ([static_int(d) for d in sch.get(out).writes[0].source.shape]
+                                   == [static_int(d) for d in write.source.shape]):
                 sch.reverse_compute_inline(out)
-            else:  # a broadcast epilogue (squeeze-excitation's multiply): after the tiles, in parallel
+            else:  # a broadcast epilogue (squeeze-excitation's multiply), or a padded kernel's: after the tiles
                 _parallel_at_root(sch, out)
         for i in inner[:-1]:
             sch.unroll(i)
@@ -197,16 +206,25 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
     return v, vec, b, blk, b2, blk2
 
 
-def _pad(func, target, ragged, bits: int):
+def _waste(n: int, block: int) -> float:
+    """The share of extra work padding `n` to whole blocks adds."""
+    return (-(-n // block) * block - n) / n
+
+
+def _pad(func, ragged, bits: int):
     """The kernel with the axes its tile does not divide (`ragged`: (axis,
     block) pairs) padded to whole tiles by TVM's `pad_einsum`: copies of its
     operands padded with zeros, the contraction over whole tiles, and the
-    result cropped from the padded one. A tile cut short by a predicate
-    keeps LLVM from vectorizing it: ViT's attention scores (197 x 197 a
-    head), whose vector axis is the 197 keys, ran at 10 GFLOP/s and took
-    2.97 ms a call on 2 cores, padded 0.183 ms. (schedule, single_reduction,
-    plan) of the padded kernel, or None where pad_einsum declines it or the
-    padded kernel is not one this rule tiles whole."""
+    result cropped from the padded one. A vector axis that ends in a
+    predicate keeps LLVM from vectorizing the tile: ViT's attention scores
+    (197 x 197 a head), whose vector axis is the 197 keys, ran at 10
+    GFLOP/s and took 3.04 ms a call on 2 cores, padded 0.20 ms
+    (results/cpu/2026-12-07/corpus-llvm-pad/). A blocked axis (unrolled) is
+    padded where that adds at most MAX_WASTE of work (197 rows to 200: 0.61
+    -> 0.41 ms on a 197 x 384 x 384 matmul; 9 rows to 16 was slower), else
+    left to its predicate. (schedule, single_reduction, plan) of the padded kernel, or
+    None where pad_einsum declines it (a blocked layout's convolution) or
+    the padded kernel's vector axis is not whole."""
     from ..tvm_compat import s_tir
 
     sch = s_tir.Schedule(func)
@@ -226,7 +244,7 @@ def _pad(func, target, ragged, bits: int):
         return None
     main, _, _, n_s, extents = found
     plan = _plan(sch, main, n_s, extents, bits)
-    if plan is None or any(i is not None and extents[i] % f for i, f in zip(plan[::2], plan[1::2])):
+    if plan is None or extents[plan[0]] % plan[1]:
         return None
     return sch, found, plan
 

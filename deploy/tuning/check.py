@@ -101,8 +101,8 @@ def read(folder: Path, kind: str | None = None) -> dict:
 
 
 # The chains of databases checked when a target kind's whole chain had one
-# version number: CUDA 4 and llvm 1 (no CPU rule has changed its kernels'
-# schedules since), every rule at version 1 (CUDA's rules of then, in their
+# version number: CUDA 4 and llvm 1 (no CPU rule had changed its kernels'
+# schedules by then), every rule at version 1 (CUDA's rules of then, in their
 # order of then); timings made under older CUDA numbers are dropped.
 _LEGACY_CHAINS = {
     ("cuda", 4): ["few-outputs@1", "dlight.Matmul", "dlight.GEMV", "short-reduction@1", "dlight.Reduction",

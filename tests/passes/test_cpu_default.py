@@ -197,6 +197,38 @@ def test_a_tile_its_axes_do_not_divide_is_padded_not_predicated(llvm_target, mon
     assert "T.where" in _check(func, llvm_target).mod.script()
 
 
+def test_a_padded_kernel_keeps_its_epilogue_whatever_the_epilogues_shape(llvm_target):
+    """Padded, the result reaches its consumers through the crop: a bias and
+    ReLU, and a concatenation whose output happens to have the padded shape
+    (11 columns before 197: 208), which inlining into the tile would refuse."""
+    x = te.placeholder((64, 64), name="x")
+    w = te.placeholder((64, 197), name="w")
+    bias = te.placeholder((197,), name="bias")
+    mm = topi.matmul(x, w)
+    script = _check(te.create_prim_func([x, w, bias, topi.nn.relu(topi.add(mm, bias))]), llvm_target).mod.script()
+    assert "w_pad" in script and "T.where" not in script
+    d = te.placeholder((64, 11), name="d")
+    script = _check(te.create_prim_func([x, w, d, topi.concatenate([d, mm], axis=1)]), llvm_target).mod.script()
+    assert "w_pad" in script
+
+
+def test_padding_only_where_it_pays_and_cannot_fault(llvm_target):
+    """Nine rows would be padded to 16 (78% more work; it measured slower):
+    left to their predicate. An integer division by an operand would divide
+    by the padded zeros: not padded either."""
+    a = te.placeholder((9, 64), name="a")
+    b = te.placeholder((64, 512), name="b")
+    script = _check(te.create_prim_func([a, b, topi.matmul(a, b)]), llvm_target).mod.script()
+    assert "_pad" not in script and "T.where" in script
+    x = te.placeholder((16, 8), name="x", dtype="int32")
+    y = te.placeholder((8, 197), name="y", dtype="int32")
+    k = te.reduce_axis((0, 8), name="k")
+    div = te.compute((16, 197), lambda i, j: te.sum(tvm.tirx.truncdiv(x[i, k], y[k, j]), axis=k), name="div")
+    func = te.create_prim_func([x, y, div])
+    sch = ContractionTiling().apply(func, llvm_target.tvm_target(), False)
+    assert sch is not None and "y_pad" not in sch.mod.script()
+
+
 def _equal_not_cast():
     """RoBERTa's padding mask before its CumSum: Equal, Not, Cast, each its
     own block over bool intermediates (as FuseTIR leaves them)."""
