@@ -65,6 +65,7 @@ MAX_BLOCK = 8
 MAX_ACCUMULATORS = 16  # vector registers held by one tile's accumulators
 PAD = True  # a kernel whose tile does not divide an axis padded to whole tiles (`_pad`); False: predicated tiles
 MAX_WASTE = 0.125  # a blocked axis is padded only where that adds at most this share of work (a vector axis always)
+PAD_BLOCKED_MIN_K = 128  # ... and where each output sums at least this many products (ViT's GEMMs, not a 1x1 conv)
 
 
 def _largest_divisor(n: int, limit: int) -> int:
@@ -95,9 +96,11 @@ class ContractionTiling:
         if plan is None:
             return None
         padded = None
-        # the vector axis made whole (its predicate keeps the tile scalar), a blocked axis where that wastes little
-        ragged = [(i, f) for i, f in zip(plan[::2], plan[1::2])
-                  if i is not None and f > 1 and extents[i] % f and (i == plan[0] or _waste(extents[i], f) <= MAX_WASTE)]
+        # the vector axis made whole (its predicate keeps the tile scalar); a blocked axis where that wastes little
+        # and each output sums enough products to pay for the copies
+        blocked_ok = math.prod(extents[n_s:]) >= PAD_BLOCKED_MIN_K
+        ragged = [(i, f) for i, f in zip(plan[::2], plan[1::2]) if i is not None and f > 1 and extents[i] % f
+                  and (i == plan[0] or (blocked_ok and _waste(extents[i], f) <= MAX_WASTE))]
         block = sch.get(main.block_rv)
         # (only `C + x * y`: zeros padded into another body might be divided by, and integer division faults)
         if PAD and ragged and is_multiply_accumulate(block.body, block.writes[0].source):
@@ -220,9 +223,11 @@ def _pad(func, ragged, bits: int):
     (197 x 197 a head), whose vector axis is the 197 keys, ran at 10
     GFLOP/s and took 3.04 ms a call on 2 cores, padded 0.20 ms
     (results/cpu/2026-12-07/corpus-llvm-pad/). A blocked axis (unrolled) is
-    padded where that adds at most MAX_WASTE of work (197 rows to 200: 0.61
-    -> 0.41 ms on a 197 x 384 x 384 matmul; 9 rows to 16 was slower), else
-    left to its predicate. (schedule, single_reduction, plan) of the padded kernel, or
+    padded where that adds at most MAX_WASTE of work and each output sums
+    PAD_BLOCKED_MIN_K products or more (197 rows to 200: 0.61 -> 0.41 ms on
+    a 197 x 384 x 384 matmul; 9 rows to 16 was slower, and so were
+    ShuffleNet's 1x1 convolutions of 24 and 58 channels with their 58 output
+    channels padded to 64, 0.74x-0.94x), else left to its predicate. (schedule, single_reduction, plan) of the padded kernel, or
     None where pad_einsum declines it (a blocked layout's convolution) or
     the padded kernel's vector axis is not whole."""
     from ..tvm_compat import s_tir
