@@ -22,9 +22,10 @@ it applies to any layout:
   output channels) is blocked too, so each broadcast value of the other
   operand feeds a 2-D tile of accumulators (ResNet-50 NCHW16c, untuned:
   33.0 -> 27.0 ms on 2 cores);
-- an axis the tile does not divide (ViT's 197 tokens) is padded to whole
-  tiles (`_pad`: the operands copied with zeros, the result cropped), since
-  a tile ending in a predicate is not vectorized;
+- a vector axis the tile does not divide (ViT's 197 keys) is padded to
+  whole tiles (`_pad`: the operands copied with zeros, the result cropped),
+  since a tile ending in a predicate is not vectorized; a blocked axis too
+  where that costs little (MAX_WASTE, PAD_BLOCKED_MIN_K);
 - the reduction loops run inside each tile, and the tiles of the remaining
   spatial axes are fused and run in parallel on every core;
 - injective producers (padding) run before it in parallel; injective
