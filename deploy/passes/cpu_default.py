@@ -228,9 +228,11 @@ def _pad(func, ragged, bits: int):
     PAD_BLOCKED_MIN_K products or more (197 rows to 200: 0.61 -> 0.41 ms on
     a 197 x 384 x 384 matmul; 9 rows to 16 was slower, and so were
     ShuffleNet's 1x1 convolutions of 24 and 58 channels with their 58 output
-    channels padded to 64, 0.74x-0.94x), else left to its predicate. (schedule, single_reduction, plan) of the padded kernel, or
-    None where pad_einsum declines it (a blocked layout's convolution) or
-    the padded kernel's vector axis is not whole."""
+    channels padded to 64, 0.74x-0.94x), else left to its predicate.
+
+    (schedule, single_reduction, plan) of the padded kernel, or None where
+    pad_einsum declines it (a blocked layout's convolution) or the padded
+    kernel's vector axis is not whole."""
     from ..tvm_compat import s_tir
 
     sch = s_tir.Schedule(func)
