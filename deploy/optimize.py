@@ -59,6 +59,8 @@ from .passes.layout import convert_to_nhwc
 from .passes.mean_cast import fuse_mean_casts
 from .passes.mixed_precision import to_mixed_precision
 from .passes.movement import tidy_movement
+from .passes.pack_weights import ATTR as PACKED
+from .passes.pack_weights import pack_gemm_weights
 from .passes.pad_gemm import pad_gemm_rows
 from .passes.split_k import split_k_conv2d
 from .passes.tf32 import mark as tf32_gemms
@@ -160,6 +162,9 @@ def phases(profile: Profile, target=None, tuned_direct: bool = False) -> list[tu
             ],
         )
     )
+    if target is not None and target.kind.name == "llvm":
+        # (a CPU GEMM's constant weight in column panels for the default schedule: passes/pack_weights.py)
+        out.append(("pack_weights", [pack_gemm_weights(target), *fold(), T.DeadCodeElimination()]))
     return out
 
 
@@ -196,6 +201,9 @@ def optimize_module(mod, profile: Profile, target, dump_dir: Path | None = None,
             entry = {"phase": name, "ops": op_counts(mod)}
             if name == "fusion":
                 entry["kernels"] = sum(isinstance(f, tirx.PrimFunc) for f in mod.functions.values())
+            if name == "pack_weights":
+                entry["kernels"] = sum(isinstance(f, tirx.PrimFunc) and PACKED in (f.attrs or {})
+                                       for f in mod.functions.values())
             report.append(entry)
             if dump_dir is not None:
                 (dump_dir / f"{len(report) - 1:02d}_{name}.py").write_text(mod.script(show_meta=False))
@@ -283,6 +291,8 @@ def summarize(report: list[dict]) -> str:
         n = sum(v for k, v in entry["ops"].items() if k != "call_tir")
         if entry["phase"] == "fusion":
             parts.append(f"fusion: {entry['kernels']} kernels, {entry['ops'].get('call_tir', 0)} calls")
+        elif entry["phase"] == "pack_weights":
+            parts.append(f"pack_weights: {entry['kernels']} kernels")
         else:
             parts.append(f"{entry['phase']}: {n} ops")
     return ", ".join(parts)

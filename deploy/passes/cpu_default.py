@@ -140,7 +140,9 @@ class ContractionTiling:
         sch.reverse_compute_at(writeback, tile, preserve_unit_loops=True)
         if out is not None:
             # (padded: the epilogue reads the padded result through the crop, whatever its own shape)
-            if padded is None and ([static_int(d) for d in sch.get(out).writes[0].source.shape]
+            # (over the product's shape: a packed GEMM's epilogue too, which iterates its panels while it
+            # writes the kernel's [.., N] output; passes/pack_weights.py)
+            if padded is None and ([static_int(iv.dom.extent) for iv in sch.get(out).iter_vars]
                                    == [static_int(d) for d in write.source.shape]):
                 sch.reverse_compute_inline(out)
             else:  # a broadcast epilogue (squeeze-excitation's multiply), or a padded kernel's: after the tiles

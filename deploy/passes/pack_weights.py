@@ -1,0 +1,209 @@
+"""A CPU GEMM's constant weight packed into column panels of one tile's
+width, so that each step of the tile's reduction reads one contiguous run.
+
+The default CPU schedule of a matmul (cpu_default.py) computes a tile of 8
+rows x 2 vectors of output columns (32 floats with AVX-512), running the
+whole reduction inside the tile: each step loads 2 vectors of the weight
+row `k` and broadcasts 8 values of the input. With the weight as the model
+stores it ([K, N], or [N, K] for a transposed dense), consecutive steps read
+rows N floats apart: a new page every step or two, which the hardware
+prefetchers do not follow, so the tile waits on L2 and L3. ViT-S/16's
+GEMMs ran at 145-180 GFLOP/s on the 2-core CPU machine, about half of ONNX
+Runtime's rate.
+
+This pass, last in the CPU profile's optimize stage, rewrites each kernel
+that the default schedule takes where that operand (the one its vector
+axis reads) is a 2-D constant whose other axis is the reduction, and its
+columns divide into whole tiles:
+
+- the constant is laid out [N / w, K, w] (`w`: the tile's width), folded in
+  NumPy by fold_weights (a layout_transform of a constant);
+- the kernel reads it there, and computes its product over [.., N / w, w]
+  (transform_block_layout, then transform_layout of the weight and of the
+  product), so that the product is still an einsum: `pad_einsum` can then
+  pad ragged rows (ViT's 197 tokens) as cpu_default does. A product the
+  kernel writes out directly is first staged (cache_write).
+
+Per kernel on the CPU machine (2 cores, AVX-512), default schedule, interleaved
+(results/cpu/2026-12-07/pack-weights/): 197 x 384 x 1536 with ReLU 1.51 ->
+0.91 ms, 197 x 1536 x 384 1.44 -> 0.88 ms, 1568 x 384 x 1536 12.9 -> 7.5 ms
+(145 -> 245-263 GFLOP/s).
+
+A packed kernel is a new tuning workload: tuning records of the unpacked one
+no longer match it (the CPU databases of this repository were checked:
+docs/corpus.md). Kernels with the weight not a constant at every call (a
+shared PrimFunc), or whose packed form the default schedule would not take,
+are left as they are. `PACK = False` turns the pass off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from .kernel_shape import point_indices, rule_kernel, static_int
+
+log = logging.getLogger(__name__)
+
+PACK = True
+ATTR = "deploy.packed_weight"  # on a packed kernel: its panels' width
+
+
+def pack_gemm_weights(target):
+    """The module pass for `target` (an llvm TVM target)."""
+    from ..tvm_compat import RelaxConstant, relax, tvm
+
+    @tvm.transform.module_pass(opt_level=0, name="pack_gemm_weights")
+    def run(mod, _ctx):
+        if not PACK or target.kind.name != "llvm":
+            return mod
+        calls = collections.defaultdict(list)
+
+        def visit(expr):
+            if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.call_tir":
+                calls[expr.args[0]].append(expr)
+
+        for func in mod.functions.values():
+            if isinstance(func, relax.Function):
+                relax.analysis.post_order_visit(func.body, visit)
+        plans = {}
+        for gv, sites in calls.items():
+            func = mod[gv]
+            packed = pack_prim_func(func, target)
+            if packed is None:
+                continue
+            new_func, param, index_map = packed
+            if all(isinstance(c.args[1].fields[param], RelaxConstant) for c in sites):
+                plans[gv] = (new_func, param, index_map)
+        if not plans:
+            return mod
+        log.debug("pack_gemm_weights: %d kernels", len(plans))
+
+        # (a new GlobalVar per packed kernel, of the same name: a GlobalVar's type is its function's signature)
+        base = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv not in plans}, attrs=mod.attrs,
+                            global_infos=mod.global_infos)
+
+        @relax.expr_functor.mutator
+        class Rewrite(relax.PyExprMutator):
+            def visit_call_(self, call):
+                call = super().visit_call_(call)
+                if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_tir"):
+                    return call
+                plan = plans.get(call.args[0])
+                if plan is None:
+                    return call
+                new_gv, param, index_map = plan
+                args = list(call.args[1].fields)
+                args[param] = self.builder_.emit(relax.op.layout_transform(args[param], index_map))
+                return relax.Call(call.op, [new_gv, relax.Tuple(args), *call.args[2:]], call.attrs, call.ty_args)
+
+        rewrite = Rewrite(base)
+        for gv, (new_func, param, index_map) in list(plans.items()):
+            plans[gv] = (rewrite.builder_.add_func(new_func, gv.name_hint), param, index_map)
+        for gv, func in base.functions_items():
+            if isinstance(func, relax.Function):
+                rewrite.builder_.update_func(gv, rewrite.visit_expr(func))
+        return rewrite.builder_.get()
+
+    return run
+
+
+def pack_prim_func(func, target):
+    """(packed PrimFunc, index of the packed parameter among the call's
+    arguments, the weight's IndexMap), or None where the pass does not
+    apply (see the module's docstring)."""
+    try:
+        return _pack(func, target)
+    except Exception as e:  # noqa: BLE001 - a kernel the pass cannot read or rewrite is left as it is
+        log.debug("pack_gemm_weights: a kernel left as it is (%s)",
+                  (str(e).strip().splitlines() or [type(e).__name__])[-1][:120])
+        return None
+
+
+def _pack(func, target):
+    from ..tvm_compat import s_tir, target_codegen, tirx, tvm
+    from . import cpu_default
+
+    got = rule_kernel(func, target, "llvm")
+    if got is None:
+        return None
+    sch, (main, _, consumers, n_s, extents) = got
+    bits = target_codegen.llvm_get_vector_width(target)
+    plan = cpu_default._plan(sch, main, n_s, extents, bits)
+    if plan is None:
+        return None
+    v, width = plan[0], plan[1]
+    block = sch.get(main.block_rv)
+    lanes = max(2, (bits if bits > 0 else cpu_default.LANES_BITS_FALLBACK) // block.writes[0].source.dtype.bits)
+    if width < lanes or extents[v] % width or extents[v] == width:
+        return None
+    vvar = main.iters[v].var
+    reduction = {it.var for it in main.iters[n_s:]}
+    params = list(func.params)
+
+    def param_of(buf):
+        return next((i for i, p in enumerate(params) if p.same_as(buf)), None)
+
+    weight = None
+    for r, read in enumerate(block.reads):
+        idx = point_indices(read)
+        if param_of(read.source) is None or len(idx) != 2 or any(e is None for e in idx):
+            continue
+        if sum(1 for e in idx if isinstance(e, tirx.Var) and e.same_as(vvar)) != 1:
+            continue
+        other = idx[1] if idx[0].same_as(vvar) else idx[0]
+        if isinstance(other, tirx.Var) and any(other.same_as(k) for k in reduction):
+            if weight is not None:
+                return None  # two candidate operands: not a plain matmul
+            weight = (r, read.source, 0 if idx[0].same_as(vvar) else 1)
+    if weight is None:
+        return None
+    read_index, buffer, n_pos = weight
+    if static_int(buffer.shape[n_pos]) != extents[v]:
+        return None
+    w = width
+    from_func = tirx.IndexMap.from_func
+    sch.transform_block_layout(main.block_rv, from_func(lambda *ax: (*ax[:v], ax[v] // w, ax[v] % w, *ax[v + 1:]),
+                                                        ndim=len(extents), index_dtype=str(vvar.ty)))
+    weight_map = from_func((lambda k, n: (n // w, k, n % w)) if n_pos == 1 else (lambda n, k: (n // w, k, n % w)),
+                           index_dtype=str(buffer.shape[0].ty.dtype))
+    sch.transform_layout(main.block_rv, ("read", read_index), weight_map)
+    if not _split_chain(sch, main, consumers, extents[:n_s], v, w, param_of):
+        sch.reindex(main.block_rv, ("write", 0))  # the product over the block's own axes, copied out after it
+    new = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": sch.mod["main"]}))["main"]
+    if cpu_default.ContractionTiling().apply(new, target) is None:
+        return None
+    return new.with_attr(ATTR, w), param_of(buffer), weight_map
+
+
+def _split_chain(sch, main, consumers, spatial: list[int], v: int, w: int, param_of) -> bool:
+    """The product and the elementwise blocks after it (bias, activation) laid
+    out over [.., N / w, w, ..] as the main block now iterates, so that the
+    default schedule applies them as each tile is written back; the last
+    block still writes the kernel's output [.., N, ..]. False (nothing
+    changed) where a block after the product is not elementwise over its
+    shape (a broadcast, a reduction of it) or the product is the output."""
+    from ..tvm_compat import tirx
+
+    def trivial(block) -> bool:  # writes one buffer at exactly its own axes, in order
+        idx = point_indices(block.writes[0]) if len(block.writes) == 1 else [None]
+        return len(idx) == len(block.iter_vars) and all(
+            isinstance(e, tirx.Var) and e.same_as(iv.var) for e, iv in zip(idx, block.iter_vars))
+
+    blocks = [sch.get(c.block_rv) for c in consumers]
+    product = sch.get(main.block_rv).writes[0].source
+    if param_of(product) is not None or not blocks:
+        return False
+    for i, b in enumerate(blocks):
+        if [static_int(iv.dom.extent) for iv in b.iter_vars] != spatial or not trivial(b):
+            return False
+        if i < len(blocks) - 1 and param_of(b.writes[0].source) is not None:
+            return False
+    split = tirx.IndexMap.from_func(lambda *ax: (*ax[:v], ax[v] // w, ax[v] % w, *ax[v + 1:]), ndim=len(spatial),
+                                    index_dtype=str(blocks[0].iter_vars[0].var.ty))
+    sch.transform_layout(main.block_rv, ("write", 0), split)
+    for i, c in enumerate(consumers):
+        sch.transform_block_layout(c.block_rv, split)
+        if i < len(consumers) - 1:
+            sch.transform_layout(c.block_rv, ("write", 0), split)
+    return True
