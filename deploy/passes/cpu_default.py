@@ -140,10 +140,7 @@ class ContractionTiling:
         sch.reverse_compute_at(writeback, tile, preserve_unit_loops=True)
         if out is not None:
             # (padded: the epilogue reads the padded result through the crop, whatever its own shape)
-            # (over the product's shape: a packed GEMM's epilogue too, which iterates its panels while it
-            # writes the kernel's [.., N] output; passes/pack_weights.py)
-            if padded is None and ([static_int(iv.dom.extent) for iv in sch.get(out).iter_vars]
-                                   == [static_int(d) for d in write.source.shape]):
+            if padded is None and _over_product(sch.get(out), write.source):
                 sch.reverse_compute_inline(out)
             else:  # a broadcast epilogue (squeeze-excitation's multiply), or a padded kernel's: after the tiles
                 _parallel_at_root(sch, out)
@@ -210,6 +207,18 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
                 b2, blk2 = i, _block(extents[i], room)
                 break
     return v, vec, b, blk, b2, blk2
+
+
+def _over_product(epilogue, product) -> bool:
+    """Whether the epilogue's last block runs over the product's elements
+    one to one: it writes the product's shape, or it iterates over it while
+    it writes another (a packed GEMM's epilogue iterates the panels and
+    writes the kernel's [.., N] output: passes/pack_weights.py). Unit axes
+    are not iterated, so they are left out of that comparison."""
+    shape = [static_int(d) for d in product.shape]
+    if [static_int(d) for d in epilogue.writes[0].source.shape] == shape:
+        return True
+    return [e for e in (static_int(iv.dom.extent) for iv in epilogue.iter_vars) if e != 1] == [d for d in shape if d != 1]
 
 
 def _waste(n: int, block: int) -> float:
