@@ -161,6 +161,10 @@ def _pack(func, target):
     read_index, buffer, n_pos = weight
     if static_int(buffer.shape[n_pos]) != extents[v]:
         return None
+    out_idx = point_indices(block.writes[0])
+    product_axis = next((i for i, e in enumerate(out_idx) if isinstance(e, tirx.Var) and e.same_as(vvar)), None)
+    if product_axis is None:
+        return None
     w = width
     from_func = tirx.IndexMap.from_func
     sch.transform_block_layout(main.block_rv, from_func(lambda *ax: (*ax[:v], ax[v] // w, ax[v] % w, *ax[v + 1:]),
@@ -168,7 +172,7 @@ def _pack(func, target):
     weight_map = from_func((lambda k, n: (n // w, k, n % w)) if n_pos == 1 else (lambda n, k: (n // w, k, n % w)),
                            index_dtype=str(buffer.shape[0].ty.dtype))
     sch.transform_layout(main.block_rv, ("read", read_index), weight_map)
-    if not _split_chain(sch, main, consumers, extents[:n_s], v, w, param_of):
+    if not _split_chain(sch, main, consumers, extents[:n_s], v, w, product_axis, param_of):
         sch.reindex(main.block_rv, ("write", 0))  # the product over the block's own axes, copied out after it
     new = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": sch.mod["main"]}))["main"]
     if cpu_default.ContractionTiling().apply(new, target) is None:
@@ -176,34 +180,63 @@ def _pack(func, target):
     return new.with_attr(ATTR, w), param_of(buffer), weight_map
 
 
-def _split_chain(sch, main, consumers, spatial: list[int], v: int, w: int, param_of) -> bool:
+def _split_chain(sch, main, consumers, spatial: list[int], v: int, w: int, product_axis: int, param_of) -> bool:
     """The product and the elementwise blocks after it (bias, activation) laid
     out over [.., N / w, w, ..] as the main block now iterates, so that the
     default schedule applies them as each tile is written back; the last
-    block still writes the kernel's output [.., N, ..]. False (nothing
-    changed) where a block after the product is not elementwise over its
-    shape (a broadcast, a reduction of it) or the product is the output."""
+    block still writes the kernel's output [.., N, ..]. `product_axis`: N's
+    place among the product's indices. False (nothing changed) where a block
+    after the product is not elementwise over its shape (a broadcast, a
+    reduction of it) or the product is the output. Unit axes (a batch of
+    one) are not iterated, and are left out of the comparisons."""
     from ..tvm_compat import tirx
 
-    def trivial(block) -> bool:  # writes one buffer at exactly its own axes, in order
-        idx = point_indices(block.writes[0]) if len(block.writes) == 1 else [None]
-        return len(idx) == len(block.iter_vars) and all(
-            isinstance(e, tirx.Var) and e.same_as(iv.var) for e, iv in zip(idx, block.iter_vars))
-
-    blocks = [sch.get(c.block_rv) for c in consumers]
     product = sch.get(main.block_rv).writes[0].source
-    if param_of(product) is not None or not blocks:
+    if param_of(product) is not None or not consumers:
         return False
-    for i, b in enumerate(blocks):
-        if [static_int(iv.dom.extent) for iv in b.iter_vars] != spatial or not trivial(b):
-            return False
-        if i < len(blocks) - 1 and param_of(b.writes[0].source) is not None:
-            return False
-    split = tirx.IndexMap.from_func(lambda *ax: (*ax[:v], ax[v] // w, ax[v] % w, *ax[v + 1:]), ndim=len(spatial),
-                                    index_dtype=str(blocks[0].iter_vars[0].var.ty))
-    sch.transform_layout(main.block_rv, ("write", 0), split)
+    solid = [e for e in spatial if e != 1]
+    n_solid = sum(1 for e in spatial[:v] if e != 1)  # N's place among the axes of more than one element
+    plans = []
     for i, c in enumerate(consumers):
-        sch.transform_block_layout(c.block_rv, split)
-        if i < len(consumers) - 1:
-            sch.transform_layout(c.block_rv, ("write", 0), split)
+        block = sch.get(c.block_rv)
+        extents = [static_int(iv.dom.extent) for iv in block.iter_vars]
+        if [e for e in extents if e != 1] != solid or len(block.writes) != 1:
+            return False
+        n_iter = [j for j, e in enumerate(extents) if e != 1][n_solid]
+        index = _written_axis(block, block.iter_vars[n_iter].var)
+        if index is None or (i < len(consumers) - 1 and param_of(block.writes[0].source) is not None):
+            return False
+        plans.append((c, n_iter, len(extents), index, len(block.writes[0].source.shape)))
+    dtype = str(sch.get(main.block_rv).iter_vars[0].var.ty)
+
+    def split(at: int, ndim: int):
+        return tirx.IndexMap.from_func(lambda *ax: (*ax[:at], ax[at] // w, ax[at] % w, *ax[at + 1:]), ndim=ndim,
+                                       index_dtype=dtype)
+
+    sch.transform_layout(main.block_rv, ("write", 0), split(product_axis, len(product.shape)))
+    for i, (c, n_iter, n_iters, index, ndim) in enumerate(plans):
+        sch.transform_block_layout(c.block_rv, split(n_iter, n_iters))
+        if i < len(plans) - 1:
+            sch.transform_layout(c.block_rv, ("write", 0), split(index, ndim))
     return True
+
+
+def _written_axis(block, var) -> int | None:
+    """Where `var` indexes the block's output, if the block writes it at
+    exactly its own axes in order (a unit axis of the buffer at 0); else None."""
+    from ..tvm_compat import tirx
+
+    idx = point_indices(block.writes[0])
+    own = [iv.var for iv in block.iter_vars]
+    seen = []
+    for e in idx:
+        if isinstance(e, tirx.Var) and any(e.same_as(o) for o in own):
+            seen.append(e)
+        elif static_int(e) != 0:
+            return None
+    if len(seen) != len([iv for iv in block.iter_vars if static_int(iv.dom.extent) != 1]) and len(seen) != len(own):
+        return None
+    order = [next(j for j, o in enumerate(own) if o.same_as(e)) for e in seen]
+    if order != sorted(order):
+        return None
+    return next((j for j, e in enumerate(idx) if isinstance(e, tirx.Var) and e.same_as(var)), None)

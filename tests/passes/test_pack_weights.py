@@ -95,8 +95,46 @@ def test_the_default_schedule_takes_the_packed_kernel(llvm_target, m):
     target = llvm_target.tvm_target()
     mod, _ = _dense(m, 64, 96 if m == 8 else 64, relu=True)
     (kernel,) = _kernels(_packed(mod, target)).values()
-    sch = _check(kernel.with_attr("global_symbol", "k"), llvm_target)
-    assert "T.vectorized" in sch.mod.script()
+    script = _check(kernel.with_attr("global_symbol", "k"), llvm_target).mod.script()
+    assert "T.vectorized" in script
+    # bias + ReLU at write-back, over the panels: the product is never stored outside the tile's registers
+    assert "T_matmul = T.sblock_alloc_buffer" not in script and "T_matmul_local = T.sblock_alloc_buffer" in script
+
+
+@pytest.mark.parametrize("rows,dim", [(12, 48), (197, 48), (197, 128)])
+def test_a_batch_of_one_keeps_its_epilogue_in_the_tile(llvm_target, rows, dim):
+    """A transformer's dense layer, [1, tokens, dim] x [dim, out] + bias +
+    GELU-like epilogue: its blocks do not iterate the unit batch axis, and
+    the chain is still laid out over the panels and applied at write-back
+    (197 tokens over 128 products: the rows padded, cropped after the tiles
+    instead)."""
+    target = llvm_target.tvm_target()
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((dim, 64)).astype("float32")
+    b = rng.standard_normal(64).astype("float32")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, rows, dim], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            def dense(a, wt, bias):
+                k = te.reduce_axis((0, dim), "k")
+                y = te.compute((1, rows, 64), lambda i, j, n: te.sum(a[i, j, k] * wt[k, n], axis=k), name="matmul")
+                return topi.multiply(topi.add(y, bias), topi.sigmoid(topi.add(y, bias)))
+
+            out = bb.emit_output(bb.emit_te(dense, x, relax.const(w), relax.const(b)))
+        bb.emit_func_output(out)
+    T = relax.transform
+    mod = tvm.transform.Sequential([T.AnnotateTIROpPattern(), T.FuseOps(), T.FuseTIR()])(bb.get())
+    packed = _packed(mod, target)
+    (kernel,) = _kernels(packed).values()
+    assert pack_weights.ATTR in (kernel.attrs or {})
+    script = _check(kernel.with_attr("global_symbol", "k"), llvm_target).mod.script()
+    if dim == 128:
+        assert "matmul_pad" in script
+    else:  # the product is never stored outside the tile's registers
+        assert "matmul = T.sblock_alloc_buffer" not in script and "matmul_local" in script
+    xv = rng.standard_normal((1, rows, dim)).astype("float32")
+    np.testing.assert_allclose(_run(packed, target, xv), _run(mod, target, xv), rtol=1e-5, atol=1e-5)
 
 
 def test_a_product_written_out_directly_is_packed(llvm_target):
