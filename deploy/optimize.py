@@ -49,6 +49,7 @@ from .frontend import FrontendArtifact, parallel_workers
 from .passes import nchwc
 from .passes.attention import fuse_attention
 from .passes.clip import clip_kernels_to_ops
+from .passes.conv1d import conv1d_as_conv2d
 from .passes.conv_transpose import conv_transpose_gemm
 from .passes.depthwise_layout import depthwise_channels_last
 from .passes.exact_power import power_to_multiply
@@ -116,7 +117,9 @@ def phases(profile: Profile, target=None, tuned_direct: bool = False) -> list[tu
         cancel = [] if profile.precision == "fp16" else [cancel_transposes()]
         out.append(("layout", [convert_to_nhwc(), depthwise_channels_last(), conv_transpose_gemm(), *cancel, *fold()]))
     elif profile.layout == "NCHWc":
-        out.append(("layout", [clip_kernels_to_ops(), nchwc.convert(), *fold()]))
+        # (1-D convolutions as 2-D ones of height 1, first, so that the blocked layout takes them: passes/conv1d.py)
+        out.append(("layout", [clip_kernels_to_ops(), conv1d_as_conv2d(), T.CanonicalizeBindings(),
+                               T.DeadCodeElimination(), nchwc.convert(), *fold()]))
     if profile.fast_math:
         out.append(("fast_math", [fast_math()]))
     if profile.precision == "fp16":
