@@ -114,9 +114,9 @@ def test_fp16_nhwc_on_llvm(tmp_path, llvm_target):
     m = json.loads((tmp_path / "ws" / "optimize" / "manifest.json").read_text())
     phases = [p["phase"] for p in m["report"]["2"]]
     assert phases == ["input", "fold_batchnorm", "inference", "constant_folding", "layout", "fast_math",
-                      "mixed_precision", "epilogues", "fusion"]
+                      "mixed_precision", "epilogues", "fusion", "pack_weights"]
     assert m["report"]["2"][phases.index("mixed_precision")]["ops"].get("astype", 0) > 0
-    assert len(list((tmp_path / "ws" / "optimize" / "ir" / "b2").glob("*.py"))) == 8
+    assert len(list((tmp_path / "ws" / "optimize" / "ir" / "b2").glob("*.py"))) == 9
 
 
 def test_batchnorm_is_folded_into_conv(tmp_path, llvm_target):
