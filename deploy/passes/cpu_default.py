@@ -140,9 +140,14 @@ class ContractionTiling:
         sch.reverse_compute_at(writeback, tile, preserve_unit_loops=True)
         if out is not None:
             # (padded: the epilogue reads the padded result through the crop, whatever its own shape)
+            inlined = False
             if padded is None and _over_product(sch.get(out), write.source):
-                sch.reverse_compute_inline(out)
-            else:  # a broadcast epilogue (squeeze-excitation's multiply), or a padded kernel's: after the tiles
+                try:
+                    sch.reverse_compute_inline(out)
+                    inlined = True
+                except Exception:  # noqa: BLE001 - it reads the product other than one to one (a transpose)
+                    pass
+            if not inlined:  # a broadcast epilogue (squeeze-excitation's multiply), or a padded kernel's: after the tiles
                 _parallel_at_root(sch, out)
         for i in inner[:-1]:
             sch.unroll(i)

@@ -188,6 +188,14 @@ def test_a_batch_of_one_keeps_its_epilogue_in_the_tile(llvm_target):
     assert "conv2d_NCHWc = T.sblock_alloc_buffer" not in script and "conv2d_NCHWc_local" in script
 
 
+def test_an_epilogue_that_transposes_a_square_product_computes_right(llvm_target):
+    """Its loops cover the product's shape but read it transposed: inlined
+    at write-back where TVM can, after the tiles where not; right either way."""
+    a = te.placeholder((64, 64), name="a")
+    b = te.placeholder((64, 64), name="b")
+    _check(te.create_prim_func([a, b, topi.transpose(topi.matmul(a, b), [1, 0])]), llvm_target)
+
+
 def test_batch_matmul_blocks_no_axis_both_operands_index(llvm_target):
     """Attention's [heads, 197, 64] x [heads, 64, 197]: the heads are indexed
     by both operands, so blocking them would reuse nothing: rows only."""
