@@ -136,18 +136,19 @@ def conv1d_as_conv2d():
                     continue
                 # right-aligned to the full rank, then the unit axis: ConvertLayout carries the blocked
                 # layout through a binary op only where both operands have the same rank ([C, 1] -> [1, C, 1, 1])
-                full = [1] * (rank - len(shape)) + shape
-                args.append(self.builder_.emit(relax.op.reshape(a, [*full[:axis], 1, *full[axis:]])))
+                args.append(self.builder_.emit(_with_unit(a, axis, rank)))
             wide = self.builder_.emit(relax.Call(call.op, args, call.attrs, call.ty_args))
             return op.squeeze(wide, [axis])
 
     return relax_function_pass("Conv1dAsConv2d", Conv1dAsConv2d)
 
 
-def _with_unit(x, axis: int):
+def _with_unit(x, axis: int, rank: int | None = None):
     """`x` with a unit axis at `axis`, as a reshape (fold_weights folds a
-    constant's in NumPy; an expand_dims would be compiled to fold it)."""
+    constant's in NumPy; an expand_dims would be compiled to fold it); with
+    `rank`, first right-aligned to that many axes (broadcasting's view)."""
     from ..tvm_compat import relax
 
     shape = static_shape(x)
-    return relax.op.reshape(x, [*shape[:axis], 1, *shape[axis:]])
+    full = [1] * ((rank or len(shape)) - len(shape)) + shape
+    return relax.op.reshape(x, [*full[:axis], 1, *full[axis:]])

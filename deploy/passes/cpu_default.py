@@ -69,6 +69,12 @@ MAX_WASTE = 0.125  # a blocked axis is padded only where that adds at most this 
 PAD_BLOCKED_MIN_K = 128  # ... and where each output sums at least this many products (ViT's GEMMs, not a 1x1 conv)
 
 
+def lanes(bits: int, dtype_bits: int) -> int:
+    """Elements of `dtype_bits` in one vector of the target's `bits` (LLVM's
+    vector width; 0 where it does not say), at least 2."""
+    return max(2, (bits if bits > 0 else LANES_BITS_FALLBACK) // dtype_bits)
+
+
 def _largest_divisor(n: int, limit: int) -> int:
     return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
 
@@ -181,17 +187,17 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
         break
     if v is None or extents[v] < 2:
         return None
-    lanes = max(2, (bits if bits > 0 else LANES_BITS_FALLBACK) // write.source.dtype.bits)
+    n = lanes(bits, write.source.dtype.bits)
     # Two vectors per row of the tile where the axis divides evenly (a
     # matmul's output columns: each broadcast of the other operand then
     # feeds two accumulators, as in a GEMM micro-kernel).
-    vec = 2 * lanes if extents[v] % (2 * lanes) == 0 else _block(extents[v], lanes)
+    vec = 2 * n if extents[v] % (2 * n) == 0 else _block(extents[v], n)
     if vec < 2:
         return None
     # The blocked axis: not indexed by the operand read along the vector axis.
     vloaded = [r for r in block.reads if any(spatial[v].var in vars_of(rg.min) for rg in r.region)]
     used = set().union(*(vars_of(rg.min) for r in vloaded for rg in r.region)) if vloaded else set()
-    registers = -(-vec // lanes)
+    registers = -(-vec // n)
     b, blk = None, 1
     for i in reversed(range(n_s)):
         if i != v and extents[i] > 1 and spatial[i].var not in used:
@@ -312,10 +318,9 @@ class InjectiveParallel:
             if not loops or any(e is None for e in extents):
                 return None
             dtype_bits = max(8, sch.get(block).writes[0].source.dtype.bits) if sch.get(block).writes else 32
-            lanes = max(2, (bits if bits > 0 else LANES_BITS_FALLBACK) // dtype_bits)
             total = math.prod(extents)
             inner, outer = loops[-1], list(loops[:-1])
-            vec = _largest_divisor(extents[-1], lanes)
+            vec = _largest_divisor(extents[-1], lanes(bits, dtype_bits))
             if 2 <= vec < extents[-1]:
                 o, inner = sch.split(inner, factors=[None, vec])
                 outer.append(o)

@@ -140,8 +140,8 @@ def _pack(func, target):
         return None
     v, width = plan[0], plan[1]
     block = sch.get(main.block_rv)
-    lanes = max(2, (bits if bits > 0 else cpu_default.LANES_BITS_FALLBACK) // block.writes[0].source.dtype.bits)
-    if width < lanes or extents[v] % width or extents[v] == width:
+    if width < cpu_default.lanes(bits, block.writes[0].source.dtype.bits) or extents[v] % width \
+            or extents[v] == width:
         return None
     vvar = main.iters[v].var
     reduction = {it.var for it in main.iters[n_s:]}
@@ -172,14 +172,13 @@ def _pack(func, target):
     if product_axis is None:
         return None
     w = width
-    from_func = tirx.IndexMap.from_func
-    sch.transform_block_layout(main.block_rv, from_func(lambda *ax: (*ax[:v], ax[v] // w, ax[v] % w, *ax[v + 1:]),
-                                                        ndim=len(extents), index_dtype=str(vvar.ty)))
-    weight_map = from_func((lambda k, n: (n // w, k, n % w)) if n_pos == 1 else (lambda n, k: (n // w, k, n % w)),
-                           index_dtype=str(buffer.shape[0].ty.dtype))
+    sch.transform_block_layout(main.block_rv, _split(v, len(extents), w, str(vvar.ty)))
+    weight_map = tirx.IndexMap.from_func(
+        (lambda k, n: (n // w, k, n % w)) if n_pos == 1 else (lambda n, k: (n // w, k, n % w)),
+        index_dtype=str(buffer.shape[0].ty.dtype))
     sch.transform_layout(main.block_rv, ("read", read_index), weight_map)
     if not _split_chain(sch, main, consumers, extents[:n_s], v, w, product_axis, param_of):
-        sch.reindex(main.block_rv, ("write", 0))  # the product over the block's own axes, copied out after it
+        sch.reindex(main.block_rv, ("write", 0))  # the product over the block's own axes, then copied out
     new = s_tir.transform.StmtSimplify()(tvm.IRModule({"main": sch.mod["main"]}))["main"]
     if cpu_default.ContractionTiling().apply(new, target) is None:
         return None
@@ -195,7 +194,6 @@ def _split_chain(sch, main, consumers, spatial: list[int], v: int, w: int, produ
     after the product is not elementwise over its shape (a broadcast, a
     reduction of it) or the product is the output. Unit axes (a batch of
     one) are not iterated, and are left out of the comparisons."""
-    from ..tvm_compat import tirx
 
     product = sch.get(main.block_rv).writes[0].source
     if param_of(product) is not None or not consumers:
@@ -214,17 +212,20 @@ def _split_chain(sch, main, consumers, spatial: list[int], v: int, w: int, produ
             return False
         plans.append((c, n_iter, len(extents), index, len(block.writes[0].source.shape)))
     dtype = str(sch.get(main.block_rv).iter_vars[0].var.ty)
-
-    def split(at: int, ndim: int):
-        return tirx.IndexMap.from_func(lambda *ax: (*ax[:at], ax[at] // w, ax[at] % w, *ax[at + 1:]), ndim=ndim,
-                                       index_dtype=dtype)
-
-    sch.transform_layout(main.block_rv, ("write", 0), split(product_axis, len(product.shape)))
+    sch.transform_layout(main.block_rv, ("write", 0), _split(product_axis, len(product.shape), w, dtype))
     for i, (c, n_iter, n_iters, index, ndim) in enumerate(plans):
-        sch.transform_block_layout(c.block_rv, split(n_iter, n_iters))
+        sch.transform_block_layout(c.block_rv, _split(n_iter, n_iters, w, dtype))
         if i < len(plans) - 1:
-            sch.transform_layout(c.block_rv, ("write", 0), split(index, ndim))
+            sch.transform_layout(c.block_rv, ("write", 0), _split(index, ndim, w, dtype))
     return True
+
+
+def _split(at: int, ndim: int, w: int, dtype: str):
+    """The IndexMap of `ndim` axes that splits axis `at` into [at // w, at % w]."""
+    from ..tvm_compat import tirx
+
+    return tirx.IndexMap.from_func(lambda *ax: (*ax[:at], ax[at] // w, ax[at] % w, *ax[at + 1:]), ndim=ndim,
+                                   index_dtype=dtype)
 
 
 def _written_axis(block, var) -> int | None:
@@ -234,15 +235,14 @@ def _written_axis(block, var) -> int | None:
 
     idx = point_indices(block.writes[0])
     own = [iv.var for iv in block.iter_vars]
-    seen = []
+    order = []  # the block's axes in the order the output's indices name them
     for e in idx:
-        if isinstance(e, tirx.Var) and any(e.same_as(o) for o in own):
-            seen.append(e)
+        j = next((j for j, o in enumerate(own) if isinstance(e, tirx.Var) and e.same_as(o)), None)
+        if j is not None:
+            order.append(j)
         elif static_int(e) != 0:
             return None
-    if len(seen) != len([iv for iv in block.iter_vars if static_int(iv.dom.extent) != 1]) and len(seen) != len(own):
-        return None
-    order = [next(j for j, o in enumerate(own) if o.same_as(e)) for e in seen]
-    if order != sorted(order):
+    solid = [j for j, iv in enumerate(block.iter_vars) if static_int(iv.dom.extent) != 1]
+    if order != sorted(order) or not set(solid) <= set(order):
         return None
     return next((j for j, e in enumerate(idx) if isinstance(e, tirx.Var) and e.same_as(var)), None)
