@@ -32,6 +32,7 @@ TUNED = "tuned"
 DEFAULT = "default"  # no schedule: TVM's own lowering (CPU targets only)
 CONTRACTION = "contraction"  # our CPU schedule of convolutions and matmuls (passes/cpu_default.py)
 INJECTIVE = "injective"  # our CPU schedule of kernels without a reduction (passes/cpu_default.py)
+STATISTICS = "statistics"  # our CPU schedule of normalizations' sums (passes/cpu_reduction.py)
 SHORT_REDUCTION = "short-reduction"  # our CUDA schedule of depthwise convolutions and pools (passes/gpu_default.py)
 FEW_OUTPUTS = "few-outputs"  # DLight's GeneralReduction for contractions with few outputs (passes/gpu_default.py)
 BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excitation "excite" kernels (passes/gpu_default.py)
@@ -64,6 +65,7 @@ FUSED_ATTENTION = "fused-attention"
 # 3: a GEMM over [1, M, K] rows, a transformer's dense layer at batch 1, as a 2-D one: passes/unit_batch.py;
 # 4: a GEMM whose columns or K no tile divides has them padded too (mma_gemm.COL_TILE, K_TILE).
 # COLUMN_SUMS 1: new, just before DLight's Reduction (which took those kernels).
+# STATISTICS 1: new, just before DLight's CPU Reduction (which took those kernels).
 # THIN_GEMM 1: new, just before DLight's Matmul (which took those kernels).
 # SIMT_GEMM 1: new, just before DLight's Matmul (which took those kernels); 2: an operand whose rows are contiguous
 # (a [K, N] weight) copied along them, 16 bytes at a time.
@@ -74,7 +76,7 @@ FUSED_ATTENTION = "fused-attention"
 # "default faster" verdicts (those files predate per-rule versions), putting records back that lost to the default.)
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
                  MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2, COLUMN_SUMS: 1, SIMT_GEMM: 2,
-                 THIN_GEMM: 1}
+                 THIN_GEMM: 1, STATISTICS: 1}
 
 
 @dataclasses.dataclass
@@ -116,12 +118,13 @@ class UnbuildableKernelError(Exception):
 # 1152 channels, sigmoid, broadcast multiply) does not finish compiling
 # (EfficientNet-B0's build took 19 minutes; see passes/cpu_default.py), and a
 # compile that never ends is not a failure the chain can fall back from. Ours
-# takes the GEMV-shaped kernels.
+# takes the GEMV-shaped kernels. Our SumStatistics just before DLight's CPU Reduction: it takes the kernels of
+# that rule whose reductions are sums (norms; not softmax) or whose statistics it would recompute (cpu_reduction.py).
 CHAINS = {
     "cuda": [FEW_OUTPUTS, MMA_GEMM, THIN_GEMM, SIMT_GEMM, "dlight.Matmul", BROADCAST_EPILOGUE, "dlight.GEMV",
              SHORT_REDUCTION, COLUMN_SUMS, "dlight.Reduction", SHORT_ROWS, "dlight.GeneralReduction", SHORT_INNER,
              TILED_TRANSPOSE, VECTOR_ROWS, "dlight.Fallback"],
-    "llvm": [CONTRACTION, "dlight.Reduction", INJECTIVE],
+    "llvm": [CONTRACTION, STATISTICS, "dlight.Reduction", INJECTIVE],
 }
 
 
@@ -150,8 +153,10 @@ def rules(target_kind: str) -> list[tuple[str, object]]:
                 "dlight.Fallback": g.Fallback}
     else:
         from .cpu_default import ContractionTiling, InjectiveParallel
+        from .cpu_reduction import SumStatistics
 
-        make = {CONTRACTION: ContractionTiling, "dlight.Reduction": dlight.cpu.Reduction, INJECTIVE: InjectiveParallel}
+        make = {CONTRACTION: ContractionTiling, STATISTICS: SumStatistics,
+                "dlight.Reduction": dlight.cpu.Reduction, INJECTIVE: InjectiveParallel}
     return [(name, make[name]()) for name in CHAINS[_chain_kind(target_kind)]]
 
 
