@@ -66,6 +66,7 @@ FUSED_ATTENTION = "fused-attention"
 # 4: a GEMM whose columns or K no tile divides has them padded too (mma_gemm.COL_TILE, K_TILE).
 # COLUMN_SUMS 1: new, just before DLight's Reduction (which took those kernels).
 # STATISTICS 1: new, just before DLight's CPU Reduction (which took those kernels).
+# INJECTIVE 2: each block read by one other block inlined into it, not every block at the root.
 # THIN_GEMM 1: new, just before DLight's Matmul (which took those kernels).
 # SIMT_GEMM 1: new, just before DLight's Matmul (which took those kernels); 2: an operand whose rows are contiguous
 # (a [K, N] weight) copied along them, 16 bytes at a time.
@@ -74,7 +75,7 @@ FUSED_ATTENTION = "fused-attention"
 # CONTRACTION stays 1 with its padded tiles (2026-12-07, cpu_default._pad): they change only kernels with an axis
 # the tile does not divide, of which the committed CPU databases have none, and a 2 would drop all 43 of their
 # "default faster" verdicts (those files predate per-rule versions), putting records back that lost to the default.)
-RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 1, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
+RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 2, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
                  MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2, COLUMN_SUMS: 1, SIMT_GEMM: 2,
                  THIN_GEMM: 1, STATISTICS: 1}
 

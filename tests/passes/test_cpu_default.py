@@ -133,6 +133,21 @@ def test_injective_kernels_run_in_parallel_and_compute_the_same(llvm_target, sha
         assert "T.parallel" in sch.mod.script() and "T.vectorized" in sch.mod.script()
 
 
+def test_an_elementwise_chain_through_reshapes_is_one_loop_nest(llvm_target):
+    """ConvNeXt's GELU as the frontend fuses it: divide, reshape, erf, add,
+    reshape, multiply, multiply. Each block used to run at the root, writing
+    its intermediate and, behind the reshapes' index arithmetic, unvectorized;
+    inlined, the chain is one parallel, vectorized loop nest."""
+    from deploy.tvm_compat import dlight
+
+    x = te.placeholder((196, 96), name="x")
+    r = topi.reshape(topi.divide(x, 1.4142135), (1, 14, 14, 96))
+    y = topi.multiply(topi.multiply(x, topi.reshape(topi.add(topi.erf(r), 1.0), (196, 96))), 0.5)
+    sch = _check(te.create_prim_func([x, y]), llvm_target, InjectiveParallel)
+    assert len(sch.get_child_blocks(dlight.analysis.get_root_block(sch))) == 1
+    assert "T.parallel" in sch.mod.script() and "T.vectorized" in sch.mod.script()
+
+
 def test_injective_layout_changes_pad_and_concat(llvm_target):
     x = te.placeholder((1, 24, 10, 10), name="x")
     y = te.placeholder((1, 8, 10, 10), name="y")

@@ -676,7 +676,11 @@ def test_checks_made_under_another_default_chain_are_timed_again(tmp_path, monke
     assert (got["timed"], got["default_us"], got["passed"], got["chain"]) == ({}, {}, ["a"], today)
     got = read({**legacy, "defaults": 3})
     assert got["timed"] == {} and got["default_faster"] == [] and got["default_us"] == {} and got["passed"] == ["a"]
-    assert read({**legacy, "defaults": 1}, kind="llvm")["timed"] == {"a": None}
+    assert read({**legacy, "defaults": 1}, kind="llvm")["timed"] == {}  # llvm 1: a chain of then, changed since
+    monkeypatch.setattr(schedule, "RULE_VERSIONS", dict.fromkeys(v, 1))
+    monkeypatch.setitem(schedule.CHAINS, "llvm", [schedule.CONTRACTION, "dlight.Reduction", schedule.INJECTIVE])
+    assert read({**legacy, "defaults": 1}, kind="llvm")["timed"] == {"a": None}  # ... kept under that chain
+    monkeypatch.undo()
     nokey = read({**legacy, "defaults": 3}, key=False)
     assert nokey["timed"] == {"a": None} and "chain" not in nokey
     last = max(tmp_path.iterdir(), key=lambda f: int(f.name))  # (the folder without key.json)
