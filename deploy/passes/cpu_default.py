@@ -330,22 +330,33 @@ class InjectiveParallel:
             blocks = sch.get_child_blocks(dlight.analysis.get_root_block(sch))
         bits = target_codegen.llvm_get_vector_width(target)
         for block in blocks:
-            loops = sch.get_loops(block)
-            extents = [static_int(sch.get(lp).extent) for lp in loops]
-            if not loops or any(e is None for e in extents):
+            if not parallel_vectorized(sch, block, bits):
                 return None
-            dtype_bits = max(8, sch.get(block).writes[0].source.dtype.bits) if sch.get(block).writes else 32
-            total = math.prod(extents)
-            inner, outer = loops[-1], list(loops[:-1])
-            vec = _largest_divisor(extents[-1], lanes(bits, dtype_bits))
-            if 2 <= vec < extents[-1]:
-                o, inner = sch.split(inner, factors=[None, vec])
-                outer.append(o)
-            if outer and total >= PARALLEL_MIN_ELEMENTS:
-                sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
-            if vec >= 2 and not _touches_bool(sch.get(block)):
-                sch.vectorize(inner)
         return sch
+
+
+def parallel_vectorized(sch, block, bits: int) -> bool:
+    """An injective block at the root: its innermost loop split by the
+    largest divisor up to a vector and vectorized (not where it touches
+    bools, `_touches_bool`), its outer loops fused and run in parallel where
+    it writes PARALLEL_MIN_ELEMENTS or more; False (nothing done) where a
+    loop's extent is not static."""
+    loops = sch.get_loops(block)
+    extents = [static_int(sch.get(lp).extent) for lp in loops]
+    if not loops or any(e is None for e in extents):
+        return False
+    stmt = sch.get(block)
+    dtype_bits = max(8, stmt.writes[0].source.dtype.bits) if stmt.writes else 32
+    inner, outer = loops[-1], list(loops[:-1])
+    vec = _largest_divisor(extents[-1], lanes(bits, dtype_bits))
+    if 2 <= vec < extents[-1]:
+        o, inner = sch.split(inner, factors=[None, vec])
+        outer.append(o)
+    if outer and math.prod(extents) >= PARALLEL_MIN_ELEMENTS:
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+    if vec >= 2 and not _touches_bool(stmt):
+        sch.vectorize(inner)
+    return True
 
 
 def _selects(block) -> bool:

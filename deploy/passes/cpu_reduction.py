@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 
-from .cpu_default import PARALLEL_MIN_ELEMENTS, PARALLEL_MIN_WORK, lanes
+from .cpu_default import PARALLEL_MIN_WORK, lanes, parallel_vectorized
 from .kernel_shape import static_int, vars_of
 
 MIN_PARTIALS = 4  # a sum over a contiguous axis is split into this many partial sums or more, else left scalar
@@ -138,7 +138,7 @@ class SumStatistics:
             if any(iv.iter_type != tirx.IterVar.DataPar for iv in sch.get(block).iter_vars):
                 _reduction(sch, block, bits)
             else:
-                _elementwise(sch, block, bits)
+                parallel_vectorized(sch, block, bits)  # the normalization itself, as InjectiveParallel runs it
         return sch
 
 
@@ -197,22 +197,3 @@ def _reduction(sch, block, bits: int) -> None:
     sch.vectorize(sch.get_loops(rf)[-1])
     init = sch.decompose_reduction(rf, sch.get_loops(rf)[1 if n_s else 0])
     sch.vectorize(sch.get_loops(init)[-1])
-
-
-def _elementwise(sch, block, bits: int) -> None:
-    """A block without a reduction at the root, as InjectiveParallel runs it."""
-    loops = sch.get_loops(block)
-    extents = [static_int(sch.get(lp).extent) for lp in loops]
-    if not loops or None in extents:
-        return
-    stmt = sch.get(block)
-    dtype_bits = max(8, stmt.writes[0].source.dtype.bits)
-    inner, outer = loops[-1], list(loops[:-1])
-    vec = next(d for d in range(min(extents[-1], lanes(bits, dtype_bits)), 0, -1) if extents[-1] % d == 0)
-    if 2 <= vec < extents[-1]:
-        o, inner = sch.split(inner, factors=[None, vec])
-        outer.append(o)
-    if outer and math.prod(extents) >= PARALLEL_MIN_ELEMENTS:
-        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
-    if vec >= 2:
-        sch.vectorize(inner)
