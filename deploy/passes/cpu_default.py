@@ -76,7 +76,7 @@ def lanes(bits: int, dtype_bits: int) -> int:
     return max(2, (bits if bits > 0 else LANES_BITS_FALLBACK) // dtype_bits)
 
 
-def _largest_divisor(n: int, limit: int) -> int:
+def largest_divisor(n: int, limit: int) -> int:
     return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
 
 
@@ -84,7 +84,7 @@ def _block(n: int, limit: int) -> int:
     """The block of an axis of extent `n`: its largest divisor up to
     `limit`, or `limit` itself (the axis then padded to whole blocks,
     `_pad`) where no divisor reaches half of it (ViT's 197 tokens: a prime)."""
-    d = _largest_divisor(n, limit)
+    d = largest_divisor(n, limit)
     return limit if n > limit and 2 * d <= limit else d
 
 
@@ -178,14 +178,7 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
     write = block.writes[0]
     spatial = main.iters[:n_s]
 
-    # The vector axis: the spatial axis of the output's last index of
-    # more than one element (an SE block's [1, C, 1, 1]: the channels).
-    v = None
-    for rg in reversed(write.region):
-        if static_int(rg.extent) == 1 and not any(it.var.same_as(rg.min) and e > 1 for it, e in zip(spatial, extents)):
-            continue
-        v = next((i for i, it in enumerate(spatial) if it.var.same_as(rg.min)), None)
-        break
+    v = vector_axis(write, [it.var for it in spatial], extents)
     if v is None or extents[v] < 2:
         return None
     n = lanes(bits, write.source.dtype.bits)
@@ -219,6 +212,31 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
                 b2, blk2 = i, _block(extents[i], room)
                 break
     return v, vec, b, blk, b2, blk2
+
+
+def vector_axis(write, spatial_vars, extents: list[int]) -> int | None:
+    """The vector axis of a reduction block: the position among its spatial
+    axes (`spatial_vars`, their `extents`) of the one that indexes the
+    output's last index of more than one element (an SE block's
+    [1, C, 1, 1]: the channels); None where that index is no spatial axis."""
+    for rg in reversed(write.region):
+        if static_int(rg.extent) == 1 and not any(x.same_as(rg.min) and e > 1 for x, e in zip(spatial_vars, extents)):
+            continue
+        return next((i for i, x in enumerate(spatial_vars) if x.same_as(rg.min)), None)
+    return None
+
+
+def inline_single_readers(sch, blocks) -> None:
+    """Each of `blocks` (elementwise) read by exactly one other block inlined
+    into it, where TVM allows: not into a concatenation (`_selects`), not
+    where bools are involved (`_touches_bool`); the others stay at the root."""
+    for block in blocks:
+        consumers = sch.get_consumers(block)
+        if len(consumers) == 1 and not _touches_bool(sch.get(block)) and not _selects(sch.get(consumers[0])):
+            try:
+                sch.compute_inline(block)
+            except Exception:  # noqa: BLE001 - TVM declines (an output of the kernel): left at the root
+                pass
 
 
 def _over_product(epilogue, product) -> bool:
@@ -320,13 +338,7 @@ class InjectiveParallel:
         if not blocks or any(iv.iter_type != tirx.IterVar.DataPar for b in blocks for iv in sch.get(b).iter_vars):
             return None
         if INLINE:
-            for block in blocks[:-1]:
-                consumers = sch.get_consumers(block)
-                if len(consumers) == 1 and not _touches_bool(sch.get(block)) and not _selects(sch.get(consumers[0])):
-                    try:
-                        sch.compute_inline(block)
-                    except Exception:  # noqa: BLE001 - TVM declines (an output of the kernel): left at the root
-                        pass
+            inline_single_readers(sch, blocks[:-1])
             blocks = sch.get_child_blocks(dlight.analysis.get_root_block(sch))
         bits = target_codegen.llvm_get_vector_width(target)
         for block in blocks:
@@ -348,7 +360,7 @@ def parallel_vectorized(sch, block, bits: int) -> bool:
     stmt = sch.get(block)
     dtype_bits = max(8, stmt.writes[0].source.dtype.bits) if stmt.writes else 32
     inner, outer = loops[-1], list(loops[:-1])
-    vec = _largest_divisor(extents[-1], lanes(bits, dtype_bits))
+    vec = largest_divisor(extents[-1], lanes(bits, dtype_bits))
     if 2 <= vec < extents[-1]:
         o, inner = sch.split(inner, factors=[None, vec])
         outer.append(o)

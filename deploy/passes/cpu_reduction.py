@@ -45,7 +45,14 @@ from __future__ import annotations
 
 import math
 
-from .cpu_default import PARALLEL_MIN_WORK, lanes, parallel_vectorized
+from .cpu_default import (
+    PARALLEL_MIN_WORK,
+    inline_single_readers,
+    lanes,
+    largest_divisor,
+    parallel_vectorized,
+    vector_axis,
+)
 from .kernel_shape import static_int, vars_of
 
 MIN_PARTIALS = 4  # a sum over a contiguous axis is split into this many partial sums or more, else left scalar
@@ -128,12 +135,7 @@ class SumStatistics:
         if not takes(sch, infos):
             return None
         bits = target_codegen.llvm_get_vector_width(target)
-        for info in infos[:-1]:
-            if info.is_injective() and len(sch.get_consumers(info.block_rv)) <= 1:
-                try:
-                    sch.compute_inline(info.block_rv)
-                except Exception:  # noqa: BLE001 - TVM declines (a block read as a reduction's init): at the root
-                    pass
+        inline_single_readers(sch, [i.block_rv for i in infos[:-1] if i.is_injective()])
         for block in sch.get_child_blocks(dlight.analysis.get_root_block(sch)):
             if any(iv.iter_type != tirx.IterVar.DataPar for iv in sch.get(block).iter_vars):
                 _reduction(sch, block, bits)
@@ -159,11 +161,9 @@ def _reduction(sch, block, bits: int) -> None:
     n = lanes(bits, stmt.writes[0].source.dtype.bits)
     parallel = math.prod(extents) >= PARALLEL_MIN_WORK
     write = stmt.writes[0]
-    last = next((rg.min for rg in reversed(write.region) if static_int(rg.extent) != 1
-                 or any(iv.var.same_as(rg.min) for iv, e in zip(stmt.iter_vars[:n_s], extents) if e > 1)), None)
-    v = next((i for i in range(n_s) if last is not None and stmt.iter_vars[i].var.same_as(last)), None)
+    v = vector_axis(write, [iv.var for iv in stmt.iter_vars[:n_s]], extents)
     if v is not None and extents[v] > 1 and any(stmt.iter_vars[v].var in vars_of(r.region[-1].min) for r in stmt.reads):
-        vec = next(d for d in range(min(extents[v], n), 0, -1) if extents[v] % d == 0)
+        vec = largest_divisor(extents[v], n)
         o, vi = sch.split(loops[v], factors=[None, vec])
         outer = [lp for i, lp in enumerate(loops[:n_s]) if i != v] + [o]
         sch.reorder(*outer, *loops[n_s:], vi)
@@ -181,7 +181,7 @@ def _reduction(sch, block, bits: int) -> None:
         return
     # over its contiguous axis: partial sums of the innermost reduction loop, a vector of them (or the largest
     # divisor of the loop up to one, at least MIN_PARTIALS), then their sum
-    part = next(d for d in range(min(extents[-1], n), 0, -1) if extents[-1] % d == 0)
+    part = largest_divisor(extents[-1], n)
     if part < MIN_PARTIALS or extents[-1] < 2 * part:
         if n_s and parallel:
             sch.parallel(sch.fuse(*loops[:n_s]) if n_s > 1 else loops[0])

@@ -32,7 +32,7 @@ TUNED = "tuned"
 DEFAULT = "default"  # no schedule: TVM's own lowering (CPU targets only)
 CONTRACTION = "contraction"  # our CPU schedule of convolutions and matmuls (passes/cpu_default.py)
 INJECTIVE = "injective"  # our CPU schedule of kernels without a reduction (passes/cpu_default.py)
-STATISTICS = "statistics"  # our CPU schedule of normalizations' sums (passes/cpu_reduction.py)
+STATISTICS = "statistics"  # our CPU schedule of normalizations and their statistics (passes/cpu_reduction.py)
 SHORT_REDUCTION = "short-reduction"  # our CUDA schedule of depthwise convolutions and pools (passes/gpu_default.py)
 FEW_OUTPUTS = "few-outputs"  # DLight's GeneralReduction for contractions with few outputs (passes/gpu_default.py)
 BROADCAST_EPILOGUE = "broadcast-epilogue"  # our CUDA schedule of squeeze-excitation "excite" kernels (passes/gpu_default.py)
@@ -120,7 +120,8 @@ class UnbuildableKernelError(Exception):
 # (EfficientNet-B0's build took 19 minutes; see passes/cpu_default.py), and a
 # compile that never ends is not a failure the chain can fall back from. Ours
 # takes the GEMV-shaped kernels. Our SumStatistics just before DLight's CPU Reduction: it takes the kernels of
-# that rule whose reductions are sums (norms; not softmax) or whose statistics it would recompute (cpu_reduction.py).
+# that rule whose reductions are sums or maxima of plain elements (norms, softmax, means; not pools) or whose
+# statistics it would recompute (cpu_reduction.py).
 CHAINS = {
     "cuda": [FEW_OUTPUTS, MMA_GEMM, THIN_GEMM, SIMT_GEMM, "dlight.Matmul", BROADCAST_EPILOGUE, "dlight.GEMV",
              SHORT_REDUCTION, COLUMN_SUMS, "dlight.Reduction", SHORT_ROWS, "dlight.GeneralReduction", SHORT_INNER,
