@@ -21,7 +21,11 @@ it applies to any layout:
   (MAX_ACCUMULATORS vectors), an axis that operand does index (NCHWc's outer
   output channels) is blocked too, so each broadcast value of the other
   operand feeds a 2-D tile of accumulators (ResNet-50 NCHW16c, untuned:
-  33.0 -> 27.0 ms on 2 cores);
+  33.0 -> 27.0 ms on 2 cores); without such a second axis, the first takes
+  up to every accumulator; a block is a divisor of its axis where one up to
+  the accumulators' room tiles it (SqueezeNet's 13-pixel rows: 13, not 8
+  and a predicated 5, which kept the accumulators out of registers; its
+  classifier 2.09 -> 0.99 ms, `results/cpu/2026-12-07/whole-blocks/`);
 - a vector axis the tile does not divide (ViT's 197 keys) is padded to
   whole tiles (`_pad`: the operands copied with zeros, the result cropped),
   since a tile ending in a predicate is not vectorized; a blocked axis too
@@ -67,6 +71,7 @@ MAX_ACCUMULATORS = 16  # vector registers held by one tile's accumulators
 PAD = True  # a kernel whose tile does not divide an axis padded to whole tiles (`_pad`); False: predicated tiles
 MAX_WASTE = 0.125  # a blocked axis is padded only where that adds at most this share of work (a vector axis always)
 PAD_BLOCKED_MIN_K = 128  # ... and where each output sums at least this many products (ViT's GEMMs, not a 1x1 conv)
+WHOLE_BLOCKS = True  # blocks dividing their axis up to the accumulators' room, a lone blocked axis up to all of them
 INLINE = True  # InjectiveParallel inlines each block read by one other block into it; False: every block at the root
 
 
@@ -80,12 +85,18 @@ def largest_divisor(n: int, limit: int) -> int:
     return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
 
 
-def _block(n: int, limit: int) -> int:
+def _block(n: int, limit: int, cap: int = 0) -> int:
     """The block of an axis of extent `n`: its largest divisor up to
-    `limit`, or `limit` itself (the axis then padded to whole blocks,
-    `_pad`) where no divisor reaches half of it (ViT's 197 tokens: a prime)."""
+    `limit`; where none reaches half of it, the largest divisor up to `cap`
+    (the accumulators' room) if that one does (WHOLE_BLOCKS: 13 pixels a row
+    blocked by 13, not 8 and a predicated 5); else `limit` itself, the axis
+    then padded to whole blocks (`_pad`) or its last tile cut short by a
+    predicate (ViT's 197 tokens: a prime)."""
     d = largest_divisor(n, limit)
-    return limit if n > limit and 2 * d <= limit else d
+    if n <= limit or 2 * d > limit:
+        return d
+    wide = largest_divisor(n, cap) if WHOLE_BLOCKS and cap else 0
+    return wide if 2 * wide > limit else limit
 
 
 class ContractionTiling:
@@ -192,25 +203,23 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
     vloaded = [r for r in block.reads if any(spatial[v].var in vars_of(rg.min) for rg in r.region)]
     used = set().union(*(vars_of(rg.min) for r in vloaded for rg in r.region)) if vloaded else set()
     registers = -(-vec // n)
-    b, blk = None, 1
-    for i in reversed(range(n_s)):
-        if i != v and extents[i] > 1 and spatial[i].var not in used:
-            b = i
-            blk = _block(extents[i], max(1, min(MAX_BLOCK, MAX_ACCUMULATORS // registers)))
-            break
+    cap = MAX_ACCUMULATORS // registers
+    b = next((i for i in reversed(range(n_s)) if i != v and extents[i] > 1 and spatial[i].var not in used), None)
     # A second blocked axis, one the vector-loaded operand does index (a
     # blocked layout's outer output channels): each broadcast value of the
     # other operand then serves more accumulators.
     # (Not an axis the other operands index too, as a batch matmul's
     # batch: blocking it would reuse nothing.)
     others = set().union(*(vars_of(rg.min) for r in block.reads if r not in vloaded for rg in r.region))
-    b2, blk2 = None, 1
-    room = MAX_ACCUMULATORS // (registers * blk)
-    if room >= 2:
-        for i in reversed(range(n_s)):
-            if i not in (v, b) and extents[i] > 1 and spatial[i].var in used and spatial[i].var not in others:
-                b2, blk2 = i, _block(extents[i], room)
-                break
+    b2 = next((i for i in reversed(range(n_s)) if i not in (v, b) and extents[i] > 1 and spatial[i].var in used
+               and spatial[i].var not in others), None)
+    # Without a second one (WHOLE_BLOCKS), the first takes up to every accumulator (55 pixels a row: 11, not 5).
+    limit = cap if WHOLE_BLOCKS and b2 is None else min(MAX_BLOCK, cap)
+    blk = 1 if b is None else _block(extents[b], max(1, limit), cap)
+    room = cap // blk
+    blk2 = _block(extents[b2], room, room) if b2 is not None and room >= 2 else 1
+    if blk2 == 1:
+        b2 = None
     return v, vec, b, blk, b2, blk2
 
 

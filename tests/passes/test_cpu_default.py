@@ -218,7 +218,30 @@ def test_batch_matmul_blocks_no_axis_both_operands_index(llvm_target):
     b = te.placeholder((4, 64, 197), name="b")
     sch = _check(te.create_prim_func([a, b, topi.nn.batch_matmul(a, b, transpose_b=False)]), llvm_target)
     script = sch.mod.script()
-    assert "T.unroll(8)" in script and "T.unroll(2)" not in script and "T.unroll(4)" not in script
+    # no second blocked axis: the rows take every accumulator (16 of one vector each)
+    assert "T.unroll(16)" in script and "T.unroll(2)" not in script and "T.unroll(4)" not in script
+
+
+def test_a_row_no_small_block_divides_is_blocked_whole(llvm_target, monkeypatch):
+    """SqueezeNet's 13 x 13 convolutions: 8 pixels of a row and a predicated
+    5 kept the accumulators out of registers (its classifier, 512 -> 1000
+    channels, 2.09 ms); 13 pixels a tile, no predicate: 0.99 ms. Where there
+    is no second blocked axis, a row takes up to every accumulator (55
+    pixels: 11, not 5). WHOLE_BLOCKS = False keeps the old tiles."""
+    x = te.placeholder((1, 2, 13, 13, 16), name="x")
+    w = te.placeholder((3, 2, 1, 1, 16, 16), name="w")
+    with llvm_target.tvm_target():
+        y = topi.nn.conv2d_NCHWc(x, w, 1, 0, 1, "NCHW16c", "NCHW16c", "float32")
+    func = te.create_prim_func([x, w, y])
+    script = _check(func, llvm_target).mod.script()
+    assert "T.unroll(13)" in script and "T.where" not in script
+    x2 = te.placeholder((1, 55, 55, 16), name="x2")
+    w2 = te.placeholder((16, 16), name="w2")
+    k = te.reduce_axis((0, 16), name="k")
+    rows = te.compute((55, 55, 16), lambda h, i, j: te.sum(x2[0, h, i, k] * w2[k, j], axis=k), name="rows")
+    assert "T.unroll(11)" in _check(te.create_prim_func([x2, w2, rows]), llvm_target).mod.script()
+    monkeypatch.setattr(cpu_default, "WHOLE_BLOCKS", False)
+    assert "T.where" in _check(func, llvm_target).mod.script()
 
 
 def test_a_tile_its_axes_do_not_divide_is_padded_not_predicated(llvm_target, monkeypatch):
