@@ -22,10 +22,12 @@ it applies to any layout:
   output channels) is blocked too, so each broadcast value of the other
   operand feeds a 2-D tile of accumulators (ResNet-50 NCHW16c, untuned:
   33.0 -> 27.0 ms on 2 cores); without such a second axis, the first takes
-  up to every accumulator; a block is a divisor of its axis where one up to
-  the accumulators' room tiles it (SqueezeNet's 13-pixel rows: 13, not 8
-  and a predicated 5, which kept the accumulators out of registers; its
-  classifier 2.09 -> 0.99 ms, `results/cpu/2026-12-07/whole-blocks/`);
+  up to every accumulator; where blocks of 8 would leave much of an axis's
+  last tile empty, a divisor up to the accumulators' room blocks it instead
+  (SqueezeNet's 13-pixel rows: 13, not 8 and a predicated 5; its classifier
+  2.09 -> 0.99 ms), and a second block that would (EfficientNet's 7 blocks
+  of output channels by 2) is dropped for a longer first
+  (`WHOLE_BLOCKS`, `results/cpu/2026-12-07/whole-blocks/`);
 - a vector axis the tile does not divide (ViT's 197 keys) is padded to
   whole tiles (`_pad`: the operands copied with zeros, the result cropped),
   since a tile ending in a predicate is not vectorized; a blocked axis too
@@ -87,15 +89,17 @@ def largest_divisor(n: int, limit: int) -> int:
 
 def _block(n: int, limit: int, cap: int = 0) -> int:
     """The block of an axis of extent `n`: its largest divisor up to
-    `limit`; where none reaches half of it, the largest divisor up to `cap`
-    (the accumulators' room) if that one does (WHOLE_BLOCKS: 13 pixels a row
-    blocked by 13, not 8 and a predicated 5); else `limit` itself, the axis
-    then padded to whole blocks (`_pad`) or its last tile cut short by a
-    predicate (ViT's 197 tokens: a prime)."""
+    `limit`; where none reaches half of it and whole blocks of `limit` would
+    add more than MAX_WASTE of work, the largest divisor up to `cap` (the
+    accumulators' room) if that one does (WHOLE_BLOCKS: 13 pixels a row
+    blocked by 13, not 8 and a predicated 5; 1599 steps still by 8, the last
+    tile 7: there the smaller whole tile was 9% slower); else `limit`
+    itself, the axis then padded to whole blocks (`_pad`) or its last tile
+    cut short by a predicate (ViT's 197 tokens: a prime)."""
     d = largest_divisor(n, limit)
     if n <= limit or 2 * d > limit:
         return d
-    wide = largest_divisor(n, cap) if WHOLE_BLOCKS and cap else 0
+    wide = largest_divisor(n, cap) if WHOLE_BLOCKS and cap and _waste(n, limit) > MAX_WASTE else 0
     return wide if 2 * wide > limit else limit
 
 
@@ -218,6 +222,11 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
     blk = 1 if b is None else _block(extents[b], max(1, limit), cap)
     room = cap // blk
     blk2 = _block(extents[b2], room, room) if b2 is not None and room >= 2 else 1
+    if WHOLE_BLOCKS and b is not None and b2 is not None and _waste(extents[b2], blk2) > MAX_WASTE:
+        # a second block whose last tile would be mostly empty (EfficientNet's 7 blocks of output channels by 2):
+        # none, the first taking every accumulator instead (its 1x1 projections 1.6-1.9x faster)
+        b2, blk2 = None, 1
+        blk = _block(extents[b], max(1, cap), cap)
     if blk2 == 1:
         b2 = None
     return v, vec, b, blk, b2, blk2

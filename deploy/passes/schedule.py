@@ -75,8 +75,9 @@ FUSED_ATTENTION = "fused-attention"
 # CONTRACTION stays 1 with its padded tiles (2026-12-07, cpu_default._pad): they change only kernels with an axis
 # the tile does not divide, of which the committed CPU databases have none, and a 2 would drop all 43 of their
 # "default faster" verdicts (those files predate per-rule versions), putting records back that lost to the default.)
-# It stays 1 with WHOLE_BLOCKS too (2026-12-07): 32 corpus kernels change, none slower beyond noise (4% at most)
-# (results/cpu/2026-12-07/whole-blocks/), so a verdict that the default was faster still holds.
+# It stays 1 with WHOLE_BLOCKS too (2026-12-07): of 66 corpus kernels that change, the two slower ones are ResNet3D's
+# (results/cpu/2026-12-07/whole-blocks/), in no committed CPU database; where the default got faster, a verdict that
+# it was faster than the tuned record still holds.
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 2, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
                  MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2, COLUMN_SUMS: 1, SIMT_GEMM: 2,
                  THIN_GEMM: 1, STATISTICS: 1}

@@ -227,7 +227,9 @@ def test_a_row_no_small_block_divides_is_blocked_whole(llvm_target, monkeypatch)
     5 kept the accumulators out of registers (its classifier, 512 -> 1000
     channels, 2.09 ms); 13 pixels a tile, no predicate: 0.99 ms. Where there
     is no second blocked axis, a row takes up to every accumulator (55
-    pixels: 11, not 5). WHOLE_BLOCKS = False keeps the old tiles."""
+    pixels: 11, not 5), also where a second block would leave its last tile
+    mostly empty (7 blocks by 2).
+    WHOLE_BLOCKS = False keeps the old tiles."""
     x = te.placeholder((1, 2, 13, 13, 16), name="x")
     w = te.placeholder((3, 2, 1, 1, 16, 16), name="w")
     with llvm_target.tvm_target():
@@ -240,8 +242,18 @@ def test_a_row_no_small_block_divides_is_blocked_whole(llvm_target, monkeypatch)
     k = te.reduce_axis((0, 16), name="k")
     rows = te.compute((55, 55, 16), lambda h, i, j: te.sum(x2[0, h, i, k] * w2[k, j], axis=k), name="rows")
     assert "T.unroll(11)" in _check(te.create_prim_func([x2, w2, rows]), llvm_target).mod.script()
+    # EfficientNet's projections: 7 blocks of output channels, by 2 a predicated 2 + 2 + 2 + 1; now not blocked,
+    # the 14 pixels of a row taking the accumulators
+    x3 = te.placeholder((1, 2, 14, 14, 16), name="x3")
+    w3 = te.placeholder((7, 2, 1, 1, 16, 16), name="w3")
+    with llvm_target.tvm_target():
+        y3 = topi.nn.conv2d_NCHWc(x3, w3, 1, 0, 1, "NCHW16c", "NCHW16c", "float32")
+    func3 = te.create_prim_func([x3, w3, y3])
+    script = _check(func3, llvm_target).mod.script()
+    assert "T.unroll(14)" in script and "T.where" not in script
     monkeypatch.setattr(cpu_default, "WHOLE_BLOCKS", False)
     assert "T.where" in _check(func, llvm_target).mod.script()
+    assert "T.where" in _check(func3, llvm_target).mod.script()
 
 
 def test_a_tile_its_axes_do_not_divide_is_padded_not_predicated(llvm_target, monkeypatch):
