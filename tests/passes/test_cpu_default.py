@@ -230,12 +230,14 @@ def test_a_row_no_small_block_divides_is_blocked_whole(llvm_target, monkeypatch)
     pixels: 11, not 5), also where a second block would leave its last tile
     mostly empty (7 blocks by 2).
     WHOLE_BLOCKS = False keeps the old tiles."""
-    x = te.placeholder((1, 2, 13, 13, 16), name="x")
-    w = te.placeholder((3, 2, 1, 1, 16, 16), name="w")
-    with llvm_target.tvm_target():
-        y = topi.nn.conv2d_NCHWc(x, w, 1, 0, 1, "NCHW16c", "NCHW16c", "float32")
-    func = te.create_prim_func([x, w, y])
-    script = _check(func, llvm_target).mod.script()
+    def nchw16c_1x1(size, out_blocks):
+        x = te.placeholder((1, 2, size, size, 16), name="x")
+        w = te.placeholder((out_blocks, 2, 1, 1, 16, 16), name="w")
+        with llvm_target.tvm_target():
+            return te.create_prim_func([x, w, topi.nn.conv2d_NCHWc(x, w, 1, 0, 1, "NCHW16c", "NCHW16c", "float32")])
+
+    rows13 = nchw16c_1x1(13, 3)
+    script = _check(rows13, llvm_target).mod.script()
     assert "T.unroll(13)" in script and "T.where" not in script
     x2 = te.placeholder((1, 55, 55, 16), name="x2")
     w2 = te.placeholder((16, 16), name="w2")
@@ -244,16 +246,12 @@ def test_a_row_no_small_block_divides_is_blocked_whole(llvm_target, monkeypatch)
     assert "T.unroll(11)" in _check(te.create_prim_func([x2, w2, rows]), llvm_target).mod.script()
     # EfficientNet's projections: 7 blocks of output channels, by 2 a predicated 2 + 2 + 2 + 1; now not blocked,
     # the 14 pixels of a row taking the accumulators
-    x3 = te.placeholder((1, 2, 14, 14, 16), name="x3")
-    w3 = te.placeholder((7, 2, 1, 1, 16, 16), name="w3")
-    with llvm_target.tvm_target():
-        y3 = topi.nn.conv2d_NCHWc(x3, w3, 1, 0, 1, "NCHW16c", "NCHW16c", "float32")
-    func3 = te.create_prim_func([x3, w3, y3])
-    script = _check(func3, llvm_target).mod.script()
+    blocks7 = nchw16c_1x1(14, 7)
+    script = _check(blocks7, llvm_target).mod.script()
     assert "T.unroll(14)" in script and "T.where" not in script
     monkeypatch.setattr(cpu_default, "WHOLE_BLOCKS", False)
-    assert "T.where" in _check(func, llvm_target).mod.script()
-    assert "T.where" in _check(func3, llvm_target).mod.script()
+    assert "T.where" in _check(rows13, llvm_target).mod.script()
+    assert "T.where" in _check(blocks7, llvm_target).mod.script()
 
 
 def test_a_tile_its_axes_do_not_divide_is_padded_not_predicated(llvm_target, monkeypatch):
