@@ -25,7 +25,7 @@ it applies to any layout:
   up to every accumulator; where blocks of 8 would leave much of an axis's
   last tile empty, a divisor up to the accumulators' room blocks it instead
   (SqueezeNet's 13-pixel rows: 13, not 8 and a predicated 5; its classifier
-  2.09 -> 0.99 ms), and a second block that would (EfficientNet's 7 blocks
+  1.7-2.1x faster), and a second block that would (EfficientNet's 7 blocks
   of output channels by 2) is dropped for a longer first
   (`WHOLE_BLOCKS`, `results/cpu/2026-12-07/whole-blocks/`);
 - a vector axis the tile does not divide (ViT's 197 keys) is padded to
@@ -73,7 +73,7 @@ MAX_ACCUMULATORS = 16  # vector registers held by one tile's accumulators
 PAD = True  # a kernel whose tile does not divide an axis padded to whole tiles (`_pad`); False: predicated tiles
 MAX_WASTE = 0.125  # a blocked axis is padded only where that adds at most this share of work (a vector axis always)
 PAD_BLOCKED_MIN_K = 128  # ... and where each output sums at least this many products (ViT's GEMMs, not a 1x1 conv)
-WHOLE_BLOCKS = True  # blocks dividing their axis up to the accumulators' room, a lone blocked axis up to all of them
+WHOLE_BLOCKS = True  # blocks that divide their axis up to the accumulators' room, no mostly empty second block (`_plan`)
 INLINE = True  # InjectiveParallel inlines each block read by one other block into it; False: every block at the root
 
 
