@@ -62,6 +62,7 @@ from .passes.mixed_precision import to_mixed_precision
 from .passes.movement import tidy_movement
 from .passes.pack_weights import ATTR as PACKED
 from .passes.pack_weights import pack_gemm_weights
+from .passes.pad_channels import pad_channels
 from .passes.pad_gemm import pad_gemm_rows
 from .passes.split_k import split_k_conv2d
 from .passes.tf32 import mark as tf32_gemms
@@ -118,7 +119,8 @@ def phases(profile: Profile, target=None, tuned_direct: bool = False) -> list[tu
         out.append(("layout", [convert_to_nhwc(), depthwise_channels_last(), conv_transpose_gemm(), *cancel, *fold()]))
     elif profile.layout == "NCHWc":
         # (1-D convolutions as 2-D ones of height 1, first, so that the blocked layout takes them: passes/conv1d.py)
-        out.append(("layout", [clip_kernels_to_ops(), conv1d_as_conv2d(), T.CanonicalizeBindings(),
+        # (channel counts padded to whole blocks of 16 before the layout chooses its blocks: passes/pad_channels.py)
+        out.append(("layout", [clip_kernels_to_ops(), conv1d_as_conv2d(), pad_channels(), T.CanonicalizeBindings(),
                                T.DeadCodeElimination(), nchwc.convert(), *fold()]))
     if profile.fast_math:
         out.append(("fast_math", [fast_math()]))
