@@ -7,7 +7,8 @@ relax/backend/cuda/pipeline.py):
   constant_folding  constants folded, dead code and common subexpressions removed,
                     small integer powers as multiplications (passes.exact_power)
   layout            2-D convolutions to NHWC, or to NCHW[x]c on the CPU (passes.nchwc,
-                    after passes.clip), when the profile asks for it
+                    after passes.clip, and passes.pad_channels: channel counts no
+                    block of 16 divides padded), when the profile asks for it
   fast_math         exp, sigmoid, tanh, erf, softmax as vectorizable approximations
                     (passes.fast_math; the CPU's default)
   mixed_precision   fp16 compute (when the profile asks for it); the casts it puts

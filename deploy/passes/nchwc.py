@@ -7,7 +7,8 @@ prepacked weights (ONNX Runtime's MLAS and oneDNN do the same on x86).
 `convert()` moves each 2-D convolution to NCHW{c}c data, OIHW{ci}i{co}o
 weights and NCHW{co}c outputs, choosing the blocks per convolution from its
 own channel counts (`blocks`): 16 where the channels allow it, 8 or 4
-otherwise, fewer than 16 input channels (a first layer's 3) taken whole; a depthwise
+otherwise (passes/pad_channels.py first pads most counts that 16 does not
+divide), fewer than 16 input channels (a first layer's 3) taken whole; a depthwise
 convolution gets OIHW1i{c}o weights; grouped convolutions and channel counts
 no block divides stay in NCHW. ConvertLayout carries the blocked layout
 through the elementwise ops and pooling between convolutions and transforms
