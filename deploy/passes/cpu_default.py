@@ -74,6 +74,7 @@ PAD = True  # a kernel whose tile does not divide an axis padded to whole tiles 
 MAX_WASTE = 0.125  # a blocked axis is padded only where that adds at most this share of work (a vector axis always)
 PAD_BLOCKED_MIN_K = 128  # ... and where each output sums at least this many products (ViT's GEMMs, not a 1x1 conv)
 WHOLE_BLOCKS = True  # blocks that divide their axis up to the accumulators' room, no mostly empty second block (`_plan`)
+VECTOR_EPILOGUE = True  # an epilogue left after the tiles runs on whole vectors where it can; False: left to LLVM
 INLINE = True  # InjectiveParallel inlines each block read by one other block into it; False: every block at the root
 
 
@@ -170,7 +171,8 @@ class ContractionTiling:
                 except Exception:  # noqa: BLE001 - it reads the product other than one to one (a transpose)
                     pass
             if not inlined:  # a broadcast epilogue (squeeze-excitation's multiply), or a padded kernel's: after the tiles
-                _parallel_at_root(sch, out)
+                if not (VECTOR_EPILOGUE and _whole_vectors(sch, out, bits) and parallel_vectorized(sch, out, bits)):
+                    _parallel_at_root(sch, out)
         for i in inner[:-1]:
             sch.unroll(i)
         sch.vectorize(v_inner)
@@ -255,6 +257,16 @@ def inline_single_readers(sch, blocks) -> None:
                 sch.compute_inline(block)
             except Exception:  # noqa: BLE001 - TVM declines (an output of the kernel): left at the root
                 pass
+
+
+def _whole_vectors(sch, block, bits: int) -> bool:
+    """Whether the block's innermost loop is whole vectors (NCHW16c's 16
+    channels; not Swin's 49 tokens, which vectors of 7 ran 1.2-1.4x slower
+    than LLVM's own loop)."""
+    stmt = sch.get(block)
+    extent = static_int(sch.get(sch.get_loops(block)[-1]).extent)
+    dtype_bits = max(8, stmt.writes[0].source.dtype.bits) if stmt.writes else 32
+    return extent is not None and extent % lanes(bits, dtype_bits) == 0
 
 
 def _over_product(epilogue, product) -> bool:
