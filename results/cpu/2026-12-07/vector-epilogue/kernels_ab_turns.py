@@ -1,11 +1,11 @@
-"""Per-kernel A/B in turns (kernels_ab.py, ../whole-blocks/, with each kernel's variants built first, then
-timed in turns, ROUNDS rounds (9), the median). Same arguments as kernels_ab.py.
-    ONLYDIFF=1 PYTHONPATH=. python kernels_ab.py W/<model>-fp32/optimize/b1.relax.json . \
-        old:cpu_default.WHOLE_BLOCKS=False new:
-Each variant sets module constants of deploy.passes (`module.NAME=expr;...`), schedules each kernel whose
-name matches the regex with the llvm chain's rules, builds and times it (median of 7 x 5 calls) and
-compares its outputs with the first variant's. ONLYDIFF=1: only kernels the first two variants schedule
-differently. PART=1: TVM's loop partitioning on (tried, not adopted: no gain)."""
+"""Per-kernel A/B in turns, from the repository root:
+    ONLYDIFF=1 PYTHONPATH=. python kernels_ab_turns.py W/<model>-fp32/optimize/b1.relax.json . \
+        old:cpu_default.VECTOR_EPILOGUE=False new:
+Each variant sets module constants of deploy.passes (`module.NAME=expr;...`) and schedules and builds each
+kernel whose name matches the regex with the llvm chain's rules; then the variants are timed in turns,
+ROUNDS rounds (default 9) of 3 x 5 calls each, and each variant's median is printed, its outputs compared
+with the first variant's. ONLYDIFF=1: only kernels the first two variants schedule differently.
+(../whole-blocks/kernels_ab.py timed one variant after the other.)"""
 import sys, re, tvm, importlib
 from deploy.tvm_compat import *  # noqa
 from deploy.passes import cpu_default, cpu_reduction, schedule as S
