@@ -34,9 +34,13 @@ it applies to any layout:
   where that costs little (MAX_WASTE, PAD_BLOCKED_MIN_K);
 - the reduction loops run inside each tile, and the tiles of the remaining
   spatial axes are fused and run in parallel on every core;
-- injective producers (padding) run before it in parallel; injective
-  consumers (bias, activation, residual add) are applied as each tile is
-  written back.
+- injective producers (padding) run before it in parallel (a max
+  pooling's are read in place); injective consumers (bias, activation,
+  residual add) are applied as each tile is written back, and one that
+  cannot be (squeeze-excitation's multiply, broadcast over the feature map)
+  runs after the tiles, on whole vectors where its rows are
+  (`VECTOR_EPILOGUE`: MobileNetV3's such kernels 8x faster,
+  `results/cpu/2026-12-07/vector-epilogue/`).
 
 It replaces DLight's CPU GEMV rule in the chain. GEMV scheduled
 squeeze-excitation's small 1x1 convolutions ~20% faster (0.01 to 0.2 ms
@@ -49,8 +53,11 @@ the schedule chain can fall back from, so GEMV is out.
 come back after this rule.
 
 It applies to a kernel with exactly one reduction block of two operands or
-more, whose loops are its spatial axes followed by its reduction axes, and
-only injective blocks besides; anything else is left to DLight's CPU rules and TVM's default.
+more, or of one whose maximum (minimum) is taken (a max pooling, `POOLS`:
+TVM's plain lowering ran those on one core; SqueezeNet's three 0.21 -> 0.08
+ms, `results/cpu/2026-12-07/pools/`), whose loops are its spatial axes
+followed by its reduction axes, and only injective blocks besides; anything
+else is left to DLight's CPU rules and TVM's default.
 Measured over the corpus: `results/cpu/2026-12-02/corpus-llvm-default/`.
 
 `InjectiveParallel`, last in the CPU chain, takes the kernels without any
@@ -75,6 +82,7 @@ MAX_WASTE = 0.125  # a blocked axis is padded only where that adds at most this 
 PAD_BLOCKED_MIN_K = 128  # ... and where each output sums at least this many products (ViT's GEMMs, not a 1x1 conv)
 WHOLE_BLOCKS = True  # blocks that divide their axis up to the accumulators' room, no mostly empty second block (`_plan`)
 VECTOR_EPILOGUE = True  # an epilogue left after the tiles runs on whole vectors where it can; False: left to LLVM
+POOLS = True  # max (and min) poolings tiled as contractions are; False: left to TVM's plain lowering
 INLINE = True  # InjectiveParallel inlines each block read by one other block into it; False: every block at the root
 
 
@@ -180,7 +188,14 @@ class ContractionTiling:
         sch.vectorize(sch.get_loops(init)[-1])
         sch.vectorize(sch.get_loops(writeback)[-1])
 
+        pooling = len(block.reads) < 2
         for p in producers:
+            if pooling:  # (a pooling's padding read in place: a copy of the input at the root ran 2-3x slower)
+                try:
+                    sch.compute_inline(p.block_rv)
+                    continue
+                except Exception:  # noqa: BLE001 - TVM declines: at the root, as a contraction's
+                    pass
             _parallel_at_root(sch, p.block_rv)
         return sch
 
@@ -190,7 +205,8 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
     blocked axis and its block, the second blocked axis and its block (None,
     1 where there is none); None where the rule does not apply."""
     block = sch.get(main.block_rv)
-    if len(block.writes) != 1 or len(block.reads) < 2:  # two operands: not a pooling
+    # two operands, or (POOLS) one whose maximum or minimum is taken: a max pooling's window
+    if len(block.writes) != 1 or len(block.reads) < 2 and not (POOLS and _extremum(block)):
         return None
     write = block.writes[0]
     spatial = main.iters[:n_s]
@@ -232,6 +248,12 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
     if blk2 == 1:
         b2 = None
     return v, vec, b, blk, b2, blk2
+
+
+def _extremum(block) -> bool:
+    """`C[...] = max(C[...], x)` (or min): a max pooling's update."""
+    body = block.body
+    return type(body).__name__ == "BufferStore" and type(body.value).__name__ in ("Max", "Min")
 
 
 def vector_axis(write, spatial_vars, extents: list[int]) -> int | None:

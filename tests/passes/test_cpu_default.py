@@ -393,3 +393,21 @@ def test_tvm_still_miscompiles_vectorized_bool_intermediates(llvm_target):
     got = _masked(sch.mod["main"].with_attr("tirx.is_scheduled", True), llvm_target)
     assert not np.array_equal(got, (_PADDED_IDS != 1).astype("int32"))
     assert set(np.unique(got)) <= {-2, -1, 0, 1}
+
+
+@pytest.mark.parametrize("size, pool, stride, padding, ceil", [(111, 3, 2, (0, 0, 0, 0), True), (56, 3, 1, (1, 1, 1, 1), False),
+                                                               (56, 2, 2, (0, 0, 0, 0), False)])
+def test_a_max_pooling_is_tiled_on_vectors_its_padding_read_in_place(llvm_target, monkeypatch, size, pool, stride,
+                                                                     padding, ceil):
+    """NCHW16c max pools (SqueezeNet's 3x3 / 2 in ceil mode, a 3x3 / 1 padded,
+    UNet's 2x2): tiled on 16-channel vectors and run in parallel, the padding
+    read where it is used rather than copied first, the result as TVM's own;
+    with POOLS off the rule leaves them to TVM's plain lowering."""
+    x = te.placeholder((1, 4, size, size, 16), name="x")
+    func = te.create_prim_func([x, topi.nn.pool2d(x, (pool, pool), (stride, stride), (1, 1), padding, "max", ceil,
+                                                  layout="NCHW16c")])
+    script = _check(func, llvm_target).mod.script()
+    assert "T.parallel" in script and "T.vectorized" in script
+    assert "pad_temp" not in script  # (no copy of the input: read through the padding's condition)
+    monkeypatch.setattr(cpu_default, "POOLS", False)
+    assert ContractionTiling().apply(func, llvm_target.tvm_target(), False) is None
