@@ -77,7 +77,9 @@ FUSED_ATTENTION = "fused-attention"
 # "default faster" verdicts (those files predate per-rule versions), putting records back that lost to the default.)
 # It stays 1 with WHOLE_BLOCKS too (2026-12-07): of 66 corpus kernels that change, the two slower ones are ResNet3D's
 # (results/cpu/2026-12-07/whole-blocks/), in no committed CPU database; where the default got faster, a verdict that
-# it was faster than the tuned record still holds.
+# it was faster than the tuned record still holds. And with VECTOR_EPILOGUE and POOLS (2026-12-07): kernels that
+# only got faster (results/cpu/2026-12-07/vector-epilogue/, pools/); a max pool had no rule before (TVM's plain
+# lowering), so a record that beat that is still used, as before.
 RULE_VERSIONS = {CONTRACTION: 1, INJECTIVE: 2, SHORT_REDUCTION: 4, FEW_OUTPUTS: 1, BROADCAST_EPILOGUE: 1, SHORT_ROWS: 1,
                  MMA_GEMM: 4, SHORT_INNER: 1, TILED_TRANSPOSE: 1, VECTOR_ROWS: 2, COLUMN_SUMS: 1, SIMT_GEMM: 2,
                  THIN_GEMM: 1, STATISTICS: 1}
