@@ -22,7 +22,12 @@ from deploy.tvm_compat import relax, tvm
     (24, 40, 1, ("NCHW8c", "OIHW8i8o", "NCHW8c")),
     (96, 96, 96, ("NCHW16c", "OIHW1i16o", "NCHW16c")),  # depthwise
     (20, 20, 20, ("NCHW4c", "OIHW1i4o", "NCHW4c")),
-    (64, 64, 32, None),  # grouped: NCHW
+    (64, 64, 32, None),  # grouped, 2 channels a group: NCHW
+    (512, 512, 32, ("NCHW16c", "OIHW16i16o", "NCHW16c")),  # grouped, 16 channels a group (ResNeXt's third stage)
+    (1024, 1024, 32, ("NCHW16c", "OIHW32i16o", "NCHW16c")),  # 32 a group: each block within one
+    (128, 128, 32, None),  # 4 a group: its tensor's block of 16 would span four (and 4c cannot meet 16c)
+    (64, 96, 2, ("NCHW16c", "OIHW32i16o", "NCHW16c")),  # 32 in, 48 out a group
+    (48, 48, 4, None),  # 12 a group
     (17, 64, 1, None),  # no block divides 17 and it is too wide to take whole
     (64, 30, 1, None),
 ])
@@ -89,6 +94,69 @@ def test_nchwc_module_computes_what_nchw_computes(llvm_target, tmp_path):
             layouts.setdefault(int(m.group(1)), []).append((m.group(2), m.group(3)))
     assert layouts == {1: [("NCHW3c", "OIHW3i16o"), ("NCHW16c", "OIHW16i8o")], 16: [("NCHW16c", "OIHW1i16o")],
                        2: [("NCHW", "OIHW")]}
+
+
+def _grouped_net():
+    """A 1x1 convolution, then grouped 3x3 ones of 16 and 32 channels a group
+    (one of stride 2, one with a multiplier: 16 in, 32 out a group), with
+    biases and ReLU."""
+    bb = relax.BlockBuilder()
+    rng = np.random.default_rng(0)
+
+    def const(*shape):
+        return relax.const(rng.standard_normal(shape).astype("float32") * 0.2)
+
+    op = relax.op
+    x = relax.Var("x", relax.TensorType((1, 32, 10, 10), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(op.nn.relu(op.nn.conv2d(x, const(64, 32, 1, 1))))
+            y = bb.emit(op.nn.relu(op.add(op.nn.conv2d(y, const(64, 16, 3, 3), padding=1, groups=4),
+                                          const(1, 64, 1, 1))))
+            y = bb.emit(op.nn.conv2d(y, const(64, 32, 3, 3), strides=2, padding=1, groups=2))
+            y = bb.emit(op.nn.conv2d(y, const(128, 16, 3, 3), padding=1, groups=4))
+            out = bb.emit_output(op.nn.relu(y))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_grouped_convolutions_blocked_compute_what_nchw_computes(llvm_target, tmp_path, monkeypatch):
+    """Grouped convolutions whose groups are whole blocks of 16 run in NCHW16c
+    (our `group_conv2d_NCHWc`), the result as in NCHW; with GROUPED off they stay NCHW."""
+    x = np.random.default_rng(1).standard_normal((1, 32, 10, 10)).astype("float32")
+    outs = {}
+    for layout in ("NCHW", "NCHWc"):
+        mod, _ = optimize.optimize_module(_grouped_net(), _profile(layout), llvm_target.tvm_target())
+        if layout == "NCHWc":
+            assert mod.script().count("def group_conv2d_NCHWc") + mod.script().count("_group_conv2d_NCHWc") >= 3
+        outs[layout] = _vm(mod, llvm_target, tmp_path / layout)["main"](tvm.runtime.tensor(x)).numpy()
+    np.testing.assert_allclose(outs["NCHWc"], outs["NCHW"], rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(nchwc, "GROUPED", False)
+    assert "groups=4, data_layout=\"NCHW\"" in nchwc.convert()(_grouped_net()).script()
+
+
+def test_convert_layout_still_cannot_move_a_tensor_between_channel_blocks():
+    """Fails once TVM's ConvertLayout moves a tensor from NCHW4c to NCHW16c
+    (then a grouped convolution of 4 or 8 channels a group can take its own
+    block next to 16-channel ones: `blocks`)."""
+    bb = relax.BlockBuilder()
+    rng = np.random.default_rng(0)
+    x = relax.Var("x", relax.TensorType((1, 128, 8, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, relax.const(rng.standard_normal((128, 4, 3, 3)).astype("float32")),
+                                           padding=1, groups=32))
+            out = bb.emit_output(relax.op.nn.conv2d(y, relax.const(rng.standard_normal((64, 128, 1, 1))
+                                                                   .astype("float32"))))
+        bb.emit_func_output(out)
+
+    def layouts(call):
+        if call.op.name == "relax.nn.conv2d" and int(call.attrs.groups) > 1:
+            return {"relax.nn.conv2d": ["NCHW4c", "OIHW4i4o", "NCHW4c"]}
+        return nchwc._layouts(call)
+
+    with pytest.raises(Exception, match="Invalid layout axis"):
+        relax.transform.ConvertLayout({}, layouts)(bb.get())
 
 
 def test_a_blocked_conv2d_still_is_not_legalized_by_tvm(llvm_target):
