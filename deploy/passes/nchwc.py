@@ -11,8 +11,9 @@ otherwise (passes/pad_channels.py first pads most counts that 16 does not
 divide), fewer than 16 input channels (a first layer's 3) taken whole; a depthwise
 convolution gets OIHW1i{c}o weights; a grouped one whose groups are whole
 blocks of its tensors' block (ResNeXt's 16 and 32 channels a group) gets
-OIHW{I/g}i{c}o weights (`GROUPED`); other grouped convolutions and channel counts
-no block divides stay in NCHW. ConvertLayout carries the blocked layout
+OIHW{I/g}i{c}o weights (`GROUPED`), and one of 4 or 8 channels a group is
+first widened to 16 with zero weights (`widen_groups`); other grouped
+convolutions and channel counts no block divides stay in NCHW. ConvertLayout carries the blocked layout
 through the elementwise ops and pooling between convolutions and transforms
 back where an operator needs NCHW (a flatten, a softmax). Where TVM's
 ConvertLayout fails on a model (0.27: a LayerNorm over the channels after a
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 # Grouped convolutions in NCHWc where their groups are whole blocks. ResNeXt's stage-3/4 ones (NCHW, vectorized
 # over 7 or 14 output columns, stride 2 a gather) 2-7x faster: results/cpu/2026-12-07/grouped/.
 GROUPED = True
+WIDEN_GROUPS = True  # (`widen_groups`: ResNeXt's 4- and 8-channel groups; its package 0.85-0.91x the time)
 BLOCKS = (16, 8, 4)  # channel blocks tried, largest first (16 fp32 lanes fill an AVX-512 vector)
 
 
@@ -137,6 +139,50 @@ def convert():
             return mod
 
     return run
+
+
+def widen_groups():
+    """A pass: a grouped convolution with fewer channels a group than a block
+    of 16 (ResNeXt's first stages: 4 and 8) becomes one of 16 channels a
+    group, its weights block-diagonal within each block (zeros between the
+    old groups), so that `blocks` takes it in NCHW16c. It does 16 / (I/g)
+    times the multiply-adds, each on a full vector with one broadcast input
+    (in NCHW a gather at stride 2). Constant NCHW/OIHW weights with as many
+    channels a group in as out only (`WIDEN_GROUPS`)."""
+    import numpy as np
+
+    from ..tvm_compat import RelaxConstant, relax, tvm
+    from . import relax_function_pass, static_shape
+
+    conv2d = tvm.ir.Op.get("relax.nn.conv2d")
+    block = BLOCKS[0]
+
+    @relax.expr_functor.mutator
+    class Widen(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if not WIDEN_GROUPS or not isinstance(call, relax.Call) or call.op != conv2d:
+                return call
+            a = call.attrs
+            x, w = call.args
+            shape, groups = static_shape(x), int(a.groups)
+            if (a.data_layout, a.kernel_layout, str(a.out_layout or "NCHW")) != ("NCHW", "OIHW", "NCHW") \
+                    or not isinstance(w, RelaxConstant) or shape is None or groups == 1:
+                return call
+            weight = w.value.numpy()
+            out_c, per_group = weight.shape[:2]
+            if out_c != shape[1] or out_c % block or block % per_group or per_group == 1 \
+                    or out_c // groups != per_group:
+                return call
+            wide = np.zeros((out_c, block, *weight.shape[2:]), weight.dtype)
+            for o in range(out_c):
+                at = o % block // per_group * per_group
+                wide[o, at:at + per_group] = weight[o]
+            return relax.op.nn.conv2d(x, relax.const(wide, str(weight.dtype)), strides=a.strides, padding=a.padding,
+                                      dilation=a.dilation, groups=out_c // block, data_layout="NCHW",
+                                      kernel_layout="OIHW", out_layout="NCHW", out_dtype=a.out_dtype)
+
+    return relax_function_pass("WidenGroups", Widen)
 
 
 def _has_conv2d(mod) -> bool:

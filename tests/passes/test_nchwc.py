@@ -97,9 +97,9 @@ def test_nchwc_module_computes_what_nchw_computes(llvm_target, tmp_path):
 
 
 def _grouped_net():
-    """A 1x1 convolution, then grouped 3x3 ones of 16 and 32 channels a group
-    (one of stride 2, one with a multiplier: 16 in, 32 out a group), with
-    biases and ReLU."""
+    """A 1x1 convolution, then grouped 3x3 ones of 16, 4, 8 and 32 channels a
+    group (two of stride 2, one with a multiplier: 16 in, 32 out a group),
+    with biases and ReLU."""
     bb = relax.BlockBuilder()
     rng = np.random.default_rng(0)
 
@@ -113,6 +113,8 @@ def _grouped_net():
             y = bb.emit(op.nn.relu(op.nn.conv2d(x, const(64, 32, 1, 1))))
             y = bb.emit(op.nn.relu(op.add(op.nn.conv2d(y, const(64, 16, 3, 3), padding=1, groups=4),
                                           const(1, 64, 1, 1))))
+            y = bb.emit(op.nn.relu(op.nn.conv2d(y, const(64, 4, 3, 3), padding=1, groups=16)))
+            y = bb.emit(op.nn.conv2d(y, const(64, 8, 3, 3), strides=2, padding=1, groups=8))
             y = bb.emit(op.nn.conv2d(y, const(64, 32, 3, 3), strides=2, padding=1, groups=2))
             y = bb.emit(op.nn.conv2d(y, const(128, 16, 3, 3), padding=1, groups=4))
             out = bb.emit_output(op.nn.relu(y))
@@ -122,15 +124,21 @@ def _grouped_net():
 
 def test_grouped_convolutions_blocked_compute_what_nchw_computes(llvm_target, tmp_path, monkeypatch):
     """Grouped convolutions whose groups are whole blocks of 16 run in NCHW16c
-    (our `group_conv2d_NCHWc`), the result as in NCHW; with GROUPED off they stay NCHW."""
+    (our `group_conv2d_NCHWc`), and those of 4 or 8 channels a group too,
+    widened to 16 with zero weights (`widen_groups`): the result as in NCHW.
+    With GROUPED off they stay NCHW; with WIDEN_GROUPS off the 4 and 8 do."""
     x = np.random.default_rng(1).standard_normal((1, 32, 10, 10)).astype("float32")
     outs = {}
     for layout in ("NCHW", "NCHWc"):
         mod, _ = optimize.optimize_module(_grouped_net(), _profile(layout), llvm_target.tvm_target())
         if layout == "NCHWc":
-            assert mod.script().count("def group_conv2d_NCHWc") + mod.script().count("_group_conv2d_NCHWc") >= 3
+            assert sum("group_conv2d_NCHWc" in gv.name_hint for gv in mod.functions) == 5
         outs[layout] = _vm(mod, llvm_target, tmp_path / layout)["main"](tvm.runtime.tensor(x)).numpy()
     np.testing.assert_allclose(outs["NCHWc"], outs["NCHW"], rtol=1e-4, atol=1e-5)
+    widened = nchwc.widen_groups()(_grouped_net()).script()
+    assert "groups=16" not in widened and "groups=8" not in widened and widened.count("groups=4") == 4  # (two widened, two as they were)
+    monkeypatch.setattr(nchwc, "WIDEN_GROUPS", False)
+    assert "groups=16" in nchwc.widen_groups()(_grouped_net()).script()
     monkeypatch.setattr(nchwc, "GROUPED", False)
     assert "groups=4, data_layout=\"NCHW\"" in nchwc.convert()(_grouped_net()).script()
 
