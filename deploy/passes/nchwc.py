@@ -148,7 +148,7 @@ def widen_groups():
     old groups), so that `blocks` takes it in NCHW16c. It does 16 / (I/g)
     times the multiply-adds, each on a full vector with one broadcast input
     (in NCHW a gather at stride 2). Constant NCHW/OIHW weights with as many
-    channels a group in as out only (`WIDEN_GROUPS`)."""
+    channels a group in as out only (`WIDEN_GROUPS`; not without `GROUPED`)."""
     import numpy as np
 
     from ..tvm_compat import RelaxConstant, relax, tvm
@@ -161,7 +161,7 @@ def widen_groups():
     class Widen(relax.PyExprMutator):
         def visit_call_(self, call):
             call = super().visit_call_(call)
-            if not WIDEN_GROUPS or not isinstance(call, relax.Call) or call.op != conv2d:
+            if not (WIDEN_GROUPS and GROUPED) or not isinstance(call, relax.Call) or call.op != conv2d:
                 return call
             a = call.attrs
             x, w = call.args
