@@ -213,18 +213,26 @@ def _out_dtype(attrs, data) -> str:
     return data.dtype if text in ("", "void", "None") else text
 
 
-def _depthwise_nchwc(data, weight, strides, padding, dilation, out_dtype):
-    """[n, C/c, h, w, c] x [C/c, 1, kh, kw, 1, c] -> [n, C/c, oh, ow, c]."""
-    from ..tvm_compat import te, topi
+def _window(data, kh, kw, padding, strides, dilation):
+    """(the blocked data padded, output rows, output columns) of a kh x kw window."""
+    from ..tvm_compat import topi
 
-    n, chunks, h, w, c = data.shape
-    _, _, kh, kw, _, _ = weight.shape
+    _, _, h, w, _ = data.shape
     (sh, sw), (dh, dw) = strides, dilation
     top, left, bottom, right = padding
     padded = topi.nn.pad(data, [0, 0, top, left, 0], [0, 0, bottom, right, 0], name="pad") \
         if any(int(p) for p in padding) else data
-    oh = (h + top + bottom - (kh - 1) * dh - 1) // sh + 1
-    ow = (w + left + right - (kw - 1) * dw - 1) // sw + 1
+    return padded, (h + top + bottom - (kh - 1) * dh - 1) // sh + 1, (w + left + right - (kw - 1) * dw - 1) // sw + 1
+
+
+def _depthwise_nchwc(data, weight, strides, padding, dilation, out_dtype):
+    """[n, C/c, h, w, c] x [C/c, 1, kh, kw, 1, c] -> [n, C/c, oh, ow, c]."""
+    from ..tvm_compat import te
+
+    n, chunks, _, _, c = data.shape
+    _, _, kh, kw, _, _ = weight.shape
+    (sh, sw), (dh, dw) = strides, dilation
+    padded, oh, ow = _window(data, kh, kw, padding, strides, dilation)
     rh, rw = te.reduce_axis((0, kh), name="rh"), te.reduce_axis((0, kw), name="rw")
     return te.compute(
         (n, chunks, oh, ow, c),
@@ -241,17 +249,13 @@ def _grouped_nchwc(data, weight, strides, padding, dilation, groups, out_dtype):
     """[n, C/c, h, w, c] x [O/c, 1, kh, kw, I/g, c] -> [n, O/c, oh, ow, c]: each
     block of c output channels lies within one group, and each of the
     group's I/g input channels is one value broadcast to the block."""
-    from ..tvm_compat import te, topi
+    from ..tvm_compat import te
 
-    n, _, h, w, c = data.shape
+    n, _, _, _, c = data.shape
     out_chunks, _, kh, kw, per_in, _ = weight.shape
     per_out = out_chunks * c // groups
     (sh, sw), (dh, dw) = strides, dilation
-    top, left, bottom, right = padding
-    padded = topi.nn.pad(data, [0, 0, top, left, 0], [0, 0, bottom, right, 0], name="pad") \
-        if any(int(p) for p in padding) else data
-    oh = (h + top + bottom - (kh - 1) * dh - 1) // sh + 1
-    ow = (w + left + right - (kw - 1) * dw - 1) // sw + 1
+    padded, oh, ow = _window(data, kh, kw, padding, strides, dilation)
     ri = te.reduce_axis((0, per_in), name="ri")
     rh, rw = te.reduce_axis((0, kh), name="rh"), te.reduce_axis((0, kw), name="rw")
 
