@@ -121,9 +121,10 @@ def phases(profile: Profile, target=None, tuned_direct: bool = False) -> list[tu
     elif profile.layout == "NCHWc":
         # (1-D convolutions as 2-D ones of height 1, first, so that the blocked layout takes them: passes/conv1d.py)
         # (channel counts padded to whole blocks of 16 before the layout chooses its blocks: passes/pad_channels.py)
-        out.append(("layout", [clip_kernels_to_ops(), conv1d_as_conv2d(), pad_channels(), nchwc.widen_groups(),
-                               T.CanonicalizeBindings(),
-                               T.DeadCodeElimination(), nchwc.convert(), *fold()]))
+        # (where ConvertLayout fails, convert() returns the module as it was before pad_channels and widen_groups)
+        prepare = [pad_channels(), nchwc.widen_groups(), T.CanonicalizeBindings(), T.DeadCodeElimination()]
+        out.append(("layout", [clip_kernels_to_ops(), conv1d_as_conv2d(), T.CanonicalizeBindings(),
+                               T.DeadCodeElimination(), nchwc.convert(prepare), *fold()]))
     if profile.fast_math:
         out.append(("fast_math", [fast_math()]))
     if profile.precision == "fp16":

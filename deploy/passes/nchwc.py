@@ -118,9 +118,11 @@ class _QuietTvmRefusals(logging.Filter):
         return not (record.name == "root" and any(t in record.getMessage() for t in _TVM_REFUSALS))
 
 
-def convert():
-    """ConvertLayout with a per-convolution choice of blocks (`blocks`); a
-    module TVM's ConvertLayout cannot convert keeps NCHW (one log line)."""
+def convert(prepare=()):
+    """ConvertLayout with a per-convolution choice of blocks (`blocks`),
+    after the passes `prepare` (padding channels, widening groups: work that
+    only the blocked layout repays); a module TVM's ConvertLayout cannot
+    convert keeps NCHW as it was before them (one log line)."""
     from ..tvm_compat import relax, tvm
 
     root = logging.getLogger()
@@ -132,7 +134,7 @@ def convert():
         if not _has_conv2d(mod):  # (nothing to convert; TVM's pass took 13 s over a GRU's 8,000 unrolled ops)
             return mod
         try:
-            return relax.transform.ConvertLayout({}, _layouts)(mod)
+            return relax.transform.ConvertLayout({}, _layouts)(tvm.transform.Sequential(list(prepare))(mod))
         except Exception as e:  # noqa: BLE001 - TVM raises ValueError, InternalError, ...
             log.warning("layout: convolutions stay in NCHW: TVM's ConvertLayout cannot move this model to NCHWc (%s)",
                         _one_line(e))

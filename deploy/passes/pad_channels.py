@@ -27,7 +27,8 @@ it up to C' adds at most MAX_PAD of the channels:
 - wherever else the tensor goes (a concatenation, a reshape, a matmul, the
   output) it goes through `strided_slice` back to C channels.
 Every padded value keeps its sliced twin; DeadCodeElimination drops the
-twins nothing reads. The result computes the same as the model (the extra
+twins nothing reads. It runs inside `nchwc.convert(prepare)`: where TVM's
+ConvertLayout fails on a model, the model keeps NCHW without the padding. The result computes the same as the model (the extra
 channels are never read with a nonzero weight) and the blocked layout then
 takes blocks of 16 for every such convolution.
 """

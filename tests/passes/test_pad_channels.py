@@ -124,3 +124,32 @@ def test_disabled_or_without_constant_weights_nothing_changes(monkeypatch):
     assert pad_channels.pad_channels()(params).script() == params.script()
     monkeypatch.setattr(pad_channels, "ENABLED", False)
     assert pad_channels.pad_channels()(_unit()).script() == _unit().script()
+
+
+def test_where_the_layout_fails_the_padding_is_undone(caplog):
+    """ConvNeXt's head (a spatial mean, then LayerNorm over the channels)
+    makes TVM's ConvertLayout fail: the model keeps NCHW as it was, without
+    the padding of its 58-channel convolution, which only the blocked
+    layout repays."""
+    import logging
+
+    bb = relax.BlockBuilder()
+    rng = np.random.default_rng(0)
+    x = relax.Var("x", relax.TensorType((1, 16, 7, 7), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, relax.const(rng.standard_normal((58, 16, 3, 3)).astype("float32")),
+                                           padding=1))
+            y = bb.emit(relax.op.nn.conv2d(relax.op.nn.relu(y),
+                                           relax.const(rng.standard_normal((64, 58, 1, 1)).astype("float32"))))
+            y = bb.emit(relax.op.mean(y, axis=[2, 3], keepdims=False))
+            g = relax.const(np.ones(64, "float32"))
+            out = bb.emit_output(relax.op.nn.layer_norm(y, g, g, axes=[-1]))
+        bb.emit_func_output(out)
+    plain = bb.get()
+    assert "R.nn.pad" in pad_channels.pad_channels()(plain).script() or "(1, 64, 7, 7)" in \
+        pad_channels.pad_channels()(plain).script()  # (the pass alone pads the 58 channels)
+    with caplog.at_level(logging.WARNING, logger="deploy.passes.nchwc"):
+        mod = nchwc.convert([pad_channels.pad_channels()])(plain)
+    assert "stay in NCHW" in caplog.text
+    assert mod.script() == plain.script()
