@@ -176,18 +176,22 @@ def test_a_blocked_conv2d_still_is_not_legalized_by_tvm(llvm_target):
     assert "R.nn.conv2d(" in main
 
 
-def _mean_then_layer_norm():
+def _mean_then_layer_norm(widths=(32,)):
     """ConvNeXt's head: a spatial mean of a convolution's output, then
-    LayerNorm over the channels."""
+    LayerNorm over the channels (the convolutions: 16 channels in, `widths`
+    out, 3x3 then 1x1s, a ReLU between two)."""
     bb = relax.BlockBuilder()
     rng = np.random.default_rng(0)
     x = relax.Var("x", relax.TensorType((1, 16, 7, 7), "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, relax.const(rng.standard_normal((32, 16, 3, 3)).astype("float32")),
-                                           padding=1))
+            y, k = x, 3
+            for i, (c_in, c_out) in enumerate(zip((16, *widths), widths)):
+                weight = relax.const(rng.standard_normal((c_out, c_in, k, k)).astype("float32"))
+                y = bb.emit(relax.op.nn.conv2d(relax.op.nn.relu(y) if i else y, weight, padding=k // 2))
+                k = 1
             y = bb.emit(relax.op.mean(y, axis=[2, 3], keepdims=False))
-            g = relax.const(np.ones(32, "float32"))
+            g = relax.const(np.ones(widths[-1], "float32"))
             out = bb.emit_output(relax.op.nn.layer_norm(y, g, g, axes=[-1]))
         bb.emit_func_output(out)
     return bb.get()
