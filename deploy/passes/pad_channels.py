@@ -135,6 +135,8 @@ def pad_channels():
         def _binary(self, call):
             a, b = call.args
             pa, pb = self._arg(a), self._arg(b)
+            if call.op.name == "relax.divide" and pb:  # (a divisor whose extra channels may be zero)
+                return None
             if pa and pb:
                 same = pa[1] == pb[1] and width(pa[0]) == width(pb[0])
                 return (relax.Call(call.op, [pa[0], pb[0]], call.attrs), pa[1]) if same else None
@@ -148,8 +150,6 @@ def pad_channels():
             if axis >= 0 and shape[axis] != 1:
                 if shape[axis] != c or not isinstance(other, RelaxConstant):
                     return None
-                if call.op.name == "relax.divide" and other is a:  # (x / padded: its zeros would divide)
-                    return None
                 fill = 1.0 if call.op.name == "relax.divide" else 0.0
                 data = other.value.numpy()
                 pad = [(0, 0)] * data.ndim
@@ -157,8 +157,6 @@ def pad_channels():
                 other = relax.const(np.pad(data, pad, constant_values=fill), str(data.dtype))
             else:
                 other = self.visit_expr(other)
-            if call.op.name == "relax.divide" and pb:  # (a divisor whose extra channels may be zero)
-                return None
             args = [twin, other] if pa else [other, twin]
             return relax.Call(call.op, args, call.attrs), c
 

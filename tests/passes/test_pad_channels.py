@@ -27,9 +27,9 @@ def _unit(trap: bool = True):
     (spatial mean, 1x1 convs, sigmoid, a product), a channel-wise scale and a
     divisor, a max pool, a concatenation with the input, and a 1x1
     classifier of 40 channels whose spatial mean is the output. With
-    `trap`, a constant divided by a maximum of the branch and 0.5 (whose
-    padding would hold zeros) feeds a convolution: a padded quotient would
-    put 0/0 into it."""
+    `trap`, a constant, and then the branch itself, divided by a maximum of
+    the branch and 0.5 (whose padding would hold zeros) feed convolutions: a
+    padded quotient would put 0/0 into them."""
     bb = relax.BlockBuilder()
     rng = np.random.default_rng(0)
 
@@ -50,6 +50,7 @@ def _unit(trap: bool = True):
             if trap:
                 d = bb.emit(op.maximum(y, const(1, 58, 1, 1, low=0.5)))  # (at least 0.5; its padding 0)
                 y = bb.emit(op.add(y, op.nn.conv2d(op.divide(const(1, 58, 1, 1, low=1.0), d), const(58, 58, 1, 1))))
+                y = bb.emit(op.add(y, op.nn.conv2d(op.divide(y, d), const(58, 58, 1, 1))))  # (both padded)
             y = bb.emit(op.nn.max_pool2d(y, pool_size=3, padding=1))
             y = bb.emit(op.concat([x, y], axis=1))
             y = bb.emit(op.nn.relu(op.nn.conv2d(y, const(40, 116, 1, 1))))
@@ -72,7 +73,7 @@ def test_the_padded_channels_take_blocks_of_16():
     assert ("NCHW", "OIHW") in [(d, k) for _, d, k in _layouts(before)]
     after = nchwc.convert()(pad_channels.pad_channels()(_unit()))
     convs = _layouts(after)
-    assert len(convs) == 7 and all(d == "NCHW16c" and k.endswith("16o") for _, d, k in convs), convs
+    assert len(convs) == 8 and all(d == "NCHW16c" and k.endswith("16o") for _, d, k in convs), convs
     assert [g for g, _, _ in _layouts(after)].count(64) == 1  # the depthwise convolution: 64 groups
     assert "R.nn.pad" in after.script()  # the input's 58 channels padded with zeros
 
@@ -101,13 +102,16 @@ def test_the_padded_model_computes_the_same(llvm_target, monkeypatch, enabled):
 
 
 def test_a_divisor_that_may_hold_zeros_is_sliced_first():
-    """`constant / y` with y padded would divide by the padding: the division
-    takes y's sliced twin, and the convolution after it reads 58 channels."""
+    """`constant / d` or `y / d` with d padded would divide by the padding:
+    each division takes d's sliced twin (and y's), its result 58 channels."""
     text = pad_channels.pad_channels()(_unit()).script()
-    (line,) = [ln for ln in text.splitlines() if "R.divide(metadata" in ln]
-    divisor = re.search(r"R\.divide\(metadata\S+, (\w+)\)", line).group(1)
-    (source,) = [ln for ln in text.splitlines() if ln.strip().startswith(divisor + ":")]
-    assert "(1, 58, 10, 10)" in line and "R.strided_slice" in source, (line, source)
+    lines = [ln for ln in text.splitlines() if "R.divide(" in ln and "metadata" not in ln.split("R.divide(")[1]
+             .split(",")[1]]
+    assert len(lines) == 2, lines
+    for line in lines:
+        divisor = re.search(r"R\.divide\([^,]+, (\w+)\)", line).group(1)
+        (source,) = [ln for ln in text.splitlines() if ln.strip().startswith(divisor + ":")]
+        assert "(1, 58, 10, 10)" in line and "R.strided_slice" in source, (line, source)
 
 
 def test_disabled_or_without_constant_weights_nothing_changes(monkeypatch):
