@@ -179,7 +179,7 @@ class ContractionTiling:
                 except Exception:  # noqa: BLE001 - it reads the product other than one to one (a transpose)
                     pass
             if not inlined:  # a broadcast epilogue (squeeze-excitation's multiply), or a padded kernel's: after the tiles
-                if not (VECTOR_EPILOGUE and _whole_vectors(sch, out, bits) and parallel_vectorized(sch, out, bits)):
+                if not (VECTOR_EPILOGUE and parallel_vectorized(sch, out, bits, whole=True)):
                     _parallel_at_root(sch, out)
         for i in inner[:-1]:
             sch.unroll(i)
@@ -279,16 +279,6 @@ def inline_single_readers(sch, blocks) -> None:
                 sch.compute_inline(block)
             except Exception:  # noqa: BLE001 - TVM declines (an output of the kernel): left at the root
                 pass
-
-
-def _whole_vectors(sch, block, bits: int) -> bool:
-    """Whether the block's innermost loop is whole vectors (NCHW16c's 16
-    channels; not Swin's 49 tokens, which vectors of 7 ran 1.2-1.4x slower
-    than LLVM's own loop)."""
-    stmt = sch.get(block)
-    extent = static_int(sch.get(sch.get_loops(block)[-1]).extent)
-    dtype_bits = max(8, stmt.writes[0].source.dtype.bits) if stmt.writes else 32
-    return extent is not None and extent % lanes(bits, dtype_bits) == 0
 
 
 def _over_product(epilogue, product) -> bool:
@@ -399,18 +389,22 @@ class InjectiveParallel:
         return sch
 
 
-def parallel_vectorized(sch, block, bits: int) -> bool:
+def parallel_vectorized(sch, block, bits: int, whole: bool = False) -> bool:
     """An injective block at the root: its innermost loop split by the
     largest divisor up to a vector and vectorized (not where it touches
     bools, `_touches_bool`), its outer loops fused and run in parallel where
     it writes PARALLEL_MIN_ELEMENTS or more; False (nothing done) where a
-    loop's extent is not static."""
+    loop's extent is not static, or with `whole` where the innermost loop is
+    not whole vectors (NCHW16c's 16 channels are; Swin's 49 tokens are not,
+    and vectors of 7 ran them 1.2-1.4x slower than LLVM's own loop)."""
     loops = sch.get_loops(block)
     extents = [static_int(sch.get(lp).extent) for lp in loops]
     if not loops or any(e is None for e in extents):
         return False
     stmt = sch.get(block)
     dtype_bits = max(8, stmt.writes[0].source.dtype.bits) if stmt.writes else 32
+    if whole and extents[-1] % lanes(bits, dtype_bits):
+        return False
     inner, outer = loops[-1], list(loops[:-1])
     vec = largest_divisor(extents[-1], lanes(bits, dtype_bits))
     if 2 <= vec < extents[-1]:
