@@ -24,6 +24,14 @@ def static_shape(expr) -> list[int] | None:
         return None
 
 
+def nchw_oihw(conv_attrs) -> bool:
+    """Whether a conv2d's attributes are NCHW data, OIHW weights and NCHW
+    output (an unset output layout is the data's), as the ONNX frontend
+    writes them."""
+    a = conv_attrs
+    return (a.data_layout, a.kernel_layout, str(a.out_layout or "NCHW")) == ("NCHW", "OIHW", "NCHW")
+
+
 def nhwc_ohwi(conv_attrs) -> bool:
     """Whether a conv2d's attributes are NHWC data, OHWI weights and NHWC
     output (an unset output layout is the data's), as ConvertLayout leaves

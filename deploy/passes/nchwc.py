@@ -154,7 +154,7 @@ def widen_groups():
     import numpy as np
 
     from ..tvm_compat import RelaxConstant, relax, tvm
-    from . import relax_function_pass, static_shape
+    from . import nchw_oihw, relax_function_pass, static_shape
 
     conv2d = tvm.ir.Op.get("relax.nn.conv2d")
     block = BLOCKS[0]
@@ -168,8 +168,7 @@ def widen_groups():
             a = call.attrs
             x, w = call.args
             shape, groups = static_shape(x), int(a.groups)
-            if (a.data_layout, a.kernel_layout, str(a.out_layout or "NCHW")) != ("NCHW", "OIHW", "NCHW") \
-                    or not isinstance(w, RelaxConstant) or shape is None or groups == 1:
+            if not nchw_oihw(a) or not isinstance(w, RelaxConstant) or shape is None or groups == 1:
                 return call
             weight = w.value.numpy()
             out_c, per_group = weight.shape[:2]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import relax_function_pass, static_shape
+from . import nchw_oihw, relax_function_pass, static_shape
 from .nchwc import BLOCKS
 
 BLOCK = BLOCKS[0]  # one AVX-512 vector of fp32 (two AVX2 vectors)
@@ -67,9 +67,6 @@ def pad_channels():
     from ..tvm_compat import RelaxConstant, relax, tvm
 
     op = relax.op
-
-    def nchw(attrs) -> bool:
-        return (attrs.data_layout, attrs.kernel_layout, str(attrs.out_layout or "NCHW")) == ("NCHW", "OIHW", "NCHW")
 
     def width(expr) -> int:
         return static_shape(expr)[1]
@@ -179,7 +176,7 @@ def pad_channels():
             x, w = call.args
             a = call.attrs
             shape = static_shape(x)
-            if not nchw(a) or not isinstance(w, RelaxConstant) or shape is None or len(shape) != 4:
+            if not nchw_oihw(a) or not isinstance(w, RelaxConstant) or shape is None or len(shape) != 4:
                 return None
             weight = w.value.numpy()
             out_c, per_group, groups = weight.shape[0], weight.shape[1], int(a.groups)
