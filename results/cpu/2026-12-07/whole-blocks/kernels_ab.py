@@ -2,9 +2,11 @@
     ONLYDIFF=1 PYTHONPATH=. python kernels_ab.py W/<model>-fp32/optimize/b1.relax.json . \
         old:cpu_default.WHOLE_BLOCKS=False new:
 Each variant sets module constants of deploy.passes (`module.NAME=expr;...`), schedules each kernel whose
-name matches the regex with the llvm chain's rules, builds and times it (median of 7 x 5 calls) and
-compares its outputs with the first variant's. ONLYDIFF=1: only kernels the first two variants schedule
-differently. PART=1: TVM's loop partitioning on (tried, not adopted: no gain)."""
+name matches the regex with the llvm chain's rules and builds it; then each variant is timed (median of 7 x 5
+calls) and its outputs compared with the first variant's. ONLYDIFF=1: only kernels the first two variants
+schedule differently. PART=1: TVM's loop partitioning on (tried, not adopted: no gain). TURNS=1: the
+variants timed in turns, ROUNDS rounds (default 9) of 3 x 5 calls each, each variant's median printed (on a
+machine whose speed moves within seconds, one variant timed after the other is not a fair comparison)."""
 import sys, re, tvm, importlib
 from deploy.tvm_compat import *  # noqa
 from deploy.passes import cpu_default, cpu_reduction, schedule as S
@@ -46,6 +48,7 @@ for gv in mod.functions:
             finally:
                 for (M, a), v in saved.items(): setattr(M, a, v)
         if texts[0] == texts[1]: continue
+    libs = {}
     for label, stmts in variants:
         saved = {}
         for st in filter(None, stmts.split(";")):
@@ -55,12 +58,20 @@ for gv in mod.functions:
             rn, f = sched(func)
             lib = build_kernel("main", f, TI)
             args = [tvm.runtime.tensor(a, dev) for a in _seeded_args(bufs)]
-            t = lib.time_evaluator("main", dev, number=5, repeat=7, min_repeat_ms=20)(*args).median * 1e3
             lib["main"](*args); outs[label] = [a.numpy() for a in args]
-            ok = "" if label == variants[0][0] else ("ok" if _worst(bufs, outs[label], outs[variants[0][0]]).get("ok") else "MISMATCH")
-            line.append(f"{label}={t:.4f}{ok and ' '+ok}")
+            libs[label] = (lib, args)
         except Exception as e:
             line.append(f"{label}=ERR {str(e).splitlines()[0][:80]}")
         finally:
             for (M, a), v in saved.items(): setattr(M, a, v)
+    import statistics
+    times = {l: [] for l in libs}
+    turns = bool(os.environ.get("TURNS"))
+    for _ in range(int(os.environ.get("ROUNDS", "9")) if turns else 1):
+        for l, (lib, args) in libs.items():
+            timer = lib.time_evaluator("main", dev, number=5, repeat=3 if turns else 7, min_repeat_ms=10 if turns else 20)
+            times[l].append(timer(*args).median * 1e3)
+    for l in libs:
+        ok = "" if l == variants[0][0] else ("ok" if _worst(bufs, outs[l], outs[variants[0][0]]).get("ok") else "MISMATCH")
+        line.append(f"{l}={statistics.median(times[l]):.4f}{ok and ' '+ok}")
     print(f"{gv.name_hint:48s} " + "  ".join(line), flush=True)
