@@ -243,7 +243,7 @@ def run(
 
             save(False)
             alt = timed("alternatives", bench_latency.alternatives, cfg, profile, target.kind, exported,
-                        exported.buckets(profile), alternatives)
+                        exported.buckets(profile), alternatives, ws.package)
             for b, row in alt.items():
                 latency[b]["alternatives"] = row
     return save(True)
@@ -251,39 +251,39 @@ def run(
 
 def measure_before_after(cfg, profile, target, exported, opt, package, ws: Workspace, compare_untuned: bool | None) -> dict:
     """Latency of each bucket of the package; for the tuned buckets also of the
-    same module built from default schedules only (the 'before'): built when
-    `compare_untuned` is True, reused from this workdir when an earlier build
-    of the same optimized modules is there (True or None)."""
+    same module built from default schedules only (the 'before'), the two
+    timed in turns (runtime.latency_in_turns): built when `compare_untuned`
+    is True, reused from this workdir when an earlier build of the same
+    optimized modules is there (True or None)."""
     from . import runtime
 
-    out = {}
     pred = runtime.load(package.folder)
-    for b in pred.buckets:
-        out[b.label] = {"tuned": pred.latency(b)}
     # buckets with a record for some kernel: their own database's, or the kernel store's
     tuned_buckets = [b for b in pred.buckets if package.manifest["buckets"][b.label]["tuned_kernels"]]
-    if compare_untuned is False or not tuned_buckets:
-        return out
-    key = untuned_key(opt, target, profile, tuned_buckets)
-    key_file = ws.root / UNTUNED_KEY
-    cached = key_file.is_file() and json.loads(key_file.read_text()) == key \
-        and (ws.untuned / artifacts.MANIFEST).is_file()
-    if cached:
-        how = "cached"
-    elif compare_untuned:
-        key_file.unlink(missing_ok=True)
-        plain = dataclasses.replace(profile, buckets=tuple(sorted({b.batch for b in tuned_buckets})))
-        keys, _ = db_keys(cfg, plain, target, exported.inputs, DEFAULT_DB_ROOT, exported.dims)
-        build.run(plain, target, exported, opt, {}, keys, ws.untuned, cfg.model.name, only=set(tuned_buckets))
-        artifacts.write_json_atomic(key_file, key)
-        how = "built"
-    else:
-        for b in tuned_buckets:
-            out[b.label]["untuned"] = None  # not compared: no build of it here, none asked for
-        return out
-    upred = runtime.load(ws.untuned, warn_unvalidated=False)
-    for b in tuned_buckets:
-        out[b.label]["untuned"] = {**upred.latency(b), "build": how}
+    how = None
+    if compare_untuned is not False and tuned_buckets:
+        key = untuned_key(opt, target, profile, tuned_buckets)
+        key_file = ws.root / UNTUNED_KEY
+        if key_file.is_file() and json.loads(key_file.read_text()) == key \
+                and (ws.untuned / artifacts.MANIFEST).is_file():
+            how = "cached"
+        elif compare_untuned:
+            key_file.unlink(missing_ok=True)
+            plain = dataclasses.replace(profile, buckets=tuple(sorted({b.batch for b in tuned_buckets})))
+            keys, _ = db_keys(cfg, plain, target, exported.inputs, DEFAULT_DB_ROOT, exported.dims)
+            build.run(plain, target, exported, opt, {}, keys, ws.untuned, cfg.model.name, only=set(tuned_buckets))
+            artifacts.write_json_atomic(key_file, key)
+            how = "built"
+    upred = runtime.load(ws.untuned, warn_unvalidated=False) if how else None
+    out = {}
+    for b in pred.buckets:
+        if upred is not None and b in tuned_buckets:
+            tuned, untuned = runtime.latency_in_turns([pred.timer(b), upred.timer(b)])
+            out[b.label] = {"tuned": tuned, "untuned": {**untuned, "build": how}}
+        else:
+            out[b.label] = {"tuned": pred.latency(b)}
+            if b in tuned_buckets and compare_untuned is not False:
+                out[b.label]["untuned"] = None  # not compared: no build of it here, none asked for
     return out
 
 
@@ -300,12 +300,19 @@ def _own_spaces_note(own: dict) -> str:
 
 
 def _versus(name: str, alt: dict, tvm_ms: float) -> str:
+    """An alternative's line: its median and the package's speed-up over it,
+    against the package's median in the rounds they took turns in where
+    there is one (`package_ms`, said), else its latency."""
     if "error" in alt:
         return f"{name}: could not run here ({alt['error']})"
     ms = alt["median_ms"]
+    against = ""
+    if "package_ms" in alt:
+        tvm_ms = alt["package_ms"]
+        against = f" (the package {tvm_ms:.3f} ms in turns with it)"
     if ms >= tvm_ms:
-        return f"{name} {ms:.3f} ms on the same inputs: the package is {ms / tvm_ms:.2f}x faster"
-    return f"{name} {ms:.3f} ms on the same inputs: the package is {tvm_ms / ms:.2f}x slower"
+        return f"{name} {ms:.3f} ms on the same inputs{against}: the package is {ms / tvm_ms:.2f}x faster"
+    return f"{name} {ms:.3f} ms on the same inputs{against}: the package is {tvm_ms / ms:.2f}x slower"
 
 
 def untuned_key(opt, target: TargetInfo, profile: Profile, buckets) -> dict:

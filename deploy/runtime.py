@@ -15,9 +15,11 @@ while the last one runs.
 The package's manifest and the sha256 of every module are checked before any
 native code is loaded.
 
-Over ~500 lines (~650): the Predictor's stage, launch and collect steps
+Over ~500 lines (~740): the Predictor's stage, launch and collect steps
 share its per-bucket slots, buffers and lock, and are read together; the
-padding of a dimension (deploy.shapes) lives in those same steps."""
+padding of a dimension (deploy.shapes) lives in those same steps. Its
+timers (`Predictor.timer`, `latency_in_turns`) time a bucket's module as it
+holds it."""
 
 from __future__ import annotations
 
@@ -627,10 +629,10 @@ class Predictor:
         return random_inputs([(shape, s["dtype"], s.get("range")) for s, (shape, _) in zip(self.inputs, self.row_specs(dims))],
                              batch, seed)
 
-    def latency(self, bucket: Bucket | int, number: int | None = None, repeat: int | None = None,
-                seed: int = 0) -> dict:
-        """Device-synchronized latency of one bucket (TVM's time evaluator,
-        which synchronizes the device around each repeat). By default each
+    def timer(self, bucket: Bucket | int, number: int | None = None, seed: int = 0) -> "Timer":
+        """A bucket's module ready to time (warmed up, its inputs on the
+        device): each call of the Timer is one repeat of TVM's time
+        evaluator, which synchronizes the device around it. By default a
         repeat lasts ~0.1 s, so a slow CPU module does not take minutes."""
         import time
 
@@ -647,18 +649,48 @@ class Predictor:
         once = time.perf_counter() - t0
         if number is None:
             number = int(min(200, max(1, 0.1 / max(once, 1e-6))))
-        if repeat is None:
-            repeat = 10 if once < 0.05 else 3
-        r = vm.time_evaluator("main", self.device, number=number, repeat=repeat)(*args)
-        return {
-            "median_ms": r.median * 1e3,
-            "mean_ms": r.mean * 1e3,
-            "min_ms": r.min * 1e3,
-            "max_ms": r.max * 1e3,
-            "std_ms": r.std * 1e3,
-            "number": number,
-            "repeat": repeat,
-        }
+        return Timer(vm.time_evaluator("main", self.device, number=number, repeat=1), args, number,
+                     10 if once < 0.05 else 3)
+
+    def latency(self, bucket: Bucket | int, number: int | None = None, repeat: int | None = None,
+                seed: int = 0) -> dict:
+        """Device-synchronized latency of one bucket: `repeat` repeats of its
+        timer (10 for a module under 50 ms, else 3), their statistics."""
+        return latency_in_turns([self.timer(bucket, number, seed)], repeat)[0]
+
+
+@dataclass
+class Timer:
+    """One bucket's module, timed a repeat per call (Predictor.timer)."""
+
+    evaluator: object
+    args: list
+    number: int
+    repeat: int  # repeats for a latency, by default
+
+    def __call__(self) -> float:
+        """Seconds per run, the mean of `number` runs."""
+        return float(self.evaluator(*self.args).mean)
+
+
+def latency_in_turns(timers: list[Timer], repeat: int | None = None) -> list[dict]:
+    """Each timer's latency statistics over `repeat` repeats (by default the
+    most any of them asks for), the timers taking turns repeat by repeat, so
+    that two modules compared see the same machine: timed one after the
+    other, a 2-core VM whose speed moved by up to 2x within seconds made a
+    tuned package 0.74x its untuned copy in a run's summary, equal in turns
+    (results/cpu/2026-12-08/timed-in-turns/)."""
+    repeat = repeat or max(t.repeat for t in timers)
+    times: list[list[float]] = [[] for _ in timers]
+    for _ in range(repeat):
+        for t, got in zip(timers, times):
+            got.append(t())
+    out = []
+    for t, got in zip(timers, times):
+        a = np.asarray(got) * 1e3
+        out.append({"median_ms": float(np.median(a)), "mean_ms": float(a.mean()), "min_ms": float(a.min()),
+                    "max_ms": float(a.max()), "std_ms": float(a.std()), "number": t.number, "repeat": repeat})
+    return out
 
 
 def check_range(spec: dict, a: np.ndarray) -> None:

@@ -297,7 +297,8 @@ def test_the_users_alternatives_are_timed_beside_the_package(capsys, tmp_path):
     summary = json.loads((ws / "summary.json").read_text())
     alt = summary["latency"]["1"]["alternatives"]
     assert set(alt) == {"torch-eager", "onnxruntime-cpu"} and all(a["median_ms"] > 0 for a in alt.values())
-    assert "torch-eager " in out and "on the same inputs: the package is" in out
+    assert "torch-eager " in out and "in turns with it): the package is" in out
+    assert all(a["package_ms"] > 0 for a in alt.values())  # the package timed in the same rounds
     assert summary["finished"] is True
 
     # stopped while an alternative compiles (a device chunk at its time limit): the package's own
