@@ -176,6 +176,54 @@ def test_injective_layout_changes_pad_and_concat(llvm_target):
         _check(te.create_prim_func([*args, out]), llvm_target, InjectiveParallel)
 
 
+def _layout_change(shape, index_map):
+    """Relax's layout_transform as the frontend legalizes it: a block over
+    the input's domain, written through the index map."""
+    from deploy.tvm_compat import relax, tirx
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.layout_transform(x, index_map=index_map))
+        bb.emit_func_output(out)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    return next(f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc))
+
+
+def _writes_along_the_vector(sch) -> bool:
+    """Whether the kernel's one block's vectorized loop indexes its output's
+    last axis (its vector stores contiguous)."""
+    from deploy.passes.kernel_shape import vars_of
+    from deploy.tvm_compat import dlight
+
+    (block,) = sch.get_child_blocks(dlight.analysis.get_root_block(sch))
+    loops = sch.get_loops(block)
+    stmt, realize = sch.get(block), sch.get(loops[-1]).body
+    assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED
+    bound = dict(zip((iv.var for iv in stmt.iter_vars), realize.iter_values))
+    last = stmt.writes[0].region[-1].min
+    used = set().union(*(vars_of(bound[v]) for v in bound if v in vars_of(last)))
+    return sch.get(loops[-1]).loop_var in used
+
+
+@pytest.mark.parametrize("shape,index_map", [
+    ((1, 2, 6, 20, 16), lambda n, c, h, w, b: (n, c * 16 + b, h, w)),  # NCHW16c -> NCHW
+    ((1, 32, 6, 20), lambda n, c, h, w: (n, c // 16, h, w, c % 16)),  # NCHW -> NCHW16c: c split by 16
+    ((1, 16, 6, 20), lambda n, c, h, w: (n, c // 16, h, w, c % 16)),  # one block of 16: c itself
+])
+def test_layout_changes_write_whole_vectors(llvm_target, monkeypatch, shape, index_map):
+    """A layout change iterates over its input; its vector ran along the
+    input's last axis, so its stores scattered (NCHW16c to NCHW: 16 planes
+    apart). The loop along the output's last axis goes innermost instead, the
+    reads gathering: U-Net's layout changes 2-12x faster."""
+    func = _layout_change(shape, index_map)
+    sch = _check(func, llvm_target, InjectiveParallel)
+    assert _writes_along_the_vector(sch)
+    monkeypatch.setattr(cpu_default, "CONTIGUOUS_WRITES", False)
+    assert not _writes_along_the_vector(_check(func, llvm_target, InjectiveParallel))
+
+
 def test_injective_rule_leaves_reductions_alone(llvm_target):
     x = te.placeholder((4, 32), name="x")
     assert InjectiveParallel().apply(te.create_prim_func([x, topi.sum(x, axis=1)]), llvm_target.tvm_target()) is None
