@@ -428,8 +428,8 @@ def _contiguous_writes(sch, block, loops) -> bool:
     plane apart, and NCHW to NCHW16c (output axis `c % 16`, whose loop is
     split by 16 first) wrote each channel's row into 16-float strides, plane
     after plane. With the writes contiguous, the reads gather instead, from
-    lines the next iterations read too: U-Net's 10 layout changes 7.1 ->
-    1.5 ms a run, its package 0.93x (results/cpu/2026-12-08/contiguous-writes/).
+    lines the next iterations read too: U-Net's 10 layout changes 9.9 ->
+    2.0 ms a run, its package 0.93x (results/cpu/2026-12-08/contiguous-writes/).
     True where the loops changed."""
     from ..tvm_compat import tirx
 
