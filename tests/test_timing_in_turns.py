@@ -55,9 +55,12 @@ def test_the_kernel_check_times_the_record_and_the_default_in_turns(monkeypatch)
     def lib(name):
         f = timer(name, 1e-4)
 
-        def time_evaluator(fn, dev, number, repeat, min_repeat_ms):
-            assert (fn, number, repeat) == ("main", 1, 1)  # one repeat a call: the turns are ours
-            return lambda *args: SimpleNamespace(median=f())
+        def time_evaluator(fn, dev, number, repeat):
+            assert (fn, repeat) == ("main", 1)  # one repeat a call: the turns are ours
+            if number == 1:  # the probe that sizes a repeat (~TIMING_REPEAT_MS of calls)
+                return lambda *args: SimpleNamespace(mean=1e-4)
+            assert number == 200
+            return lambda *args: SimpleNamespace(mean=f())
 
         return SimpleNamespace(time_evaluator=time_evaluator)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import statistics
 from pathlib import Path
 
@@ -576,9 +577,13 @@ def _time_us_in_turns(libs, args, dev) -> list[float]:
     machine. One timed after the other, a 2-core VM whose speed moved by up
     to 2x within seconds judged kernels by when they ran
     (results/cpu/2026-12-08/timed-in-turns/)."""
-    timers = [lib.time_evaluator("main", dev, number=1, repeat=1, min_repeat_ms=TIMING_REPEAT_MS) for lib in libs]
+    timers = []
+    for lib, a in zip(libs, args):  # (calls a repeat fixed once: min_repeat_ms would search for it every repeat)
+        once = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*a).mean)
+        number = max(1, math.ceil(TIMING_REPEAT_MS / 1e3 / max(once, 1e-7)))
+        timers.append(lib.time_evaluator("main", dev, number=number, repeat=1))
     times: list[list[float]] = [[] for _ in libs]
     for _ in range(TIMING_REPEATS):
         for timer, a, t in zip(timers, args, times):
-            t.append(float(timer(*a).median))
+            t.append(float(timer(*a).mean))
     return [round(statistics.median(t) * 1e6, 3) for t in times]
