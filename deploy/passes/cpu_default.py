@@ -83,6 +83,7 @@ PAD_BLOCKED_MIN_K = 128  # ... and where each output sums at least this many pro
 WHOLE_BLOCKS = True  # blocks that divide their axis up to the accumulators' room, no mostly empty second block (`_plan`)
 VECTOR_EPILOGUE = True  # an epilogue left after the tiles runs on whole vectors where it can; False: left to LLVM
 POOLS = True  # max (and min) poolings tiled as contractions are; False: left to TVM's plain lowering
+WINDOW_PADDING = True  # a depthwise convolution reads its padding in place, as a pooling does (`_window_only`)
 CONTIGUOUS_WRITES = True  # an injective block's loop along its output's last axis innermost (`_contiguous_writes`)
 INLINE = True  # InjectiveParallel inlines each block read by one other block into it; False: every block at the root
 
@@ -189,9 +190,9 @@ class ContractionTiling:
         sch.vectorize(sch.get_loops(init)[-1])
         sch.vectorize(sch.get_loops(writeback)[-1])
 
-        pooling = len(block.reads) < 2
+        in_place = len(block.reads) < 2 or (WINDOW_PADDING and _window_only(block, main, n_s, v, extents))
         for p in producers:
-            if pooling:  # (a pooling's padding read in place: a copy of the input at the root ran 2-3x slower)
+            if in_place:  # (a pooling's padding read in place: a copy of the input at the root ran 2-3x slower)
                 try:
                     sch.compute_inline(p.block_rv)
                     continue
@@ -249,6 +250,24 @@ def _plan(sch, main, n_s: int, extents: list[int], bits: int):
     if blk2 == 1:
         b2 = None
     return v, vec, b, blk, b2, blk2
+
+
+def _window_only(block, main, n_s: int, v: int, extents: list[int]) -> bool:
+    """Whether a contraction sums over a small 2-D window alone (a depthwise
+    convolution: no input channels in its reduction) with its vector along
+    an axis the window does not slide on (NCHW16c's channels), so that its
+    padding, read in place under a predicate that is the same for a whole
+    vector, costs less than a padded copy of its input at the root:
+    MobileNetV2's 10 depthwise kernels 0.23-0.78x the time
+    (results/cpu/2026-12-08/window-padding/). A stem's 3 channels x 3 x 3
+    was 1.2x slower so, ConvNeXt's NCHW 7x7 depthwise (vectors along the
+    row it slides on) 4-7x."""
+    reduction = extents[n_s:]
+    if len(reduction) != 2 or math.prod(reduction) > 25:
+        return False
+    vector = main.iters[v].var
+    window = {it.var for it in main.iters[n_s:]}
+    return not any(vector in vars_of(rg.min) and window & vars_of(rg.min) for r in block.reads for rg in r.region)
 
 
 def _extremum(block) -> bool:
