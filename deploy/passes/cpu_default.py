@@ -422,7 +422,7 @@ def parallel_vectorized(sch, block, bits: int, whole: bool = False) -> bool:
     if not loops or any(e is None for e in extents):
         return False
     stmt = sch.get(block)
-    if CONTIGUOUS_WRITES and _contiguous_writes(sch, block, loops):
+    if CONTIGUOUS_WRITES and not whole and _contiguous_writes(sch, block, loops):  # (whole: nothing done if False)
         loops = sch.get_loops(block)
         extents = [static_int(sch.get(lp).extent) for lp in loops]
     dtype_bits = max(8, stmt.writes[0].source.dtype.bits) if stmt.writes else 32
