@@ -40,7 +40,6 @@ import hashlib
 import json
 import logging
 import math
-import statistics
 from pathlib import Path
 
 import numpy as np
@@ -572,18 +571,16 @@ def _time_us(lib, args, dev) -> float:
 
 def _time_us_in_turns(libs, args, dev) -> list[float]:
     """Each kernel's median microseconds of one call over TIMING_REPEATS
-    repeats, the kernels taking turns repeat by repeat (each repeat long
-    enough to time): the tuned kernel and its default schedule see the same
-    machine. One timed after the other, a 2-core VM whose speed moved by up
-    to 2x within seconds judged kernels by when they ran
-    (results/cpu/2026-12-08/timed-in-turns/)."""
+    repeats, the kernels taking turns repeat by repeat (runtime.latency_in_turns;
+    each repeat long enough to time): the tuned kernel and its default
+    schedule see the same machine. One timed after the other, a 2-core VM
+    whose speed moved by up to 2x within seconds judged kernels by when they
+    ran (results/cpu/2026-12-08/timed-in-turns/)."""
+    from ..runtime import Timer, latency_in_turns
+
     timers = []
     for lib, a in zip(libs, args):  # (calls a repeat fixed once: min_repeat_ms would search for it every repeat)
         once = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*a).mean)
         number = max(1, math.ceil(TIMING_REPEAT_MS / 1e3 / max(once, 1e-7)))
-        timers.append(lib.time_evaluator("main", dev, number=number, repeat=1))
-    times: list[list[float]] = [[] for _ in libs]
-    for _ in range(TIMING_REPEATS):
-        for timer, a, t in zip(timers, args, times):
-            t.append(float(timer(*a).mean))
-    return [round(statistics.median(t) * 1e6, 3) for t in times]
+        timers.append(Timer(lib.time_evaluator("main", dev, number=number, repeat=1), a, number, TIMING_REPEATS))
+    return [round(t["median_ms"] * 1e3, 3) for t in latency_in_turns(timers, TIMING_REPEATS)]
