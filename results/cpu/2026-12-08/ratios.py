@@ -1,3 +1,6 @@
+"""python results/cpu/2026-12-08/ratios.py OLD/corpus.md NEW/corpus.md: each validated model's TVM and ONNX Runtime
+p50 in two llvm corpus runs and their ratio, lowest last ratio first; then each run's median ratio, models within
+1.5x and models faster than ONNX Runtime."""
 import sys, statistics
 def load(p):
     rows=[l.split('|') for l in open(p) if l.startswith('| ') and 'validated' in l]
